@@ -1,0 +1,234 @@
+"""Study configuration: frozen dataclasses, validation with one-line errors, file and override loading.
+
+A configuration is a tree of frozen dataclasses. Its flat form uses dotted keys
+(``model.name``, ``train.epochs``), which is what ``--set key=value`` and config files use.
+Every problem is raised as :class:`UsageError` whose message names the problem and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class UsageError(ValueError):
+    """Bad input from the user: the message is one line naming the problem and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    name: str = "resnet8"
+    width: float = 1.0  # multiplier on every layer's channel count
+    dropout: float = 0.0  # rate of the dropout before the classifier (0 = none)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    name: str = "digits"
+    data_dir: str | None = None  # TFDS data directory (None = TFDS default)
+    augment: str = "auto"  # auto (on for CIFAR, off otherwise) | on | off
+    crop_padding: int = 0  # 0 = 4 pixels for 32x32 inputs, 1 for 8x8 ones
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    name: str = "sgd"  # sgd | adamw
+    lr: float = 0.05
+    momentum: float = 0.9  # sgd only
+    nesterov: bool = False  # sgd only
+    weight_decay: float = 5e-4
+    schedule: str = "cosine"  # constant | step | cosine
+    warmup_epochs: float = 1.0  # linear warm-up before cosine (cosine only)
+    step_every_epochs: float = 0.0  # step schedule: multiply by step_factor every N epochs (0 = at 50% and 75%)
+    step_factor: float = 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    epochs: int = 12
+    batch_size: int = 128
+    eval_batch_size: int = 500
+    unroll: int = 0  # training steps unrolled per scan iteration (0 = auto: see train.scan_unroll)
+
+
+@dataclasses.dataclass(frozen=True)
+class StudyConfig:
+    arms: tuple[str, ...] = ("control", "init", "data_order", "bitflip", "batch_order", "all")
+    replicas: int = 6
+    seed: int = 0
+    strategy: str = "auto"  # auto | vmap | sequential
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    optim: OptimConfig = OptimConfig()
+    train: TrainConfig = TrainConfig()
+    study: StudyConfig = StudyConfig()
+
+
+STRATEGIES = ("auto", "vmap", "sequential")
+OPTIMIZERS = ("sgd", "adamw")
+SCHEDULES = ("constant", "step", "cosine")
+AUGMENT = ("auto", "on", "off")
+
+
+def _sections() -> dict[str, type]:
+    return {f.name: type(getattr(Config(), f.name)) for f in dataclasses.fields(Config)}
+
+
+def valid_keys() -> list[str]:
+    """All dotted keys a config file or ``--set`` may use."""
+    return [f"{s}.{f.name}" for s, cls in _sections().items() for f in dataclasses.fields(cls)]
+
+
+def _coerce(key: str, value: Any, default: Any) -> Any:
+    """Convert ``value`` (possibly a string from the command line) to the type of ``default``."""
+    try:
+        if isinstance(default, bool):
+            if isinstance(value, str):
+                if value.lower() in ("1", "true", "yes", "on"):
+                    return True
+                if value.lower() in ("0", "false", "no", "off"):
+                    return False
+                raise ValueError
+            return bool(value)
+        if isinstance(default, int):
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        if isinstance(default, float):
+            return float(value)
+        if isinstance(default, tuple):
+            if isinstance(value, str):
+                return tuple(v.strip() for v in value.split(",") if v.strip())
+            return tuple(str(v) for v in value)
+        if default is None or isinstance(default, str):
+            if value is None or (isinstance(value, str) and value.lower() in ("", "none", "null")):
+                return None if default is None else value
+            return str(value)
+    except (TypeError, ValueError):
+        pass
+    raise UsageError(f"config key '{key}' got {value!r}, which is not a {type(default).__name__}; fix the value")
+
+
+def from_flat(flat: dict[str, Any], base: Config | None = None) -> Config:
+    """Build a validated Config from dotted keys applied on top of ``base`` (default: defaults)."""
+    base = base or Config()
+    keys = valid_keys()
+    updates: dict[str, dict[str, Any]] = {}
+    for key, value in flat.items():
+        if key not in keys:
+            close = [k for k in keys if k.split(".")[-1] == key.split(".")[-1]]
+            hint = f"did you mean '{close[0]}'?" if close else "see --help for the options or use one of: " + ", ".join(keys)
+            raise UsageError(f"unknown config key '{key}'; {hint}")
+        section, name = key.split(".")
+        default = getattr(getattr(base, section), name)
+        if default is None:  # Optional[str] fields
+            default = None
+        updates.setdefault(section, {})[name] = _coerce(key, value, default)
+    new = {s: dataclasses.replace(getattr(base, s), **u) for s, u in updates.items()}
+    config = dataclasses.replace(base, **new)
+    validate(config)
+    return config
+
+
+def load_file(path: str | Path) -> dict[str, Any]:
+    """Read a YAML or JSON config file into dotted keys (nested sections are flattened)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise UsageError(f"cannot read config file {path}: {e.strerror}; check the path") from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        raise UsageError(f"config file {path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: "
+                         f"{str(e).splitlines()[0]}; fix the file") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UsageError(f"config file {path} must hold a mapping of sections or dotted keys; fix the file")
+    flat: dict[str, Any] = {}
+    for k, v in data.items():
+        if isinstance(v, dict):
+            for k2, v2 in v.items():
+                flat[f"{k}.{k2}"] = v2
+        else:
+            flat[str(k)] = v
+    return flat
+
+
+def parse_overrides(items: list[str]) -> dict[str, str]:
+    """Parse ``key=value`` strings from ``--set``."""
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise UsageError(f"--set expects key=value, got '{item}'; write e.g. --set optim.lr=0.1")
+        k, v = item.split("=", 1)
+        out[k.strip()] = v.strip()
+    return out
+
+
+def to_dict(config: Config) -> dict[str, Any]:
+    """The nested plain-dict form written to ``config.json``."""
+    d = dataclasses.asdict(config)
+    d["study"]["arms"] = list(d["study"]["arms"])
+    return d
+
+
+def from_dict(d: dict[str, Any]) -> Config:
+    """Inverse of :func:`to_dict`."""
+    flat = {f"{s}.{k}": v for s, sec in d.items() for k, v in sec.items()}
+    return from_flat(flat)
+
+
+def validate(config: Config) -> None:
+    """Check values that do not depend on the data set; raise UsageError naming the fix."""
+    # Imported here: models and sources import nothing from config, config names their registries.
+    from nondet_jax import models, sources
+
+    m, d, o, t, s = config.model, config.data, config.optim, config.train, config.study
+    if m.name not in models.MODELS:
+        raise UsageError(f"unknown model '{m.name}'; choose one of: {', '.join(models.MODELS)}")
+    if m.width <= 0:
+        raise UsageError(f"model width must be > 0, got {m.width}; use e.g. --set model.width=1")
+    if not 0 <= m.dropout < 1:
+        raise UsageError(f"dropout rate must be in [0, 1), got {m.dropout}; fix --set model.dropout")
+    from nondet_jax.data import DATASETS
+
+    if d.name not in DATASETS:
+        raise UsageError(f"unknown dataset '{d.name}'; choose one of: {', '.join(DATASETS)}")
+    if d.augment not in AUGMENT:
+        raise UsageError(f"data.augment must be one of {', '.join(AUGMENT)}, got '{d.augment}'")
+    if d.crop_padding < 0:
+        raise UsageError(f"data.crop_padding must be >= 0, got {d.crop_padding}")
+    if o.name not in OPTIMIZERS:
+        raise UsageError(f"unknown optimizer '{o.name}'; choose one of: {', '.join(OPTIMIZERS)}")
+    if o.schedule not in SCHEDULES:
+        raise UsageError(f"unknown schedule '{o.schedule}'; choose one of: {', '.join(SCHEDULES)}")
+    if o.lr <= 0:
+        raise UsageError(f"learning rate must be > 0, got {o.lr}; use e.g. --lr 0.05")
+    if o.weight_decay < 0 or o.warmup_epochs < 0 or o.step_every_epochs < 0:
+        raise UsageError("weight_decay, warmup_epochs and step_every_epochs must be >= 0; fix the value")
+    if t.epochs < 1:
+        raise UsageError(f"epochs must be >= 1, got {t.epochs}; use e.g. --epochs 10")
+    if t.unroll < 0:
+        raise UsageError(f"train.unroll must be >= 0 (0 = auto), got {t.unroll}")
+    if t.batch_size < 1 or t.eval_batch_size < 1:
+        raise UsageError(f"batch sizes must be >= 1, got {t.batch_size}; use e.g. --batch-size 128")
+    if s.replicas < 1:
+        raise UsageError(f"replicas must be >= 1, got {s.replicas}; use e.g. --replicas 8")
+    if s.strategy not in STRATEGIES:
+        raise UsageError(f"unknown strategy '{s.strategy}'; choose one of: {', '.join(STRATEGIES)}")
+    if not s.arms:
+        raise UsageError("no arms given; use e.g. --arms control,init,all")
+    if len(set(s.arms)) != len(s.arms):
+        raise UsageError(f"arm listed twice in {','.join(s.arms)}; list each arm once")
+    for arm in s.arms:
+        sources.arm_sources(arm)  # raises UsageError for unknown names

@@ -1,0 +1,76 @@
+"""CIFAR-style ResNets: ResNet-(6n+2) with widths 16/32/64 (He et al. 2016, as in Summers &
+Dinneen 2021) and ResNet-18 with a CIFAR stem (3x3 conv, no max-pool).
+
+BatchNorm uses ``axis_name=None``: statistics are per replica, never synchronised across the
+replica axis. Inputs of any size >= 1 pixel per side work (8x8 digits included): the stages
+halve the resolution with stride-2 convolutions (SAME padding) and a global average pool ends it.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Sequence
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from nondet_jax.models.common import Head
+
+# He (fan_out) init for convolutions, as torchvision's ResNets.
+conv_init = nn.initializers.variance_scaling(2.0, "fan_out", "normal")
+
+
+class BasicBlock(nn.Module):
+    features: int
+    stride: int = 1
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        conv = partial(nn.Conv, use_bias=False, kernel_init=conv_init)
+        norm = partial(nn.BatchNorm, use_running_average=not train, momentum=0.9, epsilon=1e-5)
+        y = conv(self.features, (3, 3), strides=self.stride)(x)
+        y = nn.relu(norm()(y))
+        y = conv(self.features, (3, 3))(y)
+        y = norm()(y)
+        if self.stride != 1 or x.shape[-1] != self.features:
+            x = conv(self.features, (1, 1), strides=self.stride, name="shortcut_conv")(x)
+            x = norm(name="shortcut_bn")(x)
+        return nn.relu(x + y)
+
+
+class ResNet(nn.Module):
+    """Stem conv, stages of BasicBlocks, global average pool, head."""
+
+    stage_sizes: Sequence[int]
+    stage_widths: Sequence[int]
+    stem_width: int
+    num_classes: int
+    width: float = 1.0
+    dropout: float = 0.0
+
+    @nn.compact
+    def __call__(self, x, train: bool = False, dropout_keys=None, return_features: bool = False):
+        w = lambda c: max(1, int(round(c * self.width)))  # noqa: E731
+        x = nn.Conv(w(self.stem_width), (3, 3), use_bias=False, kernel_init=conv_init, name="stem_conv")(x)
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5, name="stem_bn")(x)
+        x = nn.relu(x)
+        for i, (n, c) in enumerate(zip(self.stage_sizes, self.stage_widths)):
+            for j in range(n):
+                stride = 2 if (i > 0 and j == 0) else 1
+                x = BasicBlock(w(c), stride, name=f"stage{i + 1}_block{j + 1}")(x, train)
+        features = jnp.mean(x, axis=(1, 2))
+        logits, features = Head(self.num_classes, self.dropout, name="head")(features, train, dropout_keys)
+        return (logits, features) if return_features else logits
+
+
+def cifar_resnet(depth: int, num_classes: int, width: float = 1.0, dropout: float = 0.0) -> ResNet:
+    """ResNet-depth for depth = 6n + 2 (8, 14, 20, 32, 56, ...): 3 stages of n blocks, 16/32/64."""
+    if (depth - 2) % 6 or depth < 8:
+        raise ValueError(f"CIFAR ResNet depth must be 6n+2 with n >= 1, got {depth}")
+    n = (depth - 2) // 6
+    return ResNet((n, n, n), (16, 32, 64), 16, num_classes, width, dropout)
+
+
+def resnet18(num_classes: int, width: float = 1.0, dropout: float = 0.0) -> ResNet:
+    """ResNet-18 with a CIFAR stem: 4 stages of 2 blocks, 64/128/256/512."""
+    return ResNet((2, 2, 2, 2), (64, 128, 256, 512), 64, num_classes, width, dropout)

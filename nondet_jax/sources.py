@@ -1,0 +1,149 @@
+"""The named randomness sources and the one key-derivation rule (DESIGN.md §3).
+
+Every PRNG key in nondet_jax is made here::
+
+    root            = jax.random.key(study_seed)
+    stream(source)  = fold_in(root, SOURCE_ID[source])
+    key(source, r)  = fold_in(stream(source), r + 1)   if the arm varies the source
+                      fold_in(stream(source), 0)       otherwise (shared by every replica)
+    per epoch/step  : fold_in(key(source, r), epoch or step)
+
+Two kinds of source:
+
+* *draw* sources (``init``, ``data_order``, ``augmentation``, ``dropout``) always draw from their
+  key; frozen, every replica draws the same.
+* *perturbation* sources (``bitflip``, ``batch_order``) change an otherwise fixed computation;
+  frozen they are the identity (no weight nudged, minibatches in their natural order), so an arm
+  that varies neither trains exactly the unperturbed model.
+
+``hardware`` (the backend's own nondeterminism) is declared but not implemented yet.
+
+Example::
+
+    keys = arm_keys(seed=0, varied=arm_sources("init"), replicas=4)
+    keys.init.shape  # (4,): one init key per replica; keys.data_order holds 4 copies of one key
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import traverse_util
+
+from nondet_jax.config import UsageError
+
+# Stable small integers: never reorder or reuse, or every stored study changes meaning.
+SOURCE_ID = {
+    "init": 1,
+    "data_order": 2,
+    "augmentation": 3,
+    "dropout": 4,
+    "bitflip": 5,
+    "batch_order": 6,
+    "hardware": 7,
+}
+SOURCES = tuple(SOURCE_ID)
+IMPLEMENTED = ("init", "data_order", "augmentation", "dropout", "bitflip", "batch_order")
+PERTURBATIONS = ("bitflip", "batch_order")
+
+
+class ReplicaKeys(NamedTuple):
+    """One typed key per implemented source; a leading replica axis when made by :func:`arm_keys`."""
+
+    init: jax.Array
+    data_order: jax.Array
+    augmentation: jax.Array
+    dropout: jax.Array
+    bitflip: jax.Array
+    batch_order: jax.Array
+
+
+class Perturbations(NamedTuple):
+    """Whether each perturbation source is on: boolean scalars, passed at call time so one
+    compiled program serves every arm."""
+
+    bitflip: jax.Array
+    batch_order: jax.Array
+
+
+def perturbations(varied: frozenset[str]) -> Perturbations:
+    """The perturbation switches of an arm that varies ``varied``."""
+    return Perturbations(*(jnp.asarray(s in varied) for s in PERTURBATIONS))
+
+
+def arm_sources(arm: str) -> frozenset[str]:
+    """The sources an arm varies.
+
+    ``control`` varies nothing, ``all`` every implemented source, a source name only that source,
+    and ``a+b`` the union of its parts.
+    """
+    if arm == "control":
+        return frozenset()
+    if arm == "all":
+        return frozenset(IMPLEMENTED)
+    parts = arm.split("+")
+    for p in parts:
+        if p == "hardware":
+            raise UsageError("source 'hardware' is declared but not implemented yet; "
+                             f"use one of: control, all, {', '.join(IMPLEMENTED)}")
+        if p not in IMPLEMENTED:
+            raise UsageError(f"unknown arm or source '{p}'; use control, all, one of "
+                             f"{', '.join(IMPLEMENTED)}, or a '+'-joined combination")
+    return frozenset(parts)
+
+
+def stream(seed: int, source: str) -> jax.Array:
+    """The key stream of one source: ``fold_in(key(seed), SOURCE_ID[source])``."""
+    return jax.random.fold_in(jax.random.key(seed), SOURCE_ID[source])
+
+
+def replica_key(seed: int, source: str, replica: int, varies: bool) -> jax.Array:
+    """Key of ``source`` for ``replica`` (0-based); shared by all replicas when not ``varies``."""
+    return jax.random.fold_in(stream(seed, source), replica + 1 if varies else 0)
+
+
+def arm_keys(seed: int, varied: frozenset[str], replicas: int) -> ReplicaKeys:
+    """Keys of every implemented source for replicas 0..R-1 of an arm, each with leading axis R."""
+    idx = jnp.arange(replicas, dtype=jnp.uint32)
+    keys = {}
+    for source in IMPLEMENTED:
+        r = idx + 1 if source in varied else jnp.zeros_like(idx)
+        keys[source] = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(stream(seed, source), r)
+    return ReplicaKeys(**keys)
+
+
+def replica_slice(keys: ReplicaKeys, r: int) -> ReplicaKeys:
+    """Keys of replica ``r`` from keys with a leading replica axis."""
+    return jax.tree.map(lambda k: k[r], keys)
+
+
+def bitflip(params, key: jax.Array):
+    """Move one weight of ``params`` by exactly one ulp.
+
+    The weight is drawn uniformly over the scalars of all ``kernel`` tensors (biases and
+    BatchNorm parameters start at 0 or 1, where a one-ulp step is a subnormal that XLA:CPU flushes
+    to zero); the direction (toward +inf or -inf) is a fair coin. Both come from ``key``.
+    Returns the new params (same structure and dtypes).
+    """
+    flat = traverse_util.flatten_dict(params)
+    names = sorted(k for k in flat if k[-1] == "kernel")
+    if not names:
+        raise ValueError("bitflip needs at least one 'kernel' parameter")
+    sizes = [flat[n].size for n in names]
+    k_idx, k_dir = jax.random.split(key)
+    flat_index = jax.random.randint(k_idx, (), 0, sum(sizes))
+    up = jax.random.bernoulli(k_dir)
+    start = 0
+    for name, size in zip(names, sizes):
+        w = flat[name]
+        local = flat_index - start
+        start += size
+        hit = (local >= 0) & (local < w.size)
+        v = w.reshape(-1)
+        j = jnp.clip(local, 0, w.size - 1)
+        target = jnp.where(up, jnp.inf, -jnp.inf).astype(w.dtype)
+        moved = jnp.nextafter(v[j], target)
+        flat[name] = v.at[j].set(jnp.where(hit, moved, v[j])).reshape(w.shape)
+    return traverse_util.unflatten_dict(flat)

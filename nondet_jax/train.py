@@ -1,0 +1,182 @@
+"""Single-replica training as pure functions (the replica axis is added only by ``replicas``).
+
+``make_train`` closes over the static configuration and returns:
+
+* ``init(keys, perturb, x_sample) -> TrainState``: initial weights from the ``init`` key, then
+  the ``bitflip`` perturbation when the arm varies it;
+* ``train_epoch(state, x, y, keys, perturb, epoch) -> (state, metrics)``: one epoch as one ``lax.scan``;
+  ``metrics`` holds per-step training loss and accuracy;
+* ``evaluate(state, x) -> (logits, features)``: test logits and penultimate features, in chunks.
+
+Example::
+
+    fns = make_train(Config(), DataSpec(1437, (8, 8, 1), 10))
+    varied = arm_sources("init")
+    keys, perturb = replica_slice(arm_keys(0, varied, 4), 0), perturbations(varied)
+    state = fns.init(keys, perturb, x_train[:1])
+    state, metrics = jax.jit(fns.train_epoch)(state, x_train, y_train, keys, perturb, 0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from nondet_jax.config import Config, OptimConfig, StudyConfig
+from nondet_jax.data import AUGMENT_BY_DEFAULT
+from nondet_jax.data.pipeline import augment, batch_permutation, default_crop_padding, epoch_indices
+from nondet_jax.models import make_model
+from nondet_jax.sources import Perturbations, ReplicaKeys, bitflip
+
+# XLA:CPU runs convolutions inside a while-loop body on a much slower path than straight-line
+# code (jax#12868): a ResNet-8 digits epoch of 11 steps took 1.6-2.0 s as a rolled scan and
+# 0.27-0.30 s fully unrolled (compile 4.6 s vs 14.7 s). So on CPU short epochs are unrolled.
+CPU_UNROLL_MAX_STEPS = 16
+
+
+class DataSpec(NamedTuple):
+    """What the training functions need to know about the data, statically."""
+
+    n_train: int
+    image_shape: tuple[int, int, int]
+    num_classes: int
+    name: str = "digits"
+
+
+class TrainState(NamedTuple):
+    params: Any
+    batch_stats: Any
+    opt_state: Any
+
+
+class TrainFns(NamedTuple):
+    init: Callable
+    train_epoch: Callable
+    evaluate: Callable
+    steps_per_epoch: int
+    unroll: int
+
+
+def make_schedule(o: OptimConfig, epochs: int, steps_per_epoch: int) -> optax.Schedule:
+    """The learning-rate schedule over ``epochs * steps_per_epoch`` steps."""
+    total = epochs * steps_per_epoch
+    if o.schedule == "constant":
+        return optax.constant_schedule(o.lr)
+    if o.schedule == "step":
+        if o.step_every_epochs > 0:
+            return optax.exponential_decay(o.lr, max(1, round(o.step_every_epochs * steps_per_epoch)),
+                                           o.step_factor, staircase=True)
+        return optax.piecewise_constant_schedule(o.lr, {int(0.5 * total): o.step_factor,
+                                                        int(0.75 * total): o.step_factor})
+    warmup = min(round(o.warmup_epochs * steps_per_epoch), total - 1)
+    return optax.warmup_cosine_decay_schedule(0.0, o.lr, warmup, total, end_value=0.0)
+
+
+def make_optimizer(o: OptimConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
+    """SGD (momentum, Nesterov; L2 weight decay added to the gradient, as PyTorch) or AdamW."""
+    if o.name == "adamw":
+        return optax.adamw(schedule, weight_decay=o.weight_decay)
+    return optax.chain(optax.add_decayed_weights(o.weight_decay),
+                       optax.sgd(schedule, momentum=o.momentum or None, nesterov=o.nesterov))
+
+
+def augmentation_settings(config: Config, spec: DataSpec) -> tuple[bool, int]:
+    """(augment?, crop padding) after resolving ``auto``."""
+    d = config.data
+    on = d.augment == "on" or (d.augment == "auto" and spec.name in AUGMENT_BY_DEFAULT)
+    return on, d.crop_padding or default_crop_padding(spec.image_shape[0])
+
+
+def scan_unroll(setting: int, steps: int, backend: str | None = None) -> int:
+    """Steps unrolled per scan iteration: ``setting`` if > 0, else all steps on CPU for short
+    epochs (see CPU_UNROLL_MAX_STEPS) and 1 elsewhere."""
+    if setting > 0:
+        return min(setting, steps)
+    backend = backend or jax.default_backend()
+    return steps if backend == "cpu" and steps <= CPU_UNROLL_MAX_STEPS else 1
+
+
+def make_train(config: Config, spec: DataSpec) -> TrainFns:
+    """Pure single-replica init / train-epoch / evaluate functions.
+
+    The arm enters only through the keys and :class:`Perturbations` passed at call time, so one
+    compiled program serves every arm of a study (the study section of ``config`` is ignored).
+    """
+    return _make_train(dataclasses.replace(config, study=StudyConfig()), spec)
+
+
+@functools.lru_cache(maxsize=16)
+def _make_train(config: Config, spec: DataSpec) -> TrainFns:
+    model = make_model(config.model.name, spec.num_classes, config.model.width, config.model.dropout)
+    b = config.train.batch_size
+    steps = spec.n_train // b
+    if steps < 1:
+        raise ValueError(f"batch size {b} exceeds the {spec.n_train} training examples")
+    tx = make_optimizer(config.optim, make_schedule(config.optim, config.train.epochs, steps))
+    do_augment, padding = augmentation_settings(config, spec)
+    use_dropout = config.model.dropout > 0
+    unroll = scan_unroll(config.train.unroll, steps)
+
+    def variables(state_or_params, batch_stats):
+        v = {"params": state_or_params}
+        if batch_stats:
+            v["batch_stats"] = batch_stats
+        return v
+
+    def init(keys: ReplicaKeys, perturb: Perturbations, x_sample: jax.Array) -> TrainState:
+        v = model.init(keys.init, x_sample[:1], train=False)
+        flipped = bitflip(v["params"], keys.bitflip)
+        params = jax.tree.map(lambda a, b: jnp.where(perturb.bitflip, a, b), flipped, v["params"])
+        return TrainState(params, v.get("batch_stats", {}), tx.init(params))
+
+    def loss_fn(params, batch_stats, x, y, dropout_keys):
+        logits, updates = model.apply(variables(params, batch_stats), x, train=True,
+                                      dropout_keys=dropout_keys, mutable=["batch_stats"])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        return loss, (logits, updates.get("batch_stats", {}))
+
+    def train_epoch(state: TrainState, x_train, y_train, keys: ReplicaKeys, perturb: Perturbations, epoch):
+        idx = epoch_indices(keys.data_order, epoch, spec.n_train, b)
+
+        def step(state: TrainState, inputs):
+            i, batch_idx = inputs
+            g = epoch * steps + i  # global step: the per-step key index
+            x, y = x_train[batch_idx], y_train[batch_idx]
+            if do_augment:
+                x = augment(x, jax.random.fold_in(keys.augmentation, g), padding)
+            dkeys = None
+            if use_dropout:
+                dkeys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(
+                    jax.random.fold_in(keys.dropout, g), jnp.arange(b))
+            # Off, the identity gather: bitwise the natural order, and no recompile per arm.
+            p = jnp.where(perturb.batch_order, batch_permutation(keys.batch_order, g, b), jnp.arange(b))
+            x, y = x[p], y[p]
+            dkeys = None if dkeys is None else dkeys[p]
+            (loss, (logits, bs)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+                state.params, state.batch_stats, x, y, dkeys)
+            updates, opt_state = tx.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
+            acc = jnp.mean(jnp.argmax(logits, -1) == y)
+            return TrainState(params, bs, opt_state), (loss, acc)
+
+        state, (losses, accs) = jax.lax.scan(step, state, (jnp.arange(steps), idx), unroll=unroll)
+        return state, {"loss": losses, "accuracy": accs}
+
+    eval_b = config.train.eval_batch_size
+
+    def evaluate(state: TrainState, x):
+        n = x.shape[0]
+        chunk = min(eval_b, n)
+        nb = -(-n // chunk)
+        xp = jnp.pad(x, ((0, nb * chunk - n),) + ((0, 0),) * (x.ndim - 1)).reshape((nb, chunk) + x.shape[1:])
+        f = lambda xb: model.apply(variables(state.params, state.batch_stats), xb, train=False,  # noqa: E731
+                                   return_features=True)
+        logits, feats = jax.lax.map(f, xp)
+        return logits.reshape((nb * chunk,) + logits.shape[2:])[:n], feats.reshape((nb * chunk,) + feats.shape[2:])[:n]
+
+    return TrainFns(init, train_epoch, evaluate, steps, unroll)
