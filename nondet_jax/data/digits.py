@@ -2,7 +2,7 @@
 
 Ships inside scikit-learn, so nothing is downloaded. The split is fixed and stratified:
 ``train_test_split(test_size=360, stratify=y, random_state=0)`` gives 1,437 training and 360 test
-images (36 per class in the test set). Pixels (0..16) are standardised with the training mean/std.
+images (35-37 per class in the test set, as the classes are 174-183 strong). Pixels (0..16) are standardised with the training mean/std.
 """
 
 from __future__ import annotations

@@ -1,0 +1,70 @@
+"""Model shapes, depths, width multiplier and per-example dropout."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import traverse_util
+
+from nondet_jax.models import MODELS, make_model
+from nondet_jax.models.common import example_dropout
+
+
+def n_convs(params) -> int:
+    return sum(1 for k in traverse_util.flatten_dict(params) if k[-1] == "kernel" and "conv" in "/".join(k).lower()
+               and "shortcut" not in "/".join(k))
+
+
+@pytest.mark.parametrize("name,depth", [("resnet8", 8), ("resnet14", 14), ("resnet20", 20), ("resnet18", 18)])
+def test_resnet_depth_counts_weighted_layers(name, depth):
+    v = jax.eval_shape(lambda: make_model(name, 10).init(jax.random.key(0), jnp.zeros((1, 8, 8, 1))))
+    # depth = convolutions on the main path + the classifier
+    assert n_convs(v["params"]) + 1 == depth
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("shape", [(8, 8, 1), (32, 32, 3)])
+def test_models_map_images_to_logits_and_features(name, shape):
+    if name in ("resnet56", "resnet18") and shape[0] == 32:
+        pytest.skip("large model at 32x32: covered at 8x8")
+    model = make_model(name, 10)
+    x = jnp.ones((2,) + shape)
+    v = model.init(jax.random.key(0), x, train=False)
+    logits, feats = model.apply(v, x, train=False, return_features=True)
+    assert logits.shape == (2, 10) and feats.ndim == 2 and logits.dtype == jnp.float32
+
+
+def test_width_multiplier_scales_channels():
+    v1 = jax.eval_shape(lambda: make_model("resnet8", 10).init(jax.random.key(0), jnp.zeros((1, 8, 8, 1))))
+    v2 = jax.eval_shape(lambda: make_model("resnet8", 10, width=2).init(jax.random.key(0), jnp.zeros((1, 8, 8, 1))))
+    assert v1["params"]["stem_conv"]["kernel"].shape[-1] == 16
+    assert v2["params"]["stem_conv"]["kernel"].shape[-1] == 32
+    assert v2["params"]["head"]["classifier"]["kernel"].shape[0] == 128
+
+
+def test_batchnorm_state_is_per_model_and_updates_in_training():
+    model = make_model("resnet8", 10)
+    x = jax.random.normal(jax.random.key(1), (4, 8, 8, 1))
+    v = model.init(jax.random.key(0), x, train=False)
+    _, upd = model.apply(v, x, train=True, mutable=["batch_stats"])
+    before = jax.tree.leaves(v["batch_stats"])
+    after = jax.tree.leaves(upd["batch_stats"])
+    assert any(not np.array_equal(a, b) for a, b in zip(before, after))
+
+
+def test_example_dropout_masks_follow_their_keys():
+    keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(jax.random.key(0), jnp.arange(6))
+    x = jnp.ones((6, 50))
+    out = example_dropout(x, keys, 0.5)
+    perm = jnp.array([3, 1, 5, 0, 2, 4])
+    out_perm = example_dropout(x[perm], keys[perm], 0.5)
+    assert np.array_equal(np.asarray(out)[np.asarray(perm)], np.asarray(out_perm))
+    assert set(np.unique(np.asarray(out))) <= {0.0, 2.0}
+
+
+def test_dropout_head_needs_keys_in_training():
+    model = make_model("mlp", 10, dropout=0.3)
+    x = jnp.ones((2, 8, 8, 1))
+    v = model.init(jax.random.key(0), x)
+    with pytest.raises(ValueError, match="dropout_keys"):
+        model.apply(v, x, train=True)

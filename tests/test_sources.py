@@ -1,0 +1,93 @@
+"""The key rule of DESIGN.md §3 and the perturbation sources."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nondet_jax import sources
+from nondet_jax.config import UsageError
+from nondet_jax.models import make_model
+from nondet_jax.sources import arm_keys, arm_sources, bitflip, replica_key, replica_slice, stream
+
+
+def key_data(k):
+    return np.asarray(jax.random.key_data(k))
+
+
+def test_source_ids_are_stable():
+    # Reordering or renumbering would silently change every stored study.
+    assert sources.SOURCE_ID == {"init": 1, "data_order": 2, "augmentation": 3, "dropout": 4, "bitflip": 5,
+                                 "batch_order": 6, "hardware": 7}
+
+
+def test_key_rule_matches_design():
+    root = jax.random.key(7)
+    s = jax.random.fold_in(root, sources.SOURCE_ID["data_order"])
+    assert np.array_equal(key_data(stream(7, "data_order")), key_data(s))
+    assert np.array_equal(key_data(replica_key(7, "data_order", 2, True)), key_data(jax.random.fold_in(s, 3)))
+    assert np.array_equal(key_data(replica_key(7, "data_order", 2, False)), key_data(jax.random.fold_in(s, 0)))
+    keys = arm_keys(7, frozenset({"data_order"}), 4)
+    for r in range(4):
+        assert np.array_equal(key_data(keys.data_order[r]), key_data(replica_key(7, "data_order", r, True)))
+        assert np.array_equal(key_data(keys.init[r]), key_data(replica_key(7, "init", r, False)))
+
+
+def test_varied_keys_differ_frozen_keys_shared():
+    keys = arm_keys(0, arm_sources("init"), 5)
+    init = key_data(keys.init)
+    assert len({tuple(k) for k in init}) == 5
+    for source in ("data_order", "augmentation", "dropout", "bitflip", "batch_order"):
+        k = key_data(getattr(keys, source))
+        assert all(np.array_equal(k[0], k[r]) for r in range(5)), source
+
+
+def test_freezing_one_source_changes_no_other():
+    all_keys = arm_keys(3, arm_sources("all"), 4)
+    no_init = arm_keys(3, arm_sources("all") - {"init"}, 4)
+    for source in sources.IMPLEMENTED:
+        same = np.array_equal(key_data(getattr(all_keys, source)), key_data(getattr(no_init, source)))
+        assert same == (source != "init"), source
+
+
+def test_replica_keys_do_not_depend_on_replica_count():
+    k4, k9 = arm_keys(1, arm_sources("all"), 4), arm_keys(1, arm_sources("all"), 9)
+    for r in range(4):
+        assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(key_data(a), key_data(b)),
+                                         replica_slice(k4, r), replica_slice(k9, r)))
+
+
+def test_arm_names():
+    assert arm_sources("control") == frozenset()
+    assert arm_sources("all") == frozenset(sources.IMPLEMENTED)
+    assert arm_sources("init+dropout") == frozenset({"init", "dropout"})
+    with pytest.raises(UsageError, match="unknown arm or source 'nosuch'"):
+        arm_sources("nosuch")
+    with pytest.raises(UsageError, match="hardware"):
+        arm_sources("hardware")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_bitflip_moves_exactly_one_scalar_by_one_ulp(seed):
+    model = make_model("resnet8", 10)
+    params = model.init(jax.random.key(0), jnp.zeros((1, 8, 8, 1)))["params"]
+    flipped = jax.jit(bitflip)(params, jax.random.key(seed))
+    a = np.concatenate([np.asarray(x).ravel() for x in jax.tree.leaves(params)])
+    b = np.concatenate([np.asarray(x).ravel() for x in jax.tree.leaves(flipped)])
+    assert a.dtype == b.dtype == np.float32
+    diff = np.flatnonzero(a != b)
+    assert diff.size == 1
+    i = diff[0]
+    assert b[i] in (np.nextafter(a[i], np.float32(np.inf)), np.nextafter(a[i], np.float32(-np.inf)))
+    assert abs(int(a.view(np.int32)[i]) - int(b.view(np.int32)[i])) == 1  # one ulp: adjacent bit patterns
+
+
+def test_bitflip_draws_differ_by_key():
+    model = make_model("mlp", 10)
+    params = model.init(jax.random.key(0), jnp.zeros((1, 8, 8, 1)))["params"]
+    where = set()
+    for seed in range(8):
+        flipped = bitflip(params, jax.random.key(seed))
+        flat = jax.tree.leaves(jax.tree.map(lambda x, y: np.flatnonzero(np.asarray(x) != np.asarray(y)), params, flipped))
+        where.add(tuple(tuple(f) for f in flat))
+    assert len(where) > 1

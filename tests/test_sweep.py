@@ -1,0 +1,158 @@
+"""The sweep CLI end to end: the run folder, resume, determinism, and bad input (exit 2, nothing damaged)."""
+
+import csv
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nondet_jax import sweep
+from nondet_jax.config import UsageError, from_flat
+from nondet_jax.store import RunStore
+
+FAST = ["--model", "mlp", "--epochs", "1", "--replicas", "2", "--batch-size", "128", "--no-progress"]
+ENV = {**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1", "JAX_PLATFORMS": "cpu"}
+
+
+def cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "nondet_jax.sweep", *args], capture_output=True, text=True,
+                          env=ENV, cwd=cwd, timeout=600)
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != ".lock"}
+
+
+def quiet(*_a, **_k):
+    pass
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("study") / "run"
+    proc = cli(*FAST, "--arms", "control,init", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    return out, proc
+
+
+def test_cli_writes_the_run_folder(run_dir):
+    out, proc = run_dir
+    assert "control" in proc.stdout and "test accuracy" in proc.stdout
+    for name in ("config.json", "environment.json", "replicas.csv", "summary.json"):
+        assert (out / name).is_file(), name
+    logits = np.load(out / "logits" / "init.npy")
+    assert logits.shape == (2, 360, 10) and logits.dtype == np.float32
+    rows = list(csv.DictReader((out / "replicas.csv").open()))
+    assert [(r["arm"], r["replica"]) for r in rows] == [("control", "0"), ("control", "1"), ("init", "0"), ("init", "1")]
+    env = json.loads((out / "environment.json").read_text())
+    for key in ("jax_threefry_partitionable", "prng_impl", "backend", "device_kind", "xla_flags", "strategy", "versions"):
+        assert key in env, key
+    assert env["strategy"]["chosen"] == "sequential"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["arms"]["control"]["replicas_bitwise_identical"] is True
+    assert summary["arms"]["init"]["replicas_bitwise_identical"] is False
+    config = json.loads((out / "config.json").read_text())
+    assert config["model"]["name"] == "mlp" and config["study"]["arms"] == ["control", "init"]
+
+
+def test_rerun_reuses_finished_arms_and_adds_new_ones(run_dir):
+    out, _ = run_dir
+    before = snapshot(out)
+    proc = cli(*FAST, "--arms", "control,init", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "already finished" in proc.stdout
+    after = snapshot(out)
+    for name in before:
+        if name.startswith(("logits/", "weights/", "arms/", "features/", "history/")):
+            assert before[name] == after[name], name
+    proc = cli(*FAST, "--arms", "data_order", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    rows = list(csv.DictReader((out / "replicas.csv").open()))
+    assert {r["arm"] for r in rows} == {"control", "init", "data_order"}
+    assert snapshot(out)["logits/init.npy"] == before["logits/init.npy"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--arms", "control,nosuch"], "unknown arm or source 'nosuch'"),
+    (["--arms", "hardware"], "hardware"),
+    (["--model", "resnet99"], "unknown model 'resnet99'"),
+    (["--dataset", "imagenet"], "unknown dataset 'imagenet'"),
+    (["--batch-size", "5000"], "batch size 5000 is larger than the 1437 training examples"),
+    (["--replicas", "0"], "replicas must be >= 1"),
+    (["--set", "train.epoch=3"], "unknown config key 'train.epoch'"),
+    (["--strategy", "fast"], "unknown strategy 'fast'"),
+    (["--epochs", "two"], "invalid int value"),
+])
+def test_bad_input_exits_2_with_one_line(tmp_path, args, message):
+    out = tmp_path / "run"
+    proc = cli(*FAST, "--out", str(out), *args)
+    assert proc.returncode == 2
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and "Location" not in ln]
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert not out.exists()
+
+
+def test_folder_of_a_different_config_is_refused_untouched(run_dir):
+    out, _ = run_dir
+    before = snapshot(out)
+    proc = cli(*FAST, "--arms", "control", "--seed", "5", "--out", str(out))
+    assert proc.returncode == 2 and "different config" in proc.stderr and "study.seed" in proc.stderr
+    assert snapshot(out) == before
+
+
+def test_folder_in_use_is_refused(tmp_path):
+    out = tmp_path / "busy"
+    config = from_flat({"model.name": "mlp", "train.epochs": 1, "study.replicas": 2, "train.batch_size": 128})
+    with RunStore(out, config):
+        proc = cli(*FAST, "--arms", "control,init,bitflip,batch_order,data_order,all", "--out", str(out))
+        assert proc.returncode == 2 and "in use by another sweep" in proc.stderr
+    assert not (out / "logits").exists()
+
+
+def test_corrupt_config_is_refused(tmp_path):
+    out = tmp_path / "bad"
+    out.mkdir()
+    (out / "config.json").write_text("{not json")
+    proc = cli(*FAST, "--out", str(out))
+    assert proc.returncode == 2 and "corrupt" in proc.stderr
+    assert (out / "config.json").read_text() == "{not json"
+
+
+def test_foreign_folder_is_refused(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(UsageError, match="not a nondet_jax run folder"):
+        sweep.run(from_flat({"model.name": "mlp", "train.epochs": 1}), tmp_path, progress=False, log=quiet)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_same_config_twice_gives_bitwise_identical_results(tmp_path):
+    config = from_flat({"model.name": "mlp", "train.epochs": 2, "study.replicas": 2, "train.batch_size": 128,
+                        "study.arms": "all", "model.dropout": 0.1, "data.augment": "on"})
+    sweep.run(config, tmp_path / "a", progress=False, log=quiet)
+    sweep.run(config, tmp_path / "b", progress=False, log=quiet)
+    for name in ("logits/all.npy", "features/all.npy", "weights/all.npz", "replicas.csv"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+
+
+def test_config_file_and_overrides(tmp_path):
+    f = tmp_path / "study.yaml"
+    f.write_text("model:\n  name: mlp\ntrain:\n  epochs: 3\nstudy.replicas: 4\n")
+    args = sweep.build_parser().parse_args(["--config", str(f), "--epochs", "2", "--set", "optim.nesterov=true"])
+    config = sweep.config_from_args(args)
+    assert (config.model.name, config.train.epochs, config.study.replicas, config.optim.nesterov) == ("mlp", 2, 4, True)
+    f.write_text("model: [1, 2\n")
+    with pytest.raises(UsageError, match="not valid YAML"):
+        sweep.config_from_args(sweep.build_parser().parse_args(["--config", str(f)]))
+
+
+def test_default_out_depends_on_settings_not_arms():
+    a = from_flat({"study.arms": "control"})
+    b = from_flat({"study.arms": "init"})
+    c = from_flat({"train.epochs": 3})
+    assert sweep.default_out(a) == sweep.default_out(b) != sweep.default_out(c)

@@ -1,0 +1,192 @@
+"""Replica training: isolation of sources, bitwise determinism on CPU, strategies, schedules, accuracy."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import spec_of, tiny_config, tree_equal
+from nondet_jax.config import from_flat
+from nondet_jax.data.pipeline import augment, epoch_indices
+from nondet_jax.replicas import resolve_strategy, run_replicas
+from nondet_jax.sources import arm_keys, arm_sources, perturbations, replica_slice
+from nondet_jax.train import make_schedule, make_train
+
+
+def train_arm(config, data, arm, strategy="sequential", replicas=3):
+    fns = make_train(config, spec_of(data))
+    varied = arm_sources(arm)
+    return run_replicas(fns, arm_keys(config.study.seed, varied, replicas), perturbations(varied), data,
+                        config.train.epochs, strategy)
+
+
+def init_weights(config, data, arm, replicas=3):
+    fns = make_train(config, spec_of(data))
+    varied = arm_sources(arm)
+    init = jax.jit(jax.vmap(fns.init, in_axes=(0, None, None)))
+    return init(arm_keys(config.study.seed, varied, replicas), perturbations(varied), jnp.asarray(data.x_train[:1])).params
+
+
+@pytest.mark.parametrize("strategy", ["sequential", "vmap"])
+def test_control_arm_replicas_are_bitwise_identical(small_digits, strategy):
+    res = train_arm(tiny_config(**{"model.name": "resnet8", "model.width": 0.5}), small_digits, "control", strategy)
+    for r in range(1, 3):
+        assert np.array_equal(res.logits[0], res.logits[r])
+        assert tree_equal(jax.tree.map(lambda x: x[0], res.state.params), jax.tree.map(lambda x: x[r], res.state.params))
+
+
+def test_init_arm_varies_weights_only(small_digits):
+    config = tiny_config(**{"data.augment": "on"})
+    w = init_weights(config, small_digits, "init")
+    leaf = np.asarray(w["dense1"]["kernel"])
+    assert not np.array_equal(leaf[0], leaf[1])
+    keys = arm_keys(0, arm_sources("init"), 3)
+    orders = [np.asarray(epoch_indices(keys.data_order[r], 1, 256, 64)) for r in range(3)]
+    assert all(np.array_equal(orders[0], o) for o in orders)
+    x = jnp.asarray(small_digits.x_train[:8])
+    views = [np.asarray(augment(x, jax.random.fold_in(keys.augmentation[r], 5), 1)) for r in range(3)]
+    assert all(np.array_equal(views[0], v) for v in views)
+
+
+def test_replica_initial_weights_equal_in_init_and_all_arms(small_digits):
+    config = tiny_config(**{"model.name": "resnet8", "model.width": 0.5})
+    # the all arm also flips one weight by one ulp: compare against init+bitflip keys' unflipped draw
+    w_init = init_weights(config, small_digits, "init")
+    w_all = init_weights(config, small_digits, "all")
+    w_init_flip = init_weights(config, small_digits, "init+bitflip")
+    assert tree_equal(w_all, w_init_flip)
+    a = np.concatenate([np.asarray(x).reshape(3, -1) for x in jax.tree.leaves(w_init)], 1)
+    b = np.concatenate([np.asarray(x).reshape(3, -1) for x in jax.tree.leaves(w_all)], 1)
+    assert ((a != b).sum(1) == 1).all()  # identical draws but for the one-ulp flip
+
+
+def test_bitflip_arm_changes_one_weight_against_control(small_digits):
+    config = tiny_config(**{"model.name": "resnet8", "model.width": 0.5})
+    c = np.concatenate([np.asarray(x).reshape(3, -1) for x in jax.tree.leaves(init_weights(config, small_digits, "control"))], 1)
+    f = np.concatenate([np.asarray(x).reshape(3, -1) for x in jax.tree.leaves(init_weights(config, small_digits, "bitflip"))], 1)
+    assert ((c != f).sum(1) == 1).all()
+    assert len({int(np.flatnonzero(c[r] != f[r])[0]) for r in range(3)}) >= 2  # replicas flip different weights
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_batch_order_keeps_initial_loss_up_to_rounding(small_digits, dropout):
+    """Permuting a minibatch changes only the reduction order: the first step's loss agrees to
+    float rounding, and (with per-example dropout masks) dropout does not break that."""
+    config = tiny_config(**{"model.name": "resnet8", "model.width": 0.5, "model.dropout": dropout,
+                            "train.epochs": 1})
+    spec = spec_of(small_digits)._replace(n_train=64)  # one step per epoch
+    fns = make_train(config, spec)
+    x, y = jnp.asarray(small_digits.x_train[:64]), jnp.asarray(small_digits.y_train[:64])
+    losses = {}
+    for arm in ("control", "batch_order"):
+        varied = arm_sources(arm)
+        keys = replica_slice(arm_keys(0, varied, 2), 1)
+        state = fns.init(keys, perturbations(varied), x)
+        _, m = jax.jit(fns.train_epoch)(state, x, y, keys, perturbations(varied), 0)
+        losses[arm] = float(m["loss"][0])
+    np.testing.assert_allclose(losses["batch_order"], losses["control"], rtol=1e-5)
+
+
+def test_batch_order_changes_results_only_by_rounding(small_digits):
+    config = tiny_config(**{"model.name": "resnet8", "model.width": 0.5})
+    res = train_arm(config, small_digits, "batch_order")
+    ctl = train_arm(config, small_digits, "control")
+    np.testing.assert_allclose(res.logits, ctl.logits, atol=1e-2)
+    assert not np.array_equal(res.logits, ctl.logits)  # reduction order did change bits
+
+
+def test_same_config_and_seed_twice_is_bitwise_identical(small_digits):
+    config = tiny_config(**{"model.dropout": 0.2, "data.augment": "on"})
+    a = train_arm(config, small_digits, "all")
+    jax.clear_caches()
+    b = train_arm(config, small_digits, "all")
+    assert np.array_equal(a.logits, b.logits) and tree_equal(a.state, b.state)
+    assert not np.array_equal(a.logits[0], a.logits[1])
+
+
+def test_sequential_equals_plain_single_replica_training(small_digits):
+    config = tiny_config(**{"model.dropout": 0.2, "data.augment": "on"})
+    res = train_arm(config, small_digits, "all", "sequential")
+    fns = make_train(config, spec_of(small_digits))
+    varied = arm_sources("all")
+    keys, perturb = replica_slice(arm_keys(0, varied, 3), 2), perturbations(varied)
+    x, y = jnp.asarray(small_digits.x_train), jnp.asarray(small_digits.y_train)
+    state = jax.jit(fns.init)(keys, perturb, x[:1])
+    for e in range(config.train.epochs):
+        state, _ = jax.jit(fns.train_epoch)(state, x, y, keys, perturb, e)
+    logits, _ = jax.jit(fns.evaluate)(state, jnp.asarray(small_digits.x_test))
+    assert np.array_equal(res.logits[2], np.asarray(logits))
+    assert tree_equal(jax.tree.map(lambda a: a[2], res.state.params), state.params)
+
+
+def test_vmap_matches_sequential_up_to_rounding(small_digits):
+    config = tiny_config(**{"model.name": "resnet8", "model.width": 0.5})
+    seq = train_arm(config, small_digits, "all", "sequential")
+    vm = train_arm(config, small_digits, "all", "vmap")
+    np.testing.assert_allclose(vm.logits, seq.logits, atol=1e-2, rtol=1e-3)
+    assert vm.strategy == "vmap" and seq.strategy == "sequential"
+
+
+def test_replica_result_does_not_depend_on_replica_count(small_digits):
+    config = tiny_config()
+    r2 = train_arm(config, small_digits, "all", replicas=2)
+    r3 = train_arm(config, small_digits, "all", replicas=3)
+    assert np.array_equal(r2.logits, r3.logits[:2])
+
+
+def test_auto_strategy_rule():
+    assert resolve_strategy("auto", 8, "cpu")[0] == "sequential"
+    assert resolve_strategy("auto", 8, "gpu")[0] == "vmap"
+    assert resolve_strategy("auto", 1, "gpu")[0] == "sequential"
+    assert resolve_strategy("vmap", 8, "cpu") == ("vmap", "requested")
+
+
+def test_schedules():
+    def cfg(**kw):
+        return from_flat({f"optim.{k}": v for k, v in kw.items()}).optim
+
+    cos = make_schedule(cfg(schedule="cosine", lr=0.4, warmup_epochs=2), epochs=10, steps_per_epoch=10)
+    assert float(cos(0)) == 0.0 and float(cos(20)) == pytest.approx(0.4) and float(cos(10)) == pytest.approx(0.2)
+    assert float(cos(100)) == pytest.approx(0.0, abs=1e-7) and float(cos(60)) < 0.4
+    step = make_schedule(cfg(schedule="step", lr=1.0), epochs=4, steps_per_epoch=10)
+    assert [float(step(s)) for s in (0, 19, 21, 31)] == pytest.approx([1.0, 1.0, 0.1, 0.01])
+    every = make_schedule(cfg(schedule="step", lr=1.0, step_every_epochs=1, step_factor=0.5), 4, 10)
+    assert float(every(25)) == pytest.approx(0.25)
+    assert float(make_schedule(cfg(schedule="constant", lr=0.3), 4, 10)(33)) == pytest.approx(0.3)
+
+
+@pytest.mark.parametrize("opt", [{"optim.name": "sgd", "optim.nesterov": True}, {"optim.name": "adamw", "optim.lr": 1e-3}])
+def test_optimizers_reduce_training_loss(small_digits, opt):
+    res = train_arm(tiny_config(**{"train.epochs": 4, **opt}), small_digits, "control", replicas=1)
+    assert res.train_loss[0, -1] < res.train_loss[0, 0]
+
+
+def test_no_recompilation_across_arms(small_digits):
+    config = tiny_config(**{"train.epochs": 1})
+    fns = make_train(config, spec_of(small_digits))
+    epoch = jax.jit(fns.train_epoch)
+    x, y = jnp.asarray(small_digits.x_train), jnp.asarray(small_digits.y_train)
+    for arm in ("control", "all", "bitflip"):
+        varied = arm_sources(arm)
+        k, p = replica_slice(arm_keys(0, varied, 2), 1), perturbations(varied)
+        state = fns.init(k, p, x)
+        epoch(state, x, y, k, p, 0)
+    assert epoch._cache_size() == 1
+
+
+@pytest.fixture
+def optimized():
+    """Full XLA optimisation for a test that trains for real (the suite disables most of it)."""
+    before = jax.config.jax_disable_most_optimizations
+    jax.config.update("jax_disable_most_optimizations", False)
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)
+
+
+@pytest.mark.slow
+def test_resnet8_reaches_90_percent_on_digits(digits, optimized):
+    config = from_flat({"model.name": "resnet8", "train.epochs": 6, "study.replicas": 1})
+    res = train_arm(config, digits, "control", replicas=1)
+    acc = (res.logits[0].argmax(-1) == digits.y_test).mean()
+    assert acc >= 0.90, acc
+    assert res.train_loss[0, -1] < 0.5 * res.train_loss[0, 0]
