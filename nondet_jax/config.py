@@ -129,8 +129,6 @@ def from_flat(flat: dict[str, Any], base: Config | None = None) -> Config:
             raise UsageError(f"unknown config key '{key}'; {hint}")
         section, name = key.split(".")
         default = getattr(getattr(base, section), name)
-        if default is None:  # Optional[str] fields
-            default = None
         updates.setdefault(section, {})[name] = _coerce(key, value, default)
     new = {s: dataclasses.replace(getattr(base, s), **u) for s, u in updates.items()}
     config = dataclasses.replace(base, **new)

@@ -156,3 +156,9 @@ def test_default_out_depends_on_settings_not_arms():
     b = from_flat({"study.arms": "init"})
     c = from_flat({"train.epochs": 3})
     assert sweep.default_out(a) == sweep.default_out(b) != sweep.default_out(c)
+
+
+def test_experiment_default_file_is_the_default_config():
+    path = Path(__file__).resolve().parents[1] / "experiments" / "default.yaml"
+    args = sweep.build_parser().parse_args(["--config", str(path)])
+    assert sweep.config_from_args(args) == from_flat({})
