@@ -23,6 +23,7 @@ import numpy as np
 from scipy.stats import rankdata
 
 PAIR_CHUNK = 64  # pairs per vectorised block
+CHUNK_ELEMENTS = 1 << 24  # and at most this many float64 elements per block (128 MiB)
 
 
 def pair_indices(r: int) -> tuple[np.ndarray, np.ndarray]:
@@ -32,10 +33,11 @@ def pair_indices(r: int) -> tuple[np.ndarray, np.ndarray]:
     return np.triu_indices(r, k=1)
 
 
-def _chunks(r: int):
+def _chunks(r: int, elements_per_pair: int = 1):
     a, b = pair_indices(r)
-    for s in range(0, len(a), PAIR_CHUNK):
-        yield a[s:s + PAIR_CHUNK], b[s:s + PAIR_CHUNK]
+    size = max(1, min(PAIR_CHUNK, CHUNK_ELEMENTS // max(1, elements_per_pair)))
+    for s in range(0, len(a), size):
+        yield a[s:s + size], b[s:s + size]
 
 
 def log_softmax(logits) -> np.ndarray:
@@ -96,7 +98,7 @@ def ensemble_gain(logits, labels) -> dict[str, np.ndarray]:
     labels = np.asarray(labels)
     acc, ce = accuracy(logits, labels), cross_entropy(logits, labels)
     gains_acc, gains_ce = [], []
-    for a, b in _chunks(len(logits)):
+    for a, b in _chunks(len(logits), logits[0].size):
         ens = 0.5 * (logits[a].astype(np.float64) + logits[b].astype(np.float64))
         gains_acc.append(accuracy(ens, labels) - 0.5 * (acc[a] + acc[b]))
         gains_ce.append(cross_entropy(ens, labels) - 0.5 * (ce[a] + ce[b]))
@@ -112,7 +114,7 @@ def linear_cka(features) -> np.ndarray:
     f = f - f.mean(1, keepdims=True)
     self_norm = np.linalg.norm(np.einsum("rnd,rne->rde", f, f), axis=(1, 2))
     out = []
-    for a, b in _chunks(len(f)):
+    for a, b in _chunks(len(f), f[0].size):
         cross = np.einsum("pnd,pne->pde", f[a], f[b])
         out.append((cross ** 2).sum((1, 2)) / (self_norm[a] * self_norm[b]))
     return np.concatenate(out)
@@ -136,7 +138,7 @@ def weight_distance(weights) -> np.ndarray:
     w = np.asarray(weights, dtype=np.float64)
     norms = np.linalg.norm(w, axis=1)
     out = []
-    for a, b in _chunks(len(w)):
+    for a, b in _chunks(len(w), w.shape[1]):
         out.append(np.linalg.norm(w[a] - w[b], axis=1) / norms[a])
     return np.concatenate(out)
 

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nondet_jax.metrics import flatten_weights, weight_distance
 from nondet_jax.sources import Perturbations, ReplicaKeys, replica_slice
 from nondet_jax.train import TrainFns, TrainState
 
@@ -32,6 +33,7 @@ class ArmResult(NamedTuple):
     train_accuracy: np.ndarray  # (R, epochs)
     logits: np.ndarray  # (R, n_test, classes)
     features: np.ndarray  # (R, n_test, features)
+    weight_distance: np.ndarray  # (epochs + 1, pairs): ||θa − θb|| / ||θa|| at init and after each epoch
     strategy: str
     seconds: float
 
@@ -56,7 +58,14 @@ def _stack(trees: list[Any]) -> Any:
     return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
 
 
+def _distances(params) -> np.ndarray:
+    """Pairwise relative weight distances of stacked params (leading axis R); empty for R = 1."""
+    r = jax.tree.leaves(params)[0].shape[0]
+    return weight_distance(flatten_weights(params)) if r > 1 else np.zeros(0)
+
+
 def _epoch_means(metrics: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+    """(R, epochs) means from per-epoch metrics whose leaves are (R, steps)."""
     loss = np.stack([np.asarray(m["loss"]).mean(-1) for m in metrics], -1)
     acc = np.stack([np.asarray(m["accuracy"]).mean(-1) for m in metrics], -1)
     return loss, acc
@@ -64,27 +73,29 @@ def _epoch_means(metrics: list[dict]) -> tuple[np.ndarray, np.ndarray]:
 
 def run_sequential(fns: TrainFns, keys: ReplicaKeys, perturb: Perturbations, data, epochs: int,
                    progress: Callable[[int], None] = lambda n: None) -> ArmResult:
-    """Train replicas one after another with the single-replica programs (compiled once)."""
+    """Train replicas with the single-replica programs (compiled once), looping over replicas
+    inside each epoch so that all R states exist at every epoch end (for divergence curves)."""
     t0 = time.perf_counter()
     init, epoch_fn, evaluate = jax.jit(fns.init), jax.jit(fns.train_epoch), jax.jit(fns.evaluate)
     x_tr, y_tr, x_te = (jnp.asarray(a) for a in (data.x_train, data.y_train, data.x_test))
-    states, losses, accs, logits, feats = [], [], [], [], []
     r_count = jax.tree.leaves(keys)[0].shape[0]
-    for r in range(r_count):
-        k = replica_slice(keys, r)
-        state = init(k, perturb, x_tr[:1])
-        metrics = []
-        for e in range(epochs):
-            state, m = epoch_fn(state, x_tr, y_tr, k, perturb, jnp.int32(e))
-            metrics.append(m)
-            jax.block_until_ready(m)
+    replica_keys = [replica_slice(keys, r) for r in range(r_count)]
+    states = [init(k, perturb, x_tr[:1]) for k in replica_keys]
+    distances = [_distances(_stack([s.params for s in states]))]
+    metrics = []
+    for e in range(epochs):
+        epoch_metrics = []
+        for r, k in enumerate(replica_keys):
+            states[r], m = epoch_fn(states[r], x_tr, y_tr, k, perturb, jnp.int32(e))
+            epoch_metrics.append(jax.block_until_ready(m))
             progress(1)
-        lo, fe = evaluate(state, x_te)
-        loss, acc = _epoch_means(metrics)
-        states.append(state), losses.append(loss), accs.append(acc)
-        logits.append(np.asarray(lo)), feats.append(np.asarray(fe))
-    return ArmResult(_stack(states), np.stack(losses), np.stack(accs), np.stack(logits), np.stack(feats),
-                     "sequential", time.perf_counter() - t0)
+        metrics.append(_stack(epoch_metrics))
+        distances.append(_distances(_stack([s.params for s in states])))
+    outputs = [evaluate(s, x_te) for s in states]
+    loss, acc = _epoch_means(metrics)
+    return ArmResult(_stack(states), loss, acc, np.stack([np.asarray(o[0]) for o in outputs]),
+                     np.stack([np.asarray(o[1]) for o in outputs]), np.stack(distances), "sequential",
+                     time.perf_counter() - t0)
 
 
 def run_vmap(fns: TrainFns, keys: ReplicaKeys, perturb: Perturbations, data, epochs: int,
@@ -98,15 +109,17 @@ def run_vmap(fns: TrainFns, keys: ReplicaKeys, perturb: Perturbations, data, epo
     x_tr, y_tr, x_te = (jnp.asarray(a) for a in (data.x_train, data.y_train, data.x_test))
     state = init(keys, perturb, x_tr[:1])
     chex.assert_tree_shape_prefix(state, (r_count,))
+    distances = [_distances(state.params)]
     metrics = []
     for e in range(epochs):
         state, m = epoch_fn(state, x_tr, y_tr, keys, perturb, jnp.int32(e))
-        metrics.append(m)
-        jax.block_until_ready(m)
+        metrics.append(jax.block_until_ready(m))
+        distances.append(_distances(state.params))
         progress(r_count)
     logits, feats = evaluate(state, x_te)
     loss, acc = _epoch_means(metrics)
-    return ArmResult(state, loss, acc, np.asarray(logits), np.asarray(feats), "vmap", time.perf_counter() - t0)
+    return ArmResult(state, loss, acc, np.asarray(logits), np.asarray(feats), np.stack(distances), "vmap",
+                     time.perf_counter() - t0)
 
 
 RUNNERS = {"vmap": run_vmap, "sequential": run_sequential}

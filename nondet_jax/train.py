@@ -6,7 +6,9 @@
   the ``bitflip`` perturbation when the arm varies it;
 * ``train_epoch(state, x, y, keys, perturb, epoch) -> (state, metrics)``: one epoch as one ``lax.scan``;
   ``metrics`` holds per-step training loss and accuracy;
-* ``evaluate(state, x) -> (logits, features)``: test logits and penultimate features, in chunks.
+* ``evaluate(state, x) -> (logits, features)``: test logits and penultimate features, in chunks;
+* ``recompute_batch_stats(params, batch_stats, x) -> batch_stats``: BatchNorm statistics of
+  ``params`` measured on the batch ``x`` (for interpolated weights in LMC).
 
 Example::
 
@@ -58,6 +60,7 @@ class TrainFns(NamedTuple):
     init: Callable
     train_epoch: Callable
     evaluate: Callable
+    recompute_batch_stats: Callable
     steps_per_epoch: int
     unroll: int
 
@@ -179,4 +182,14 @@ def _make_train(config: Config, spec: DataSpec) -> TrainFns:
         logits, feats = jax.lax.map(f, xp)
         return logits.reshape((nb * chunk,) + logits.shape[2:])[:n], feats.reshape((nb * chunk,) + feats.shape[2:])[:n]
 
-    return TrainFns(init, train_epoch, evaluate, steps, unroll)
+    # BatchNorm statistics of given weights, recomputed on data (for interpolated weights):
+    # momentum 0 stores the exact statistics of the one batch passed; dropout plays no part.
+    bn_model = model.clone(bn_momentum=0.0, dropout=0.0) if "bn_momentum" in model.__dataclass_fields__ else None
+
+    def recompute_batch_stats(params, batch_stats, x):
+        if bn_model is None or not batch_stats:
+            return batch_stats
+        _, updates = bn_model.apply(variables(params, batch_stats), x, train=True, mutable=["batch_stats"])
+        return updates["batch_stats"]
+
+    return TrainFns(init, train_epoch, evaluate, recompute_batch_stats, steps, unroll)

@@ -177,7 +177,7 @@ def test_no_recompilation_across_arms(small_digits):
 @pytest.fixture
 def optimized():
     """Full XLA optimisation for a test that trains for real (the suite disables most of it)."""
-    before = jax.config.jax_disable_most_optimizations
+    before = jax.config.read("jax_disable_most_optimizations")
     jax.config.update("jax_disable_most_optimizations", False)
     yield
     jax.config.update("jax_disable_most_optimizations", before)

@@ -23,11 +23,12 @@ conv_init = nn.initializers.variance_scaling(2.0, "fan_out", "normal")
 class BasicBlock(nn.Module):
     features: int
     stride: int = 1
+    bn_momentum: float = 0.9
 
     @nn.compact
     def __call__(self, x, train: bool):
         conv = partial(nn.Conv, use_bias=False, kernel_init=conv_init)
-        norm = partial(nn.BatchNorm, use_running_average=not train, momentum=0.9, epsilon=1e-5)
+        norm = partial(nn.BatchNorm, use_running_average=not train, momentum=self.bn_momentum, epsilon=1e-5)
         y = conv(self.features, (3, 3), strides=self.stride)(x)
         y = nn.relu(norm()(y))
         y = conv(self.features, (3, 3))(y)
@@ -47,17 +48,18 @@ class ResNet(nn.Module):
     num_classes: int
     width: float = 1.0
     dropout: float = 0.0
+    bn_momentum: float = 0.9  # 0 makes a training-mode pass store that batch's exact statistics
 
     @nn.compact
     def __call__(self, x, train: bool = False, dropout_keys=None, return_features: bool = False):
         w = lambda c: max(1, int(round(c * self.width)))  # noqa: E731
         x = nn.Conv(w(self.stem_width), (3, 3), use_bias=False, kernel_init=conv_init, name="stem_conv")(x)
-        x = nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5, name="stem_bn")(x)
+        x = nn.BatchNorm(use_running_average=not train, momentum=self.bn_momentum, epsilon=1e-5, name="stem_bn")(x)
         x = nn.relu(x)
         for i, (n, c) in enumerate(zip(self.stage_sizes, self.stage_widths)):
             for j in range(n):
                 stride = 2 if (i > 0 and j == 0) else 1
-                x = BasicBlock(w(c), stride, name=f"stage{i + 1}_block{j + 1}")(x, train)
+                x = BasicBlock(w(c), stride, self.bn_momentum, name=f"stage{i + 1}_block{j + 1}")(x, train)
         features = jnp.mean(x, axis=(1, 2))
         logits, features = Head(self.num_classes, self.dropout, name="head")(features, train, dropout_keys)
         return (logits, features) if return_features else logits
