@@ -31,6 +31,7 @@ class DataConfig:
     name: str = "digits"
     data_dir: str | None = None  # TFDS data directory (None = TFDS default)
     augment: str = "auto"  # auto (on for CIFAR, off otherwise) | on | off
+    flip: str = "auto"  # horizontal flips when augmenting: auto (on for CIFAR, off for digits/MNIST) | on | off
     crop_padding: int = 0  # 0 = 4 pixels for 32x32 inputs, 1 for 8x8 ones
 
 
@@ -64,12 +65,21 @@ class StudyConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MetricsConfig:
+    pairwise: bool = True  # pairwise diversity metrics (need R >= 2)
+    lmc_pairs: int = 3  # disjoint replica pairs whose LMC barrier is measured (0 = none)
+    lmc_points: int = 11  # interpolation points from one endpoint to the other
+    bn_examples: int = 2048  # training examples that BatchNorm statistics are recomputed on
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
     study: StudyConfig = StudyConfig()
+    metrics: MetricsConfig = MetricsConfig()
 
 
 STRATEGIES = ("auto", "vmap", "sequential")
@@ -204,6 +214,8 @@ def validate(config: Config) -> None:
         raise UsageError(f"unknown dataset '{d.name}'; choose one of: {', '.join(DATASETS)}")
     if d.augment not in AUGMENT:
         raise UsageError(f"data.augment must be one of {', '.join(AUGMENT)}, got '{d.augment}'")
+    if d.flip not in AUGMENT:
+        raise UsageError(f"data.flip must be one of {', '.join(AUGMENT)}, got '{d.flip}'")
     if d.crop_padding < 0:
         raise UsageError(f"data.crop_padding must be >= 0, got {d.crop_padding}")
     if o.name not in OPTIMIZERS:
@@ -224,6 +236,12 @@ def validate(config: Config) -> None:
         raise UsageError(f"replicas must be >= 1, got {s.replicas}; use e.g. --replicas 8")
     if s.strategy not in STRATEGIES:
         raise UsageError(f"unknown strategy '{s.strategy}'; choose one of: {', '.join(STRATEGIES)}")
+    mc = config.metrics
+    if mc.pairwise and s.replicas < 2:
+        raise UsageError(f"pairwise metrics need at least 2 replicas, got {s.replicas}; use --replicas 2 or more "
+                         "or --set metrics.pairwise=false")
+    if mc.lmc_pairs < 0 or mc.lmc_points < 2 or mc.bn_examples < 1:
+        raise UsageError("metrics.lmc_pairs must be >= 0, metrics.lmc_points >= 2 and metrics.bn_examples >= 1")
     if not s.arms:
         raise UsageError("no arms given; use e.g. --arms control,init,all")
     if len(set(s.arms)) != len(s.arms):

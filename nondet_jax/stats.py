@@ -127,3 +127,29 @@ def compare_spread(x, reference) -> dict:
     lo, hi = std_ratio_ci(x, reference)
     return {"ratio": ratio, "ratio_ci": [lo, hi], "f_test_p": f_test(x, reference),
             "brown_forsythe_p": brown_forsythe(x, reference), "replicas_for_80pct_power": replicas_for_power(ratio)}
+
+
+def bootstrap_pairwise_mean_ci(values, replicas: int, level: float = 0.95, samples: int = 2000,
+                               seed: int = BOOTSTRAP_SEED) -> tuple[float, float]:
+    """CI of the mean of a pairwise metric, resampling *replicas* (not pairs, which share members).
+
+    ``values`` holds one value per pair in :func:`nondet_jax.metrics.pair_indices` order. Each
+    bootstrap sample draws R replicas with replacement and averages the metric over its pairs of
+    distinct replicas. Seeded: the same numbers every run.
+    """
+    from nondet_jax.metrics import pair_indices
+
+    values = np.asarray(values, dtype=np.float64)
+    if replicas < 3:
+        return float("nan"), float("nan")
+    a, b = pair_indices(replicas)
+    m = np.full((replicas, replicas), np.nan)
+    m[a, b] = m[b, a] = values
+    idx = np.random.default_rng(seed).integers(0, replicas, size=(samples, replicas))
+    sub = m[idx[:, :, None], idx[:, None, :]]  # (samples, R, R); NaN where a replica meets itself
+    upper = np.triu(np.ones((replicas, replicas), bool), k=1)
+    sub = np.where(upper, sub, np.nan).reshape(samples, -1)
+    ok = ~np.isnan(sub).all(axis=1)
+    means = np.nanmean(sub[ok], axis=1)
+    lo, hi = np.quantile(means, [(1 - level) / 2, 1 - (1 - level) / 2])
+    return float(lo), float(hi)

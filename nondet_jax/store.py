@@ -9,8 +9,11 @@ Layout::
     <out>/arms/<arm>.json    an arm's rows and aggregates: its presence marks the arm finished
     <out>/logits/<arm>.npy   (R, n_test, classes) test logits in replica order
     <out>/features/<arm>.npy (R, n_test, features) penultimate features
-    <out>/history/<arm>.npz  per-epoch training loss and accuracy, (R, epochs) each
+    <out>/history/<arm>.npz  per-epoch training loss and accuracy (R, epochs), and the pairwise
+                             weight distance at init and after each epoch (epochs + 1, pairs)
     <out>/weights/<arm>.npz  final parameters and BatchNorm statistics, leading axis R
+    <out>/pairs/<arm>.npz    per-replica accuracy and cross-entropy, per-pair metrics, LMC curves
+    <out>/arms.csv, report.md, figures/   written by nondet_jax.report from the files above
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from flax import traverse_util
 from nondet_jax.config import Config, UsageError, to_dict
 
 LOCK = ".lock"
-ARM_FILES = ("arms/{}.json", "logits/{}.npy", "features/{}.npy", "history/{}.npz", "weights/{}.npz")
+ARM_FILES = ("arms/{}.json", "logits/{}.npy", "features/{}.npy", "history/{}.npz", "weights/{}.npz", "pairs/{}.npz")
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -149,12 +152,13 @@ class RunStore:
         return json.loads((self.root / f"arms/{arm}.json").read_text())
 
     def save_arm(self, arm: str, record: dict, logits: np.ndarray, features: np.ndarray,
-                 history: dict[str, np.ndarray], weights: dict[str, np.ndarray]) -> None:
+                 history: dict[str, np.ndarray], weights: dict[str, np.ndarray], pairs: dict[str, np.ndarray]) -> None:
         """Write an arm's arrays, then its JSON record (the marker that the arm is finished)."""
         atomic_save_npy(self.root / f"logits/{arm}.npy", logits)
         atomic_save_npy(self.root / f"features/{arm}.npy", features)
         atomic_save_npz(self.root / f"history/{arm}.npz", history)
         atomic_save_npz(self.root / f"weights/{arm}.npz", weights)
+        atomic_save_npz(self.root / f"pairs/{arm}.npz", pairs)
         atomic_write_json(self.root / f"arms/{arm}.json", record)
 
     def write_json(self, name: str, obj: Any) -> None:

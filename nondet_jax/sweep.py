@@ -37,6 +37,19 @@ FLAGS = {
 }
 
 
+PRESET_DIR = Path(__file__).resolve().parent.parent / "experiments"
+DEFAULT_PRESET = "sources"
+
+
+def preset_path(name: str) -> Path:
+    """``experiments/<name>.yaml``; UsageError naming the available presets when absent."""
+    path = PRESET_DIR / f"{name}.yaml"
+    if not path.is_file():
+        names = sorted(p.stem for p in PRESET_DIR.glob("*.yaml")) if PRESET_DIR.is_dir() else []
+        raise UsageError(f"unknown preset '{name}'; choose one of: {', '.join(names) or '(none found in ' + str(PRESET_DIR) + ')'}")
+    return path
+
+
 def default_out(config: Config) -> Path:
     """``runs/<dataset>-<model>-<hash of the config without its arms>``: same settings, same folder."""
     d = cfg.to_dict(config)
@@ -45,29 +58,15 @@ def default_out(config: Config) -> Path:
     return Path("runs") / f"{config.data.name}-{config.model.name}-{digest}"
 
 
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
-    z = logits.astype(np.float64)
-    z = z - z.max(-1, keepdims=True)
-    return z - np.log(np.exp(z).sum(-1, keepdims=True))
-
-
-def replica_scores(logits: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Test accuracy and mean cross-entropy per replica from (R, n, classes) logits."""
-    acc = (logits.argmax(-1) == labels).mean(-1)
-    nll = -np.take_along_axis(_log_softmax(logits), labels[None, :, None], -1)[..., 0].mean(-1)
-    return acc, nll
-
-
-def arm_record(arm: str, result, labels: np.ndarray, strategy_reason: str) -> dict:
-    """The JSON record of a finished arm: per-replica rows and aggregates (std with ddof=1)."""
+def arm_record(arm: str, result, labels: np.ndarray, strategy_reason: str, arm_metrics: dict) -> dict:
+    """The JSON record of a finished arm: per-replica rows, metrics, and how it was trained."""
+    from nondet_jax.metrics import accuracy, cross_entropy
     from nondet_jax.sources import arm_sources
 
-    acc, nll = replica_scores(result.logits, labels)
+    acc, nll = accuracy(result.logits, labels), cross_entropy(result.logits, labels)
     rows = [{"arm": arm, "replica": r, "test_accuracy": float(acc[r]), "test_loss": float(nll[r]),
              "train_loss": float(result.train_loss[r, -1]), "train_accuracy": float(result.train_accuracy[r, -1]),
              "strategy": result.strategy} for r in range(len(acc))]
-    ddof = 1 if len(acc) > 1 else 0
-    identical = bool(all(np.array_equal(result.logits[0], result.logits[r]) for r in range(len(acc))))
     return {
         "arm": arm,
         "varied": sorted(arm_sources(arm)),
@@ -75,12 +74,29 @@ def arm_record(arm: str, result, labels: np.ndarray, strategy_reason: str) -> di
         "strategy": result.strategy,
         "strategy_reason": strategy_reason,
         "seconds": round(result.seconds, 3),
-        "test_accuracy_mean": float(acc.mean()), "test_accuracy_std": float(acc.std(ddof=ddof)),
-        "test_loss_mean": float(nll.mean()), "test_loss_std": float(nll.std(ddof=ddof)),
-        "std_ddof": ddof,
-        "replicas_bitwise_identical": identical,
+        "replicas_bitwise_identical": bool(all(np.array_equal(result.logits[0], lg) for lg in result.logits)),
+        "metrics": arm_metrics,
         "rows": rows,
     }
+
+
+def check_arms_active(config: Config, dataset: str, image_size: int) -> None:
+    """Refuse an arm that varies only sources switched off in this config (its replicas would
+    equal the control arm's): e.g. ``dropout`` with model.dropout = 0."""
+    from nondet_jax.sources import arm_sources
+    from nondet_jax.train import augmentation_settings
+
+    inactive = set()
+    if not augmentation_settings(config, dataset, image_size)[0]:
+        inactive.add(("augmentation", "--augment on"))
+    if config.model.dropout == 0:
+        inactive.add(("dropout", "--dropout 0.1 (say)"))
+    for arm in config.study.arms:
+        varied = arm_sources(arm)
+        off = [(src, fix) for src, fix in sorted(inactive) if src in varied]
+        if arm not in ("control", "all") and varied and len(off) == len(varied):
+            raise UsageError(f"arm '{arm}' varies only {', '.join(s for s, _ in off)}, which is off in this config, "
+                             f"so its replicas would equal control's; turn it on with {off[0][1]} or drop the arm")
 
 
 class Progress:
@@ -111,19 +127,22 @@ class Progress:
         return lambda n: self._bar.advance(task, n)
 
 
-def run(config: Config, out: str | Path | None = None, progress: bool | None = None, log=print) -> dict:
-    """Run a study: train every arm not yet finished in ``out`` and write the run folder.
+def run(config: Config, out: str | Path | None = None, progress: bool | None = None, log=print,
+        command: str | None = None) -> dict:
+    """Run a study: train every arm not yet finished in ``out``, then write the report.
 
-    Returns the summary (also written to ``summary.json``). Raises UsageError on bad input
-    before anything is written.
+    Returns the summary (also in ``summary.json``). Raises UsageError on bad input before
+    anything is written.
     """
     import jax
 
+    from nondet_jax.analysis import arm_metrics
     from nondet_jax.data import load_dataset
     from nondet_jax.determinism import environment
     from nondet_jax.replicas import resolve_strategy, run_replicas
+    from nondet_jax.report import format_table, write_report
     from nondet_jax.sources import arm_keys, arm_sources, perturbations
-    from nondet_jax.store import RunStore, flatten_tree
+    from nondet_jax.store import RunStore, atomic_write_bytes, flatten_tree
     from nondet_jax.train import DataSpec, make_train
 
     cfg.validate(config)
@@ -132,6 +151,7 @@ def run(config: Config, out: str | Path | None = None, progress: bool | None = N
     if config.train.batch_size > n_train:
         raise UsageError(f"batch size {config.train.batch_size} is larger than the {n_train} training examples of "
                          f"{data.name}; use --batch-size {n_train} or less")
+    check_arms_active(config, data.name, data.x_train.shape[1])
     out = Path(out) if out is not None else default_out(config)
     study = config.study
     strategy, reason = resolve_strategy(study.strategy, study.replicas)
@@ -145,6 +165,8 @@ def run(config: Config, out: str | Path | None = None, progress: bool | None = N
         env["strategy"] = {"requested": study.strategy, "chosen": strategy, "reason": reason}
         env["scan_unroll"] = fns.unroll
         store.write_json("environment.json", env)
+        if command:
+            atomic_write_bytes(out / "command.txt", (command + "\n").encode())
         log(f"nondet_jax: {len(study.arms)} arms x {study.replicas} replicas of {config.model.name} on {data.name} "
             f"({n_train} train / {len(data.x_test)} test), {config.train.epochs} epochs, strategy {strategy} "
             f"on {jax.default_backend()} -> {out}")
@@ -157,40 +179,27 @@ def run(config: Config, out: str | Path | None = None, progress: bool | None = N
                 result = run_replicas(fns, arm_keys(study.seed, varied, study.replicas), perturbations(varied),
                                       data, config.train.epochs, strategy,
                                       bar.arm(arm, study.replicas * config.train.epochs))
-                record = arm_record(arm, result, data.y_test, reason)
+                metrics, pair_arrays = arm_metrics(result, data, fns, config.metrics)
+                record = arm_record(arm, result, data.y_test, reason, metrics)
                 store.save_arm(arm, record, result.logits.astype(np.float32), result.features.astype(np.float32),
-                               {"train_loss": result.train_loss, "train_accuracy": result.train_accuracy},
+                               {"train_loss": result.train_loss, "train_accuracy": result.train_accuracy,
+                                "weight_distance": result.weight_distance},
                                {**{f"params/{k}": v for k, v in flatten_tree(result.state.params).items()},
-                                **{f"batch_stats/{k}": v for k, v in flatten_tree(result.state.batch_stats).items()}})
+                                **{f"batch_stats/{k}": v for k, v in flatten_tree(result.state.batch_stats).items()}},
+                               pair_arrays)
                 if not progress:
-                    log(f"arm {arm}: {record['test_accuracy_mean']:.4f} +- {record['test_accuracy_std']:.4f} "
-                        f"test accuracy, {record['seconds']:.1f} s")
+                    acc = metrics["accuracy"]
+                    log(f"arm {arm}: test accuracy {acc['mean']:.4f} +- {acc['std']:.4f}, {record['seconds']:.1f} s")
         all_arms = json.loads((out / "config.json").read_text())["study"]["arms"]
-        records = [store.load_arm(a) for a in all_arms if store.arm_done(a)]
-        store.write_rows([row for rec in records for row in rec["rows"]])
-        summary = {
-            "study": str(out),
-            "dataset": data.name, "model": config.model.name, "n_test": len(data.x_test),
-            "arms": {rec["arm"]: {k: v for k, v in rec.items() if k != "rows"} for rec in records},
-        }
-        store.write_json("summary.json", summary)
+        store.write_rows([row for a in all_arms if store.arm_done(a) for row in store.load_arm(a)["rows"]])
+        summary = write_report(out)
     log(format_table(summary))
+    log(f"report: {out / 'report.md'}")
     control = summary["arms"].get("control")
     if control and not control["replicas_bitwise_identical"] and jax.default_backend() == "cpu":
         log("WARNING: the control arm's replicas are not bitwise identical on CPU: the backend or the "
             "strategy is not deterministic here (see environment.json)")
     return summary
-
-
-def format_table(summary: dict) -> str:
-    """The per-arm table printed at the end of a sweep (plain text, stable for logs)."""
-    head = f"{'arm':<14} {'R':>3} {'test accuracy (mean ± std)':>28} {'test loss (mean ± std)':>26} {'seconds':>8}"
-    lines = [head, "-" * len(head)]
-    for arm, a in summary["arms"].items():
-        lines.append(f"{arm:<14} {a['replicas']:>3} {a['test_accuracy_mean'] * 100:>17.2f}% ± {a['test_accuracy_std'] * 100:.2f}%"
-                     f" {a['test_loss_mean']:>17.4f} ± {a['test_loss_std']:.4f} {a['seconds']:>8.1f}")
-    lines.append("std: sample standard deviation over replicas (ddof=1)")
-    return "\n".join(lines)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -202,8 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m nondet_jax.sweep",
                 description="Train R replicas per arm, varying only the arm's randomness sources, and write a run folder.")
     p.add_argument("--arms", help="comma list: control (nothing varies), a source (init, data_order, augmentation, "
-                                  "dropout, bitflip, batch_order), a+b combination, or all. Default: "
-                                  + ",".join(Config().study.arms))
+                                  "dropout, bitflip, batch_order), a+b combination, or all. Default: the preset's")
     p.add_argument("--replicas", type=int, help="replicas per arm (R)")
     p.add_argument("--epochs", type=int)
     p.add_argument("--model", help="mlp, resnet8, resnet14, resnet20, resnet32, resnet56, resnet18")
@@ -218,7 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, help="study seed (root of every key)")
     p.add_argument("--strategy", help="auto, vmap or sequential")
     p.add_argument("--out", help="run folder (default: runs/<dataset>-<model>-<config hash>)")
-    p.add_argument("--config", help="YAML or JSON file of config keys (sections or dotted keys)")
+    p.add_argument("--preset", help="a study from experiments/: sources (the default), morin, bitflip")
+    p.add_argument("--config", help="YAML or JSON file of config keys (sections or dotted keys), applied after the preset")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config key, e.g. --set optim.nesterov=true (repeatable)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
@@ -226,7 +235,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
-    flat = cfg.load_file(args.config) if args.config else {}
+    """Preset (default: sources unless --config is given), then --config, then flags, then --set."""
+    preset = args.preset or (None if args.config else DEFAULT_PRESET)
+    flat = cfg.load_file(preset_path(preset)) if preset else {}
+    if args.config:
+        flat.update(cfg.load_file(args.config))
     for flag, key in FLAGS.items():
         value = getattr(args, flag)
         if value is not None:
@@ -239,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         config = config_from_args(args)
-        run(config, args.out, progress=False if args.no_progress else None)
+        command = "python -m nondet_jax.sweep" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+        run(config, args.out, progress=False if args.no_progress else None, command=command)
     except UsageError as e:
         print(f"python -m nondet_jax.sweep: error: {e}", file=sys.stderr)
         return 2

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import optax
 
 from nondet_jax.config import Config, OptimConfig, StudyConfig
-from nondet_jax.data import AUGMENT_BY_DEFAULT
+from nondet_jax.data import AUGMENT_BY_DEFAULT, FLIP_BY_DEFAULT
 from nondet_jax.data.pipeline import augment, batch_permutation, default_crop_padding, epoch_indices
 from nondet_jax.models import make_model
 from nondet_jax.sources import Perturbations, ReplicaKeys, bitflip
@@ -88,11 +88,12 @@ def make_optimizer(o: OptimConfig, schedule: optax.Schedule) -> optax.GradientTr
                        optax.sgd(schedule, momentum=o.momentum or None, nesterov=o.nesterov))
 
 
-def augmentation_settings(config: Config, spec: DataSpec) -> tuple[bool, int]:
-    """(augment?, crop padding) after resolving ``auto``."""
+def augmentation_settings(config: Config, name: str, image_size: int) -> tuple[bool, bool, int]:
+    """(augment?, flip?, crop padding) after resolving ``auto``."""
     d = config.data
-    on = d.augment == "on" or (d.augment == "auto" and spec.name in AUGMENT_BY_DEFAULT)
-    return on, d.crop_padding or default_crop_padding(spec.image_shape[0])
+    on = d.augment == "on" or (d.augment == "auto" and name in AUGMENT_BY_DEFAULT)
+    flip = d.flip == "on" or (d.flip == "auto" and name in FLIP_BY_DEFAULT)
+    return on, flip, d.crop_padding or default_crop_padding(image_size)
 
 
 def scan_unroll(setting: int, steps: int, backend: str | None = None) -> int:
@@ -121,7 +122,7 @@ def _make_train(config: Config, spec: DataSpec) -> TrainFns:
     if steps < 1:
         raise ValueError(f"batch size {b} exceeds the {spec.n_train} training examples")
     tx = make_optimizer(config.optim, make_schedule(config.optim, config.train.epochs, steps))
-    do_augment, padding = augmentation_settings(config, spec)
+    do_augment, flip, padding = augmentation_settings(config, spec.name, spec.image_shape[0])
     use_dropout = config.model.dropout > 0
     unroll = scan_unroll(config.train.unroll, steps)
 
@@ -151,7 +152,7 @@ def _make_train(config: Config, spec: DataSpec) -> TrainFns:
             g = epoch * steps + i  # global step: the per-step key index
             x, y = x_train[batch_idx], y_train[batch_idx]
             if do_augment:
-                x = augment(x, jax.random.fold_in(keys.augmentation, g), padding)
+                x = augment(x, jax.random.fold_in(keys.augmentation, g), padding, flip)
             dkeys = None
             if use_dropout:
                 dkeys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(

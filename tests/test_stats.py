@@ -90,3 +90,17 @@ def test_compare_spread_fields():
     out = stats.compare_spread(rng.normal(0, 1, 10), rng.normal(0, 1, 10))
     assert set(out) == {"ratio", "ratio_ci", "f_test_p", "brown_forsythe_p", "replicas_for_80pct_power"}
     assert out["ratio_ci"][0] < out["ratio"] < out["ratio_ci"][1]
+
+
+def test_pairwise_mean_ci_resamples_replicas():
+    from nondet_jax.metrics import pair_indices
+
+    rng = np.random.default_rng(10)
+    r = 6
+    a, b = pair_indices(r)
+    x = rng.normal(size=r)
+    values = np.abs(x[a] - x[b])
+    lo, hi = stats.bootstrap_pairwise_mean_ci(values, r)
+    assert lo < values.mean() < hi and (lo, hi) == stats.bootstrap_pairwise_mean_ci(values, r)
+    assert stats.bootstrap_pairwise_mean_ci(np.full(len(a), 0.25), r) == (0.25, 0.25)
+    assert np.isnan(stats.bootstrap_pairwise_mean_ci([0.1], 2)[0])

@@ -43,9 +43,17 @@ def run_dir(tmp_path_factory):
 
 def test_cli_writes_the_run_folder(run_dir):
     out, proc = run_dir
-    assert "control" in proc.stdout and "test accuracy" in proc.stdout
-    for name in ("config.json", "environment.json", "replicas.csv", "summary.json"):
+    assert "control" in proc.stdout and "acc std %" in proc.stdout
+    for name in ("config.json", "environment.json", "replicas.csv", "summary.json", "arms.csv", "report.md",
+                 "command.txt", "figures/accuracy.png", "figures/spread.png", "figures/diversity.png",
+                 "figures/lmc.png", "figures/divergence.png", "pairs/init.npz"):
         assert (out / name).is_file(), name
+    report = (out / "report.md").read_text()
+    assert "python -m nondet_jax.sweep" in report and "![spread](figures/spread.png)" in report
+    arms = list(csv.DictReader((out / "arms.csv").open()))
+    assert [a["arm"] for a in arms] == ["control", "init"]
+    assert float(arms[0]["disagreement"]) == 0.0 and float(arms[1]["disagreement"]) > 0
+    assert arms[0]["accuracy_std_ratio_vs_all"] == ""  # no all arm here
     logits = np.load(out / "logits" / "init.npy")
     assert logits.shape == (2, 360, 10) and logits.dtype == np.float32
     rows = list(csv.DictReader((out / "replicas.csv").open()))
@@ -57,6 +65,12 @@ def test_cli_writes_the_run_folder(run_dir):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["arms"]["control"]["replicas_bitwise_identical"] is True
     assert summary["arms"]["init"]["replicas_bitwise_identical"] is False
+    m = summary["arms"]["init"]["metrics"]
+    for key in ("accuracy", "cross_entropy", "independent_errors_std", "disagreement", "pearson", "spearman",
+                "ensemble_gain_accuracy", "ensemble_gain_cross_entropy", "cka", "weight_distance", "lmc_barrier"):
+        assert key in m, key
+    with np.load(out / "history" / "init.npz") as h:
+        assert h["weight_distance"].shape == (2, 1) and h["train_loss"].shape == (2, 1)
     config = json.loads((out / "config.json").read_text())
     assert config["model"]["name"] == "mlp" and config["study"]["arms"] == ["control", "init"]
 
@@ -88,6 +102,10 @@ def test_rerun_reuses_finished_arms_and_adds_new_ones(run_dir):
     (["--set", "train.epoch=3"], "unknown config key 'train.epoch'"),
     (["--strategy", "fast"], "unknown strategy 'fast'"),
     (["--epochs", "two"], "invalid int value"),
+    (["--preset", "nosuch"], "unknown preset 'nosuch'"),
+    (["--replicas", "1"], "pairwise metrics need at least 2 replicas"),
+    (["--arms", "control,dropout"], "arm 'dropout' varies only dropout"),
+    (["--augment", "off", "--arms", "augmentation"], "arm 'augmentation' varies only augmentation"),
 ])
 def test_bad_input_exits_2_with_one_line(tmp_path, args, message):
     out = tmp_path / "run"
@@ -158,7 +176,42 @@ def test_default_out_depends_on_settings_not_arms():
     assert sweep.default_out(a) == sweep.default_out(b) != sweep.default_out(c)
 
 
-def test_experiment_default_file_is_the_default_config():
-    path = Path(__file__).resolve().parents[1] / "experiments" / "default.yaml"
-    args = sweep.build_parser().parse_args(["--config", str(path)])
-    assert sweep.config_from_args(args) == from_flat({})
+@pytest.mark.parametrize("preset", ["sources", "morin", "bitflip"])
+def test_presets_load_and_name_their_command(preset):
+    path = sweep.preset_path(preset)
+    assert path.read_text().startswith(f"# python -m nondet_jax.sweep --preset {preset}")
+    config = sweep.config_from_args(sweep.build_parser().parse_args(["--preset", preset]))
+    assert "all" in config.study.arms and config.data.name == "digits"
+
+
+def test_no_arguments_means_the_sources_preset():
+    default = sweep.config_from_args(sweep.build_parser().parse_args([]))
+    sources = sweep.config_from_args(sweep.build_parser().parse_args(["--preset", "sources"]))
+    assert default == sources
+    assert default.study.arms == ("control", "init", "data_order", "augmentation", "bitflip", "batch_order", "all")
+
+
+def test_report_rebuilds_from_stored_results(run_dir, tmp_path):
+    out, _ = run_dir
+    summary_before = json.loads((out / "summary.json").read_text())
+    (out / "report.md").unlink()
+    proc = subprocess.run([sys.executable, "-m", "nondet_jax.report", str(out)], capture_output=True, text=True,
+                          env=ENV, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "report.md").is_file() and "acc std %" in proc.stdout
+    after = json.loads((out / "summary.json").read_text())
+    assert after["arms"].keys() == summary_before["arms"].keys()
+    assert after["arms"]["init"]["metrics"] == summary_before["arms"]["init"]["metrics"]
+
+
+@pytest.mark.parametrize("make", ["missing", "empty_run"])
+def test_report_on_folder_without_results_exits_2(tmp_path, make):
+    folder = tmp_path / "x"
+    if make == "empty_run":
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"study": {"arms": ["control"]}}))
+    proc = subprocess.run([sys.executable, "-m", "nondet_jax.report", str(folder)], capture_output=True, text=True,
+                          env=ENV, timeout=300)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1
+    assert ("no finished arms" if make == "empty_run" else "not a nondet_jax run folder") in lines[0]

@@ -11,7 +11,8 @@ from typing import NamedTuple
 import numpy as np
 
 DATASETS = ("digits", "cifar10", "mnist", "fashion_mnist")
-AUGMENT_BY_DEFAULT = ("cifar10",)  # random crop + flip makes sense for natural images only
+AUGMENT_BY_DEFAULT = ("cifar10",)  # random crop (+ flip) is the standard recipe for natural images
+FLIP_BY_DEFAULT = ("cifar10", "fashion_mnist")  # a mirrored digit is another symbol (or none)
 
 
 class Dataset(NamedTuple):

@@ -1,0 +1,338 @@
+"""``python -m nondet_jax.report RUN_DIR``: summary, per-arm table, figures and ``report.md``
+from the stored results of a run folder, without training.
+
+Writes ``summary.json``, ``arms.csv``, ``figures/*.png`` and ``report.md``.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from nondet_jax.config import UsageError
+
+FIGURES = ("accuracy", "spread", "diversity", "divergence", "lmc")
+
+
+def _fmt(x, digits=4) -> str:
+    return "—" if x is None or (isinstance(x, float) and not np.isfinite(x)) else f"{x:.{digits}f}"
+
+
+def _ci(ci, digits=4, scale=1.0) -> str:
+    if not ci or any(c is None or not np.isfinite(c) for c in ci):
+        return ""
+    return f" [{ci[0] * scale:.{digits}f}, {ci[1] * scale:.{digits}f}]"
+
+
+def load_records(run: Path) -> tuple[dict, dict[str, dict]]:
+    """The run's config and the records of its finished arms, in the config's arm order."""
+    cfg_path = run / "config.json"
+    if not run.is_dir() or not cfg_path.exists():
+        raise UsageError(f"{run} is not a nondet_jax run folder (no config.json); pass the --out folder of a sweep")
+    try:
+        config = json.loads(cfg_path.read_text())
+        records = {a: json.loads((run / "arms" / f"{a}.json").read_text()) for a in config["study"]["arms"]
+                   if (run / "arms" / f"{a}.json").exists()}
+    except (OSError, json.JSONDecodeError, KeyError) as e:
+        raise UsageError(f"{run} holds a corrupt result file ({e}); rerun the sweep into a new --out") from None
+    if not records:
+        raise UsageError(f"{run} has no finished arms yet; run the sweep to completion first")
+    return config, records
+
+
+def build_summary(run: Path) -> tuple[dict, dict[str, dict]]:
+    """Per-arm metrics plus each arm's spread relative to the ``all`` arm; and the arm records."""
+    from nondet_jax.analysis import compare_arms
+
+    config, records = load_records(run)
+    env_path = run / "environment.json"
+    env = json.loads(env_path.read_text()) if env_path.exists() else {}
+    return {
+        "study": str(run),
+        "dataset": config["data"]["name"], "model": config["model"]["name"],
+        "epochs": config["train"]["epochs"], "seed": config["study"]["seed"],
+        "backend": env.get("backend"), "device_kind": env.get("device_kind"),
+        "std_ddof": 1, "ci_level": 0.95,
+        "arms": {a: {k: v for k, v in rec.items() if k != "rows"} for a, rec in records.items()},
+        "vs_all": compare_arms(records),
+    }, records
+
+
+def arm_rows(summary: dict) -> list[dict]:
+    """One flat row per arm (the ``arms.csv`` table)."""
+    rows = []
+    for arm, a in summary["arms"].items():
+        m = a["metrics"]
+        row = {"arm": arm, "varied": "+".join(a["varied"]) or "none", "replicas": a["replicas"],
+               "accuracy_mean": m["accuracy"]["mean"], "accuracy_std": m["accuracy"]["std"],
+               "accuracy_std_ci_low": m["accuracy"]["std_ci"][0], "accuracy_std_ci_high": m["accuracy"]["std_ci"][1],
+               "cross_entropy_mean": m["cross_entropy"]["mean"], "cross_entropy_std": m["cross_entropy"]["std"],
+               "cross_entropy_std_ci_low": m["cross_entropy"]["std_ci"][0],
+               "cross_entropy_std_ci_high": m["cross_entropy"]["std_ci"][1],
+               "independent_errors_std": m["independent_errors_std"]}
+        vs = summary["vs_all"].get(arm)
+        for q in ("accuracy", "cross_entropy"):
+            c = vs[q] if vs else {}
+            row.update({f"{q}_std_ratio_vs_all": c.get("ratio"), f"{q}_ratio_ci_low": (c.get("ratio_ci") or [None])[0],
+                        f"{q}_ratio_ci_high": (c.get("ratio_ci") or [None, None])[1],
+                        f"{q}_f_test_p": c.get("f_test_p"), f"{q}_brown_forsythe_p": c.get("brown_forsythe_p"),
+                        f"{q}_replicas_for_80pct_power": c.get("replicas_for_80pct_power")})
+        for name in ("disagreement", "pearson", "spearman", "ensemble_gain_accuracy", "ensemble_gain_cross_entropy",
+                     "cka", "weight_distance", "lmc_barrier"):
+            row[name] = m[name]["mean"] if name in m else None
+        row.update({"strategy": a["strategy"], "seconds": a["seconds"]})
+        rows.append(row)
+    return rows
+
+
+def _write_csv(path: Path, rows: list[dict]) -> None:
+    from nondet_jax.store import atomic_write_bytes
+
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
+    w.writeheader()
+    w.writerows(rows)
+    atomic_write_bytes(path, buf.getvalue().encode())
+
+
+def format_table(summary: dict) -> str:
+    """The main per-arm table (plain text): printed by the sweep, embedded in the report."""
+    head = (f"{'arm':<13}{'R':>3} {'accuracy %':>10} {'acc std % [95% CI]':>22} {'ratio vs all':>12} {'p(F)':>6}"
+            f" {'CE std [95% CI]':>24} {'disagree':>8} {'CKA':>6} {'LMC bar.':>8}")
+    lines = [head, "-" * len(head)]
+    for arm, a in summary["arms"].items():
+        m = a["metrics"]
+        vs = summary["vs_all"].get(arm, {}).get("accuracy", {})
+        acc, ce = m["accuracy"], m["cross_entropy"]
+        lines.append(
+            f"{arm:<13}{a['replicas']:>3} {acc['mean'] * 100:>10.2f} "
+            f"{acc['std'] * 100:>6.2f}{_ci(acc['std_ci'], 2, 100):<16} {_fmt(vs.get('ratio'), 2):>12} "
+            f"{_fmt(vs.get('f_test_p'), 3):>6} {ce['std']:>7.4f}{_ci(ce['std_ci']):<17} "
+            f"{_fmt(m.get('disagreement', {}).get('mean'), 4):>8} {_fmt(m.get('cka', {}).get('mean'), 3):>6} "
+            f"{_fmt(m.get('lmc_barrier', {}).get('mean'), 4):>8}")
+    lines.append("std: sample std over replicas (ddof=1), seeded bootstrap CIs; ratio: accuracy std / the all arm's, "
+                 "two-sided F-test p")
+    return "\n".join(lines)
+
+
+def make_figures(run: Path, summary: dict, records: dict[str, dict]) -> list[str]:
+    """Write the report's figures; returns their paths relative to the run folder."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figdir = run / "figures"
+    figdir.mkdir(exist_ok=True)
+    arms = list(summary["arms"])
+    x = np.arange(len(arms))
+    made = []
+
+    def save(fig, name):
+        from nondet_jax.store import atomic_write_bytes
+
+        buf = io.BytesIO()
+        fig.tight_layout()
+        fig.savefig(buf, format="png", dpi=110)
+        plt.close(fig)
+        atomic_write_bytes(figdir / f"{name}.png", buf.getvalue())
+        made.append(f"figures/{name}.png")
+
+    # 1. accuracy of every replica, per arm (strip + violin)
+    fig, ax = plt.subplots(figsize=(1.3 * len(arms) + 2, 4))
+    accs = [np.array([r["test_accuracy"] for r in records[a]["rows"]]) * 100 for a in arms]
+    if all(len(v) > 1 and np.ptp(v) > 0 for v in accs):
+        ax.violinplot(accs, positions=x, showextrema=False)
+    rng = np.random.default_rng(0)
+    for i, v in enumerate(accs):
+        ax.scatter(i + rng.uniform(-0.12, 0.12, len(v)), v, s=14, alpha=0.8, color="C0")
+        ax.hlines(v.mean(), i - 0.25, i + 0.25, color="k", lw=1.5)
+    ax.set_xticks(x, arms, rotation=30, ha="right")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title("Test accuracy of each replica (line: mean)")
+    save(fig, "accuracy")
+
+    # 2. std with CI bars, accuracy and cross-entropy, with the independent-errors baseline
+    fig, axes = plt.subplots(1, 2, figsize=(2 * (0.8 * len(arms) + 2), 4))
+    for ax, q, scale, label in ((axes[0], "accuracy", 100, "std of test accuracy (%)"),
+                                (axes[1], "cross_entropy", 1, "std of test cross-entropy")):
+        s = np.array([summary["arms"][a]["metrics"][q]["std"] for a in arms]) * scale
+        ci = np.array([summary["arms"][a]["metrics"][q]["std_ci"] for a in arms], dtype=float) * scale
+        err = np.clip(np.abs(np.stack([s - ci[:, 0], ci[:, 1] - s])), 0, None)
+        ax.bar(x, s, yerr=np.nan_to_num(err), capsize=4, color="C1")
+        if q == "accuracy":
+            base = np.array([summary["arms"][a]["metrics"]["independent_errors_std"] for a in arms]) * scale
+            ax.scatter(x, base, marker="_", s=300, color="k", label="test-set sampling alone", zorder=3)
+            ax.legend(fontsize=8)
+        ax.set_xticks(x, arms, rotation=30, ha="right")
+        ax.set_ylabel(label)
+    fig.suptitle("Spread across replicas, with 95% bootstrap CIs")
+    save(fig, "spread")
+
+    # 3. pairwise diversity per arm
+    names = [("disagreement", "pairwise disagreement"), ("cka", "linear CKA of features"),
+             ("ensemble_gain_accuracy", "2-model ensemble gain (accuracy)")]
+    if any("disagreement" in summary["arms"][a]["metrics"] for a in arms):
+        fig, axes = plt.subplots(1, 3, figsize=(3 * (0.7 * len(arms) + 1.8), 4))
+        for ax, (key, label) in zip(axes, names):
+            vals = np.array([summary["arms"][a]["metrics"].get(key, {}).get("mean", np.nan) for a in arms])
+            ci = np.array([summary["arms"][a]["metrics"].get(key, {}).get("ci", [np.nan, np.nan]) for a in arms],
+                          dtype=float)
+            err = np.nan_to_num(np.clip(np.abs(np.stack([vals - ci[:, 0], ci[:, 1] - vals])), 0, None))
+            ax.bar(x, vals, yerr=err, capsize=4, color="C2")
+            ax.set_xticks(x, arms, rotation=30, ha="right")
+            ax.set_title(label, fontsize=10)
+        fig.suptitle("Diversity between replicas (mean over pairs, replica-bootstrap 95% CI)")
+        save(fig, "diversity")
+
+    # 4. weight divergence over training
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    plotted = False
+    for i, a in enumerate(arms):
+        path = run / "history" / f"{a}.npz"
+        if not path.exists():
+            continue
+        with np.load(path) as h:
+            wd = h["weight_distance"] if "weight_distance" in h.files else None
+        if wd is None or wd.shape[1] == 0:
+            continue
+        mean = wd.mean(1)
+        if (mean > 0).any():
+            ax.plot(np.arange(len(mean)), np.where(mean > 0, mean, np.nan), marker="o", ms=3, label=a, color=f"C{i}")
+            plotted = True
+    if plotted:
+        ax.set_yscale("log")
+        ax.set_xlabel("epoch (0 = initial weights)")
+        ax.set_ylabel("||θa − θb|| / ||θa||, mean over pairs")
+        ax.set_title("Weight-space divergence (arms at 0 are not drawn)")
+        ax.legend(fontsize=8)
+        save(fig, "divergence")
+    else:
+        plt.close(fig)
+
+    # 5. LMC error curves
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    plotted = False
+    for i, a in enumerate(arms):
+        path = run / "pairs" / f"{a}.npz"
+        if not path.exists():
+            continue
+        with np.load(path) as p:
+            if "lmc_curves" not in p.files:
+                continue
+            alphas, curves = p["lmc_alphas"], p["lmc_curves"]
+        ax.plot(alphas, curves.mean(0) * 100, marker="o", ms=3, label=a, color=f"C{i}")
+        plotted = True
+    if plotted:
+        ax.set_xlabel("α (weights θb + α(θa − θb); BatchNorm recomputed)")
+        ax.set_ylabel("test error (%), mean over pairs")
+        ax.set_title("Linear interpolation between replicas")
+        ax.legend(fontsize=8)
+        save(fig, "lmc")
+    else:
+        plt.close(fig)
+    return made
+
+
+def _comparison_md(summary: dict) -> list[str]:
+    vs = summary["vs_all"]
+    if not vs:
+        return ["(No `all` arm in this study: no ratios to it.)", ""]
+    lines = ["| arm | accuracy std ratio [95% CI] | F-test p | Brown–Forsythe p | R for 80% power "
+             "| CE std ratio [95% CI] | F-test p | Brown–Forsythe p |", "|---|---|---|---|---|---|---|---|"]
+    for arm, c in vs.items():
+        a, l_ = c["accuracy"], c["cross_entropy"]
+        lines.append(f"| {arm} | {_fmt(a['ratio'], 2)}{_ci(a['ratio_ci'], 2)} | {_fmt(a['f_test_p'], 3)} | "
+                     f"{_fmt(a['brown_forsythe_p'], 3)} | {a['replicas_for_80pct_power'] or '—'} | "
+                     f"{_fmt(l_['ratio'], 2)}{_ci(l_['ratio_ci'], 2)} | {_fmt(l_['f_test_p'], 3)} | "
+                     f"{_fmt(l_['brown_forsythe_p'], 3)} |")
+    return lines + [""]
+
+
+def _findings(summary: dict) -> list[str]:
+    """Plain statements read off the numbers (no tuning, no interpretation beyond the CI)."""
+    vs = summary["vs_all"]
+    out = []
+    for arm, c in vs.items():
+        if arm == "control":
+            continue
+        a = c["accuracy"]
+        lo, hi = a["ratio_ci"]
+        if not np.isfinite(a["ratio"]):
+            continue
+        where = ("includes 1: not distinguishable from all sources together" if lo <= 1 <= hi else
+                 "lies below 1: less spread than all sources together" if hi < 1 else
+                 "lies above 1: more spread than all sources together")
+        out.append(f"- `{arm}`: accuracy std is {a['ratio']:.2f}× the `all` arm's; the 95% CI "
+                   f"[{lo:.2f}, {hi:.2f}] {where} (F-test p = {a['f_test_p']:.3f}).")
+    control = summary["arms"].get("control")
+    if control:
+        same = control.get("replicas_bitwise_identical")
+        out.append(f"- `control` (nothing varies): replicas {'are' if same else 'are NOT'} bitwise identical "
+                   f"on {summary.get('backend')}.")
+    return out
+
+
+def write_report(run: str | Path, command: str | None = None) -> dict:
+    """Rebuild ``summary.json``, ``arms.csv``, figures and ``report.md`` from stored results."""
+    from nondet_jax.store import atomic_write_bytes, atomic_write_json
+
+    run = Path(run)
+    summary, records = build_summary(run)
+    atomic_write_json(run / "summary.json", summary)
+    _write_csv(run / "arms.csv", arm_rows(summary))
+    figures = make_figures(run, summary, records)
+    if command is None and (run / "command.txt").exists():
+        command = (run / "command.txt").read_text().strip()
+    md = [f"# Variability study: {summary['model']} on {summary['dataset']}", ""]
+    if command:
+        md += ["Made by:", "", "```", command, "```", ""]
+    md += [f"{len(summary['arms'])} arms, {summary['epochs']} epochs, seed {summary['seed']}, backend "
+           f"{summary['backend']} ({summary['device_kind']}). Every number below is read from this folder's "
+           "stored results (`python -m nondet_jax.report` rebuilds this page).", "",
+           "## Per-arm table", "", "```", format_table(summary), "```", "",
+           "Full per-arm table: `arms.csv`; one row per replica: `replicas.csv`.", "",
+           "## Spread relative to the `all` arm", "", *_comparison_md(summary),
+           "## What the numbers say", "", *(_findings(summary) or ["- (nothing to compare)"]), "",
+           "## Figures", ""]
+    md += [f"![{Path(f).stem}]({f})" for f in figures]
+    md += ["", "## Definitions", "",
+           "- std: sample standard deviation over replicas (ddof=1); 95% CIs by seeded percentile bootstrap "
+           "(10,000 resamples of replicas).",
+           "- Pairwise metrics (disagreement, Pearson/Spearman of flattened logits, 2-model ensemble gain, linear CKA "
+           "of penultimate features, weight distance ||θa−θb||/||θa||): mean over the R(R−1)/2 pairs; CI by "
+           "bootstrap over replicas.",
+           "- LMC barrier: max over α of test error at θb+α(θa−θb), BatchNorm statistics recomputed on training "
+           "data at each point, minus the mean endpoint error; on disjoint pairs (0,1), (2,3), ...",
+           "- Independent-errors baseline: sqrt(Σ p_i(1−p_i))/n, the accuracy std that test-set sampling alone "
+           "explains (Jordan 2023).",
+           "- Ratio vs all: std(arm)/std(all) with an F-distribution CI, two-sided F-test and Brown–Forsythe "
+           "p-values, and the replicas per arm the F-test needs for 80% power at the observed ratio.", ""]
+    atomic_write_bytes(run / "report.md", "\n".join(md).encode())
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m nondet_jax.report",
+                                description="Rebuild the report of a run folder from its stored results.")
+    p.add_argument("run_dir")
+    args = p.parse_args(argv)
+    try:
+        summary = write_report(args.run_dir)
+    except UsageError as e:
+        print(f"python -m nondet_jax.report: error: {e}", file=sys.stderr)
+        return 2
+    print(format_table(summary))
+    print(f"report: {Path(args.run_dir) / 'report.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

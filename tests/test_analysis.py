@@ -1,0 +1,74 @@
+"""Arm metrics on real trained replicas: LMC with BatchNorm recomputed, zero diversity for control."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import spec_of, tiny_config
+from nondet_jax.analysis import arm_metrics, compare_arms, interpolation_error_fn, lmc_pairs
+from nondet_jax.config import MetricsConfig
+from nondet_jax.replicas import run_replicas
+from nondet_jax.sources import arm_keys, arm_sources, perturbations
+from nondet_jax.train import make_train
+
+
+@pytest.fixture(scope="module")
+def trained(small_digits):
+    config = tiny_config(**{"model.name": "resnet8", "model.width": 0.5, "train.epochs": 2})
+    fns = make_train(config, spec_of(small_digits))
+    out = {}
+    for arm in ("control", "all"):
+        varied = arm_sources(arm)
+        out[arm] = run_replicas(fns, arm_keys(0, varied, 4), perturbations(varied), small_digits, 2, "sequential")
+    return fns, out
+
+
+def test_control_arm_has_zero_diversity_and_zero_barrier(trained, small_digits):
+    fns, res = trained
+    m, arrays = arm_metrics(res["control"], small_digits, fns, MetricsConfig(lmc_pairs=2, lmc_points=5))
+    assert m["accuracy"]["std"] == 0 and m["disagreement"]["mean"] == 0
+    assert m["ensemble_gain_accuracy"]["mean"] == 0 and m["weight_distance"]["mean"] == 0
+    assert m["lmc_barrier"]["values"] == [0.0, 0.0]
+    assert arrays["lmc_curves"].shape == (2, 5)
+    assert np.allclose(m["cka"]["mean"], 1.0)
+
+
+def test_all_arm_metrics_are_populated(trained, small_digits):
+    fns, res = trained
+    m, arrays = arm_metrics(res["all"], small_digits, fns, MetricsConfig(lmc_pairs=1, lmc_points=3))
+    assert m["disagreement"]["mean"] > 0 and m["weight_distance"]["mean"] > 0
+    lo, hi = m["disagreement"]["ci"]
+    assert lo <= m["disagreement"]["mean"] <= hi
+    assert len(arrays["disagreement"]) == 6 and arrays["lmc_pairs"].tolist() == [[0, 1]]
+    assert res["all"].weight_distance.shape == (3, 6) and (res["all"].weight_distance > 0).all()
+
+
+def test_batchnorm_is_recomputed_for_interpolated_weights(trained, small_digits):
+    fns, res = trained
+    state = res["all"].state
+    take = lambda i: jax.tree.map(lambda x: x[i], state.params)  # noqa: E731
+    mid = jax.tree.map(lambda a, b: 0.5 * (a + b), take(0), take(1))
+    bs0 = jax.tree.map(lambda x: x[0], state.batch_stats)
+    x = jnp.asarray(small_digits.x_train)
+    new = fns.recompute_batch_stats(mid, bs0, x)
+    assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(bs0)))
+    # the recomputed mean of the first BatchNorm is the batch mean of the stem convolution's output
+    stem = jax.lax.conv_general_dilated(x, mid["stem_conv"]["kernel"], (1, 1), "SAME",
+                                        dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    np.testing.assert_allclose(new["stem_bn"]["mean"], stem.mean((0, 1, 2)), rtol=1e-4, atol=1e-5)
+    err = interpolation_error_fn(fns, bs0, x, jnp.asarray(small_digits.x_test), small_digits.y_test)
+    assert 0.0 <= err(mid) <= 1.0
+
+
+def test_lmc_pairs_are_disjoint():
+    assert lmc_pairs(7, 5) == [(0, 1), (2, 3), (4, 5)]
+    assert lmc_pairs(8, 2) == [(0, 1), (2, 3)]
+
+
+def test_compare_arms_against_all():
+    rows = lambda v: [{"test_accuracy": a, "test_loss": a * 2} for a in v]  # noqa: E731
+    recs = {"all": {"rows": rows([0.9, 0.92, 0.88, 0.91])}, "init": {"rows": rows([0.9, 0.905, 0.9, 0.895])}}
+    out = compare_arms(recs)
+    assert set(out) == {"init"} and out["init"]["accuracy"]["ratio"] < 1
+    assert compare_arms({"init": recs["init"]}) == {}
