@@ -1,6 +1,13 @@
-"""Provenance of everything that changes bits: versions, backend, devices, XLA flags, PRNG settings.
+"""Everything that changes bits: XLA determinism flags, provenance, and ulp comparisons of pytrees.
 
-(The determinism flags, child-process arms and ulp comparisons of DESIGN.md §2 come later.)
+* :data:`DETERMINISM_ON` / :data:`DETERMINISM_OFF`: the XLA flags that make GPU reductions
+  deterministic, or explicitly allow the nondeterministic kernels. Flags are read when the
+  backend starts, so a process keeps the flags it started with: arms that need other flags run in
+  a child process (:func:`with_flags` builds its ``XLA_FLAGS``). :func:`check_flags` asks a
+  throw-away process whether the installed jaxlib knows them (an unknown flag aborts XLA).
+* :func:`ulp_distance` and :func:`tree_ulp_diff`: how far apart two results are, in units in the
+  last place, per tensor.
+* :func:`environment`: the provenance record written to ``environment.json``.
 """
 
 from __future__ import annotations
@@ -13,6 +20,93 @@ from importlib import metadata
 from pathlib import Path
 
 import jax
+import numpy as np
+
+from nondet_jax.config import UsageError
+
+# Checked against the installed jaxlib by check_flags (all four are known to jaxlib 0.10.2).
+DETERMINISM_ON = (
+    "--xla_gpu_deterministic_ops=true",  # deterministic reductions and scatters
+    "--xla_gpu_exclude_nondeterministic_ops=true",  # refuse kernels that cannot be made deterministic
+    "--xla_gpu_enable_scatter_determinism_expander=true",  # sort-based deterministic scatter-add
+    "--xla_gpu_autotune_level=0",  # no autotuning: the same kernel choice in every process
+)
+DETERMINISM_OFF = (
+    "--xla_gpu_deterministic_ops=false",
+    "--xla_gpu_exclude_nondeterministic_ops=false",
+)
+NONDETERMINISTIC_BACKENDS = ("gpu", "cuda", "rocm")  # where reduction order can change run to run
+
+
+def with_flags(flags, base: str | None = None) -> str:
+    """``XLA_FLAGS`` with ``flags`` set: same-named flags in ``base`` (default: this process's) are replaced."""
+    base = os.environ.get("XLA_FLAGS", "") if base is None else base
+    names = {f.split("=")[0] for f in flags}
+    kept = [f for f in base.split() if f.split("=")[0] not in names]
+    return " ".join(kept + list(flags))
+
+
+def check_flags(flags) -> None:
+    """Raise UsageError when the installed jaxlib does not know one of ``flags``.
+
+    XLA aborts the whole process on an unknown flag, so the check runs in a throw-away child.
+    """
+    env = {**os.environ, "XLA_FLAGS": with_flags(flags), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    if proc.returncode != 0:
+        bad = [ln.split("XLA_FLAGS:")[-1].strip() for ln in proc.stderr.splitlines() if "Unknown flag" in ln]
+        what = f"XLA flag {bad[0]}" if bad else "XLA_FLAGS"
+        raise UsageError(f"{what} is not known to the installed jaxlib {_version('jaxlib')}; remove it from "
+                         "XLA_FLAGS or --xla-flag, or upgrade jaxlib")
+
+
+def _ordered(x: np.ndarray) -> np.ndarray:
+    """Map floats to integers in the same order, adjacent floats to adjacent integers, ±0 to 0."""
+    x = np.asarray(x)
+    if x.dtype.kind != "f" and x.dtype.name != "bfloat16":
+        raise TypeError(f"ulp distance needs floating-point arrays, got {x.dtype}")
+    bits = x.dtype.itemsize * 8
+    i = x.view(f"int{bits}").astype(np.int64)
+    magnitude = np.int64(np.iinfo(f"int{bits}").max)
+    return np.where(i < 0, -(i & magnitude), i)
+
+
+NAN_MISMATCH = np.iinfo(np.uint64).max
+
+
+def ulp_distance(a, b) -> np.ndarray:
+    """Elementwise distance in units in the last place between two float arrays of one dtype.
+
+    Adjacent representable numbers are 1 apart; +0 and -0 are 0 apart; subnormals count like
+    any other step; the largest finite number and infinity are 1 apart. NaN policy: two NaNs
+    (any payload) are 0 apart; a NaN against a number is ``NAN_MISMATCH`` (uint64 max).
+    Returns uint64 (a float64 distance can exceed int64).
+    """
+    a, b = np.asarray(a), np.asarray(b)
+    if a.dtype != b.dtype or a.shape != b.shape:
+        raise ValueError(f"ulp distance needs equal dtypes and shapes, got {a.dtype}{a.shape} and {b.dtype}{b.shape}")
+    oa, ob = _ordered(a), _ordered(b)
+    ua, ub = oa.view(np.uint64), ob.view(np.uint64)
+    d = np.where(oa >= ob, ua - ub, ub - ua)  # modular uint64 difference: exact, as it is < 2**64
+    na, nb = np.isnan(a), np.isnan(b)
+    return np.where(na & nb, np.uint64(0), np.where(na ^ nb, np.uint64(NAN_MISMATCH), d))
+
+
+def tree_ulp_diff(a, b) -> dict[str, dict]:
+    """Per leaf of two pytrees of float arrays: element count, how many differ, largest ulp distance."""
+    from flax import traverse_util
+
+    out = {}
+    fa = traverse_util.flatten_dict(a) if isinstance(a, dict) else dict(enumerate(jax.tree.leaves(a)))
+    fb = traverse_util.flatten_dict(b) if isinstance(b, dict) else dict(enumerate(jax.tree.leaves(b)))
+    if fa.keys() != fb.keys():
+        raise ValueError("the two pytrees have different structures")
+    for k in fa:
+        d = ulp_distance(np.asarray(fa[k]), np.asarray(fb[k]))
+        name = "/".join(k) if isinstance(k, tuple) else str(k)
+        out[name] = {"elements": int(d.size), "differ": int((d != 0).sum()), "max_ulp": int(d.max(initial=0))}
+    return out
 
 
 def _version(pkg: str) -> str | None:

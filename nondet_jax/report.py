@@ -16,7 +16,7 @@ import numpy as np
 
 from nondet_jax.config import UsageError
 
-FIGURES = ("accuracy", "spread", "diversity", "divergence", "lmc")
+LINESTYLES = ("-", "--", ":", "-.")  # arms with equal curves (init and all, say) stay visible
 
 
 def _fmt(x, digits=4) -> str:
@@ -203,7 +203,8 @@ def make_figures(run: Path, summary: dict, records: dict[str, dict]) -> list[str
             continue
         mean = wd.mean(1)
         if (mean > 0).any():
-            ax.plot(np.arange(len(mean)), np.where(mean > 0, mean, np.nan), marker="o", ms=3, label=a, color=f"C{i}")
+            ax.plot(np.arange(len(mean)), np.where(mean > 0, mean, np.nan), marker="o", ms=3, label=a, color=f"C{i}",
+                    ls=LINESTYLES[i % len(LINESTYLES)])
             plotted = True
     if plotted:
         ax.set_yscale("log")
@@ -226,7 +227,7 @@ def make_figures(run: Path, summary: dict, records: dict[str, dict]) -> list[str
             if "lmc_curves" not in p.files:
                 continue
             alphas, curves = p["lmc_alphas"], p["lmc_curves"]
-        ax.plot(alphas, curves.mean(0) * 100, marker="o", ms=3, label=a, color=f"C{i}")
+        ax.plot(alphas, curves.mean(0) * 100, marker="o", ms=3, label=a, color=f"C{i}", ls=LINESTYLES[i % len(LINESTYLES)])
         plotted = True
     if plotted:
         ax.set_xlabel("α (weights θb + α(θa − θb); BatchNorm recomputed)")

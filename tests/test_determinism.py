@@ -1,0 +1,87 @@
+"""ulp distances on hand-made cases, XLA flag handling, provenance."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from nondet_jax import determinism as D
+from nondet_jax.config import UsageError
+
+f32 = np.float32
+
+
+def ulp(a, b, dtype=f32):
+    return int(D.ulp_distance(np.array([a], dtype), np.array([b], dtype))[0])
+
+
+def test_adjacent_floats_are_one_ulp_apart():
+    x = f32(1.0)
+    assert ulp(x, np.nextafter(x, f32(2))) == 1
+    assert ulp(x, np.nextafter(np.nextafter(x, f32(2)), f32(2))) == 2
+    assert ulp(-x, np.nextafter(-x, f32(-2))) == 1
+    assert ulp(x, x) == 0
+
+
+def test_signed_zeros_and_crossing_zero():
+    assert ulp(0.0, -0.0) == 0
+    tiny = np.nextafter(f32(0), f32(1))  # smallest subnormal
+    assert ulp(tiny, -tiny) == 2 and ulp(-0.0, tiny) == 1
+
+
+def test_subnormals_count_like_any_step():
+    smallest_normal = np.finfo(f32).tiny
+    largest_subnormal = np.nextafter(smallest_normal, f32(0))
+    assert ulp(largest_subnormal, smallest_normal) == 1
+    assert ulp(0.0, smallest_normal) == 2 ** 23
+
+
+def test_infinities_and_nan_policy():
+    big = np.finfo(f32).max
+    assert ulp(big, np.inf) == 1 and ulp(-np.inf, -big) == 1 and ulp(np.inf, np.inf) == 0
+    assert ulp(np.nan, np.nan) == 0  # two NaNs count as equal, whatever their payloads
+    assert ulp(np.nan, 1.0) == D.NAN_MISMATCH and ulp(1.0, np.nan) == D.NAN_MISMATCH
+
+
+def test_float64_and_bfloat16():
+    assert ulp(1.0, np.nextafter(1.0, 2.0), np.float64) == 1
+    assert ulp(-np.finfo(np.float64).max, np.finfo(np.float64).max, np.float64) > 2 ** 63
+    b = np.array([1.0], ml_dtypes.bfloat16)
+    nxt = (b.view(np.uint16) + 1).view(ml_dtypes.bfloat16)
+    assert int(D.ulp_distance(b, nxt)[0]) == 1
+
+
+def test_ulp_distance_rejects_mismatches():
+    with pytest.raises(ValueError):
+        D.ulp_distance(np.zeros(2, f32), np.zeros(2, np.float64))
+    with pytest.raises(TypeError):
+        D.ulp_distance(np.zeros(2, np.int32), np.zeros(2, np.int32))
+
+
+def test_tree_ulp_diff_reports_per_tensor():
+    a = {"layer": {"kernel": np.ones((2, 3), f32), "bias": np.zeros(3, f32)}}
+    b = {"layer": {"kernel": np.ones((2, 3), f32).copy(), "bias": np.zeros(3, f32)}}
+    b["layer"]["kernel"][1, 2] = np.nextafter(f32(1), f32(0))
+    b["layer"]["kernel"][0, 0] = np.nextafter(np.nextafter(f32(1), f32(2)), f32(2))
+    out = D.tree_ulp_diff(a, b)
+    assert out["layer/kernel"] == {"elements": 6, "differ": 2, "max_ulp": 2}
+    assert out["layer/bias"] == {"elements": 3, "differ": 0, "max_ulp": 0}
+
+
+def test_with_flags_replaces_same_named_flags():
+    base = "--xla_gpu_deterministic_ops=false --xla_dump_to=/tmp/x"
+    got = D.with_flags(D.DETERMINISM_ON, base)
+    assert "--xla_dump_to=/tmp/x" in got and "--xla_gpu_deterministic_ops=true" in got
+    assert "--xla_gpu_deterministic_ops=false" not in got
+
+
+def test_known_flags_pass_and_unknown_flag_is_a_clear_error():
+    D.check_flags(D.DETERMINISM_ON + D.DETERMINISM_OFF)
+    with pytest.raises(UsageError, match="XLA flag --xla_no_such_flag=1 is not known to the installed jaxlib"):
+        D.check_flags(["--xla_no_such_flag=1"])
+
+
+def test_environment_records_what_changes_bits():
+    env = D.environment()
+    for key in ("xla_flags", "prng_impl", "jax_threefry_partitionable", "backend", "device_kind", "versions"):
+        assert key in env
+    assert env["versions"]["jax"]
