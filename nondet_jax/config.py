@@ -62,6 +62,7 @@ class StudyConfig:
     replicas: int = 6
     seed: int = 0
     strategy: str = "auto"  # auto | vmap | sequential
+    xla_determinism: bool = True  # CLI: XLA's determinism flags on (hardware arms run without them)
 
 
 @dataclasses.dataclass(frozen=True)

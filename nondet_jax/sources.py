@@ -16,7 +16,9 @@ Two kinds of source:
   frozen they are the identity (no weight nudged, minibatches in their natural order), so an arm
   that varies neither trains exactly the unperturbed model.
 
-``hardware`` (the backend's own nondeterminism) is declared but not implemented yet.
+``hardware`` (the backend's own nondeterminism) has no key: an arm that varies it runs in a
+child process with XLA's determinism flags off (``sweep.run``), all its seeds as the other
+sources of the arm say. ``all`` varies every *seeded* source; add ``+hardware`` to include it.
 
 Example::
 
@@ -76,22 +78,21 @@ def perturbations(varied: frozenset[str]) -> Perturbations:
 def arm_sources(arm: str) -> frozenset[str]:
     """The sources an arm varies.
 
-    ``control`` varies nothing, ``all`` every implemented source, a source name only that source,
-    and ``a+b`` the union of its parts.
+    ``control`` varies nothing, ``all`` every seeded source (not ``hardware``), a source name only
+    that source, and ``a+b`` the union of its parts (``all+hardware`` for everything).
     """
     if arm == "control":
         return frozenset()
-    if arm == "all":
-        return frozenset(IMPLEMENTED)
-    parts = arm.split("+")
-    for p in parts:
-        if p == "hardware":
-            raise UsageError("source 'hardware' is declared but not implemented yet; "
-                             f"use one of: control, all, {', '.join(IMPLEMENTED)}")
-        if p not in IMPLEMENTED:
+    varied: set[str] = set()
+    for p in arm.split("+"):
+        if p == "all":
+            varied.update(IMPLEMENTED)
+        elif p in SOURCES:
+            varied.add(p)
+        else:
             raise UsageError(f"unknown arm or source '{p}'; use control, all, one of "
-                             f"{', '.join(IMPLEMENTED)}, or a '+'-joined combination")
-    return frozenset(parts)
+                             f"{', '.join(SOURCES)}, or a '+'-joined combination")
+    return frozenset(varied)
 
 
 def stream(seed: int, source: str) -> jax.Array:

@@ -87,9 +87,10 @@ def _config_diff(a: dict, b: dict) -> list[str]:
 class RunStore:
     """An open run folder. Use as a context manager: it holds the folder's lock while open."""
 
-    def __init__(self, out: str | Path, config: Config):
+    def __init__(self, out: str | Path, config: Config, locked_by_parent: bool = False):
         self.root = Path(out)
         self.config = config
+        self.locked_by_parent = locked_by_parent  # a child process writing under its parent's lock
         self._lock_fd: int | None = None
 
     def __enter__(self) -> "RunStore":
@@ -102,6 +103,8 @@ class RunStore:
     def open(self) -> None:
         """Check the folder can take this config, take the lock, write ``config.json``."""
         root = self.root
+        if self.locked_by_parent:
+            return
         if root.exists() and not root.is_dir():
             raise UsageError(f"--out {root} is a file, not a folder; choose another --out")
         cfg_path = root / "config.json"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -17,6 +18,8 @@ import numpy as np
 
 from nondet_jax import config as cfg
 from nondet_jax.config import Config, UsageError
+
+CHILD_ENV = "NONDET_JAX_CHILD"  # set by the sweep in the processes it starts for an arm
 
 # CLI flag -> dotted config key
 FLAGS = {
@@ -127,22 +130,9 @@ class Progress:
         return lambda n: self._bar.advance(task, n)
 
 
-def run(config: Config, out: str | Path | None = None, progress: bool | None = None, log=print,
-        command: str | None = None) -> dict:
-    """Run a study: train every arm not yet finished in ``out``, then write the report.
-
-    Returns the summary (also in ``summary.json``). Raises UsageError on bad input before
-    anything is written.
-    """
-    import jax
-
-    from nondet_jax.analysis import arm_metrics
+def prepare(config: Config):
+    """Validate against the data and build the training functions: (data, fns). Writes nothing."""
     from nondet_jax.data import load_dataset
-    from nondet_jax.determinism import environment
-    from nondet_jax.replicas import resolve_strategy, run_replicas
-    from nondet_jax.report import format_table, write_report
-    from nondet_jax.sources import arm_keys, arm_sources, perturbations
-    from nondet_jax.store import RunStore, atomic_write_bytes, flatten_tree
     from nondet_jax.train import DataSpec, make_train
 
     cfg.validate(config)
@@ -152,13 +142,91 @@ def run(config: Config, out: str | Path | None = None, progress: bool | None = N
         raise UsageError(f"batch size {config.train.batch_size} is larger than the {n_train} training examples of "
                          f"{data.name}; use --batch-size {n_train} or less")
     check_arms_active(config, data.name, data.x_train.shape[1])
-    out = Path(out) if out is not None else default_out(config)
+    spec = DataSpec(n_train, tuple(data.x_train.shape[1:]), data.num_classes, data.name)
+    return data, make_train(config, spec)
+
+
+def train_arm(config: Config, data, fns, store, arm: str, progress, log=print) -> dict:
+    """Train one arm in this process, compute its metrics and store it; returns its record."""
+    from nondet_jax.analysis import arm_metrics
+    from nondet_jax.replicas import resolve_strategy, run_replicas
+    from nondet_jax.sources import arm_keys, arm_sources, perturbations
+    from nondet_jax.store import flatten_tree
+
     study = config.study
     strategy, reason = resolve_strategy(study.strategy, study.replicas)
-    spec = DataSpec(n_train, tuple(data.x_train.shape[1:]), data.num_classes, data.name)
-    fns = make_train(config, spec)
+    varied = arm_sources(arm)
+    result = run_replicas(fns, arm_keys(study.seed, varied, study.replicas), perturbations(varied), data,
+                          config.train.epochs, strategy, progress)
+    metrics, pair_arrays = arm_metrics(result, data, fns, config.metrics)
+    record = arm_record(arm, result, data.y_test, reason, metrics)
+    store.save_arm(arm, record, result.logits.astype(np.float32), result.features.astype(np.float32),
+                   {"train_loss": result.train_loss, "train_accuracy": result.train_accuracy,
+                    "weight_distance": result.weight_distance},
+                   {**{f"params/{k}": v for k, v in flatten_tree(result.state.params).items()},
+                    **{f"batch_stats/{k}": v for k, v in flatten_tree(result.state.batch_stats).items()}},
+                   pair_arrays)
+    return record
+
+
+def run_in_child(out: Path, arm: str, flags) -> None:
+    """Train ``arm`` in a fresh process whose XLA_FLAGS carry ``flags`` (read at backend start);
+    it writes into the same run folder, under the lock this process holds."""
+    import subprocess
+
+    from nondet_jax.determinism import with_flags
+
+    env = {**os.environ, "XLA_FLAGS": with_flags(flags), CHILD_ENV: "1"}
+    proc = subprocess.run([sys.executable, "-m", "nondet_jax.sweep", "--out", str(out), "--child-arm", arm], env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the child process training arm '{arm}' failed with exit status {proc.returncode}; "
+                           "its output is above; finished arms are kept")
+
+
+def child_main(out: str, arm: str, progress: bool) -> int:
+    """Entry of a child process: train one arm of the run folder's config under this process's flags."""
+    from nondet_jax.determinism import environment
+    from nondet_jax.store import RunStore
+
+    if os.environ.get(CHILD_ENV) != "1":
+        raise UsageError("--child-arm is internal: the sweep starts such processes itself")
+    config = cfg.from_dict(json.loads((Path(out) / "config.json").read_text()))
+    data, fns = prepare(config)
+    with RunStore(out, config, locked_by_parent=True) as store:
+        env = environment()
+        env["arm"] = arm
+        store.write_json(f"environments/{arm}.json", env)
+        with Progress(progress) as bar:
+            train_arm(config, data, fns, store, arm, bar.arm(arm, config.study.replicas * config.train.epochs))
+    return 0
+
+
+def run(config: Config, out: str | Path | None = None, progress: bool | None = None, log=print,
+        command: str | None = None) -> dict:
+    """Run a study: train every arm not yet finished in ``out``, then write the report.
+
+    Arms that vary ``hardware`` run in a child process with XLA's determinism flags off; the
+    others run here, under this process's flags. Returns the summary (also in ``summary.json``).
+    Raises UsageError on bad input before anything is written.
+    """
+    import jax
+
+    from nondet_jax.determinism import DETERMINISM_OFF, NONDETERMINISTIC_BACKENDS, check_flags, environment
+    from nondet_jax.replicas import resolve_strategy
+    from nondet_jax.report import format_table, write_report
+    from nondet_jax.sources import arm_sources
+    from nondet_jax.store import RunStore, atomic_write_bytes
+
+    data, fns = prepare(config)
+    study = config.study
+    hardware_arms = [a for a in study.arms if "hardware" in arm_sources(a)]
+    if hardware_arms:
+        check_flags(DETERMINISM_OFF)
+    out = Path(out) if out is not None else default_out(config)
+    strategy, reason = resolve_strategy(study.strategy, study.replicas)
     if progress is None:
         progress = sys.stderr.isatty()
+    backend = jax.default_backend()
 
     with RunStore(out, config) as store:
         env = environment()
@@ -168,27 +236,26 @@ def run(config: Config, out: str | Path | None = None, progress: bool | None = N
         if command:
             atomic_write_bytes(out / "command.txt", (command + "\n").encode())
         log(f"nondet_jax: {len(study.arms)} arms x {study.replicas} replicas of {config.model.name} on {data.name} "
-            f"({n_train} train / {len(data.x_test)} test), {config.train.epochs} epochs, strategy {strategy} "
-            f"on {jax.default_backend()} -> {out}")
+            f"({len(data.x_train)} train / {len(data.x_test)} test), {config.train.epochs} epochs, strategy "
+            f"{strategy} on {backend} -> {out}")
+        if hardware_arms and backend not in NONDETERMINISTIC_BACKENDS:
+            log(f"note: {backend} reductions are deterministic, so arm(s) {', '.join(hardware_arms)} check that "
+                "(replicas must come out bitwise identical even with XLA's determinism flags off); batch_order is "
+                "the simulated counterpart of hardware nondeterminism here")
         with Progress(progress) as bar:
             for arm in study.arms:
                 if store.arm_done(arm):
                     log(f"arm {arm}: already finished in {out}, reusing it")
                     continue
-                varied = arm_sources(arm)
-                result = run_replicas(fns, arm_keys(study.seed, varied, study.replicas), perturbations(varied),
-                                      data, config.train.epochs, strategy,
-                                      bar.arm(arm, study.replicas * config.train.epochs))
-                metrics, pair_arrays = arm_metrics(result, data, fns, config.metrics)
-                record = arm_record(arm, result, data.y_test, reason, metrics)
-                store.save_arm(arm, record, result.logits.astype(np.float32), result.features.astype(np.float32),
-                               {"train_loss": result.train_loss, "train_accuracy": result.train_accuracy,
-                                "weight_distance": result.weight_distance},
-                               {**{f"params/{k}": v for k, v in flatten_tree(result.state.params).items()},
-                                **{f"batch_stats/{k}": v for k, v in flatten_tree(result.state.batch_stats).items()}},
-                               pair_arrays)
+                if arm in hardware_arms:
+                    log(f"arm {arm}: training in a child process with XLA_FLAGS {' '.join(DETERMINISM_OFF)}")
+                    run_in_child(out, arm, DETERMINISM_OFF)
+                    record = store.load_arm(arm)
+                else:
+                    record = train_arm(config, data, fns, store, arm,
+                                       bar.arm(arm, study.replicas * config.train.epochs), log)
                 if not progress:
-                    acc = metrics["accuracy"]
+                    acc = record["metrics"]["accuracy"]
                     log(f"arm {arm}: test accuracy {acc['mean']:.4f} +- {acc['std']:.4f}, {record['seconds']:.1f} s")
         all_arms = json.loads((out / "config.json").read_text())["study"]["arms"]
         store.write_rows([row for a in all_arms if store.arm_done(a) for row in store.load_arm(a)["rows"]])
@@ -196,7 +263,7 @@ def run(config: Config, out: str | Path | None = None, progress: bool | None = N
     log(format_table(summary))
     log(f"report: {out / 'report.md'}")
     control = summary["arms"].get("control")
-    if control and not control["replicas_bitwise_identical"] and jax.default_backend() == "cpu":
+    if control and not control["replicas_bitwise_identical"] and backend == "cpu":
         log("WARNING: the control arm's replicas are not bitwise identical on CPU: the backend or the "
             "strategy is not deterministic here (see environment.json)")
     return summary
@@ -231,6 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config key, e.g. --set optim.nesterov=true (repeatable)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
+    p.add_argument("--child-arm", help=argparse.SUPPRESS)
     return p
 
 
@@ -250,10 +318,15 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    progress = False if args.no_progress else None
     try:
+        if args.child_arm:
+            return child_main(args.out, args.child_arm, progress if progress is not None else sys.stderr.isatty())
         config = config_from_args(args)
+        if config.study.xla_determinism:
+            set_determinism_flags()
         command = "python -m nondet_jax.sweep" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
-        run(config, args.out, progress=False if args.no_progress else None, command=command)
+        run(config, args.out, progress=progress, command=command)
     except UsageError as e:
         print(f"python -m nondet_jax.sweep: error: {e}", file=sys.stderr)
         return 2
@@ -261,7 +334,20 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted: finished arms are kept in the run folder; rerun the same command to resume",
               file=sys.stderr)
         return 130
+    except RuntimeError as e:
+        print(f"python -m nondet_jax.sweep: {e}", file=sys.stderr)
+        return 1
     return 0
+
+
+def set_determinism_flags() -> None:
+    """Put XLA's determinism flags into this process's XLA_FLAGS before the backend starts, so
+    that arms run here are deterministic on GPU too (only ``hardware`` arms run without them)."""
+    from nondet_jax.determinism import DETERMINISM_ON, check_flags, with_flags
+
+    if with_flags(DETERMINISM_ON) != os.environ.get("XLA_FLAGS", ""):
+        check_flags(DETERMINISM_ON)
+        os.environ["XLA_FLAGS"] = with_flags(DETERMINISM_ON)
 
 
 if __name__ == "__main__":

@@ -63,8 +63,10 @@ def test_arm_names():
     assert arm_sources("init+dropout") == frozenset({"init", "dropout"})
     with pytest.raises(UsageError, match="unknown arm or source 'nosuch'"):
         arm_sources("nosuch")
-    with pytest.raises(UsageError, match="hardware"):
-        arm_sources("hardware")
+    assert arm_sources("hardware") == frozenset({"hardware"})
+    assert arm_sources("all+hardware") == frozenset(sources.SOURCES)
+    with pytest.raises(UsageError, match="unknown arm or source 'cosmic_rays'"):
+        arm_sources("init+cosmic_rays")
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -94,7 +94,7 @@ def test_rerun_reuses_finished_arms_and_adds_new_ones(run_dir):
 
 @pytest.mark.parametrize("args,message", [
     (["--arms", "control,nosuch"], "unknown arm or source 'nosuch'"),
-    (["--arms", "hardware"], "hardware"),
+    (["--arms", "init+cosmic_rays"], "unknown arm or source 'cosmic_rays'"),
     (["--model", "resnet99"], "unknown model 'resnet99'"),
     (["--dataset", "imagenet"], "unknown dataset 'imagenet'"),
     (["--batch-size", "5000"], "batch size 5000 is larger than the 1437 training examples"),
@@ -215,3 +215,30 @@ def test_report_on_folder_without_results_exits_2(tmp_path, make):
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 2 and len(lines) == 1
     assert ("no finished arms" if make == "empty_run" else "not a nondet_jax run folder") in lines[0]
+
+
+def test_hardware_arm_trains_in_a_child_process_with_determinism_off(tmp_path):
+    from nondet_jax.determinism import DETERMINISM_OFF, DETERMINISM_ON
+
+    out = tmp_path / "hw"
+    proc = cli(*FAST, "--arms", "control,hardware", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "child process" in proc.stdout and "batch_order is the simulated counterpart" in proc.stdout
+    child_env = json.loads((out / "environments" / "hardware.json").read_text())
+    parent_env = json.loads((out / "environment.json").read_text())
+    assert all(f in child_env["xla_flags"].split() for f in DETERMINISM_OFF)
+    assert all(f in parent_env["xla_flags"].split() for f in DETERMINISM_ON)
+    summary = json.loads((out / "summary.json").read_text())
+    # CPU is deterministic even with the determinism flags off: verified, not assumed
+    assert summary["arms"]["hardware"]["replicas_bitwise_identical"] is True
+    assert np.array_equal(np.load(out / "logits" / "hardware.npy"), np.load(out / "logits" / "control.npy"))
+
+
+def test_unknown_xla_flag_is_a_clear_error(tmp_path):
+    env = {**ENV, "XLA_FLAGS": "--xla_no_such_flag=1"}
+    proc = subprocess.run([sys.executable, "-m", "nondet_jax.sweep", *FAST, "--out", str(tmp_path / "x")],
+                          capture_output=True, text=True, env=env, timeout=300)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1
+    assert "XLA flag --xla_no_such_flag=1 is not known to the installed jaxlib" in lines[0]
+    assert not (tmp_path / "x").exists()

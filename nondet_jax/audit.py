@@ -1,0 +1,147 @@
+"""``python -m nondet_jax.audit``: is training bitwise reproducible here? A per-tensor answer.
+
+Runs N training steps twice from the same weights, keys and data, compares the two results
+tensor by tensor (how many elements differ, the largest distance in ulps), first under this
+process's XLA flags, then in a child process with XLA's determinism flags on. A run that is
+declared deterministic (determinism flags on, or a backend whose reductions are deterministic,
+as CPU) and still differs makes the exit status 1.
+
+``--perturb batch_order`` makes the second run permute every minibatch: the reduction order
+changes and the audit must find differences (a check that it can see them at all).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+from nondet_jax import config as cfg
+from nondet_jax.config import Config, UsageError
+
+
+def audit_run(config: Config, steps: int, perturb: str | None = None) -> dict:
+    """Train ``steps`` steps twice in this process and compare the results per tensor."""
+    import jax
+    import jax.numpy as jnp
+
+    from nondet_jax.data import load_dataset
+    from nondet_jax.determinism import DETERMINISM_ON, NONDETERMINISTIC_BACKENDS, environment, tree_ulp_diff
+    from nondet_jax.sources import arm_keys, arm_sources, perturbations, replica_slice
+    from nondet_jax.train import DataSpec, make_train
+
+    data = load_dataset(config.data.name, config.data.data_dir)
+    b = config.train.batch_size
+    if steps * b > len(data.x_train):
+        raise UsageError(f"{steps} steps of batch {b} need {steps * b} training examples, {data.name} has "
+                         f"{len(data.x_train)}; use fewer --steps or a smaller --batch-size")
+    x, y = jnp.asarray(data.x_train[: steps * b]), jnp.asarray(data.y_train[: steps * b])
+    fns = make_train(config, DataSpec(steps * b, tuple(x.shape[1:]), data.num_classes, data.name))
+    init, epoch = jax.jit(fns.init), jax.jit(fns.train_epoch)
+
+    def train(arm: str):
+        varied = arm_sources(arm)
+        keys, p = replica_slice(arm_keys(config.study.seed, varied, 1), 0), perturbations(varied)
+        state, _ = epoch(init(keys, p, x), x, y, keys, p, jnp.int32(0))
+        return jax.device_get({"params": state.params, "batch_stats": state.batch_stats})
+
+    first, second = train("control"), train(perturb or "control")
+    tensors = tree_ulp_diff(first, second)
+    flags = os.environ.get("XLA_FLAGS", "")
+    backend = jax.default_backend()
+    declared = backend not in NONDETERMINISTIC_BACKENDS or all(f in flags.split() for f in DETERMINISM_ON)
+    differ = sum(t["differ"] for t in tensors.values())
+    env = environment()
+    return {"xla_flags": flags, "backend": backend, "device_kind": env["device_kind"], "steps": steps,
+            "perturb": perturb, "declared_deterministic": declared, "elements": sum(t["elements"] for t in tensors.values()),
+            "differ": differ, "max_ulp": max(t["max_ulp"] for t in tensors.values()),
+            "bitwise_identical": differ == 0, "tensors": tensors}
+
+
+def audit_in_child(args: list[str], flags) -> dict:
+    """Run the audit in a child process whose XLA_FLAGS carry ``flags``; return its result."""
+    from nondet_jax.determinism import check_flags, with_flags
+
+    check_flags(flags)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "child.json"
+        env = {**os.environ, "XLA_FLAGS": with_flags(flags)}
+        proc = subprocess.run([sys.executable, "-m", "nondet_jax.audit", *args, "--child-json", str(out)],
+                              env=env, capture_output=True, text=True)
+        if proc.returncode != 0 or not out.exists():
+            tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise RuntimeError(f"the audit's child process failed (exit {proc.returncode}): {tail}")
+        return json.loads(out.read_text())
+
+
+def format_run(title: str, run: dict) -> str:
+    lines = [f"{title}: backend {run['backend']}, XLA_FLAGS '{run['xla_flags']}', {run['steps']} steps"
+             + (f", second run perturbed by {run['perturb']}" if run["perturb"] else ""),
+             f"  {'tensor':<48} {'elements':>9} {'differ':>8} {'max ulp':>10}"]
+    for name, t in run["tensors"].items():
+        lines.append(f"  {name:<48} {t['elements']:>9} {t['differ']:>8} {t['max_ulp']:>10}")
+    verdict = "bitwise identical" if run["bitwise_identical"] else f"{run['differ']} of {run['elements']} elements differ"
+    lines.append(f"  => {verdict}; declared deterministic: {run['declared_deterministic']}")
+    return "\n".join(lines)
+
+
+def failed(run: dict) -> bool:
+    """A run declared deterministic that is not (perturbed runs are meant to differ)."""
+    return run["declared_deterministic"] and not run["perturb"] and not run["bitwise_identical"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m nondet_jax.audit", description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=5, help="training steps per run (default 5)")
+    p.add_argument("--model", default="resnet8")
+    p.add_argument("--dataset", default="digits")
+    p.add_argument("--data-dir")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--perturb", choices=["batch_order"], help="perturb the second run's reduction order")
+    p.add_argument("--json", help="write the result here")
+    p.add_argument("--no-child", action="store_true", help="skip the run with determinism flags on")
+    p.add_argument("--child-json", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    raw = list(argv if argv is not None else sys.argv[1:])
+    try:
+        if args.steps < 1:
+            raise UsageError(f"--steps must be >= 1, got {args.steps}")
+        config = cfg.from_flat({"model.name": args.model, "data.name": args.dataset, "data.data_dir": args.data_dir,
+                                "train.batch_size": args.batch_size, "train.epochs": 1, "study.seed": args.seed,
+                                "study.replicas": 1, "metrics.pairwise": False})
+        if args.child_json:
+            Path(args.child_json).write_text(json.dumps(audit_run(config, args.steps, args.perturb)))
+            return 0
+        from nondet_jax.determinism import DETERMINISM_ON
+
+        runs = {"current flags": audit_run(config, args.steps, args.perturb)}
+        if not args.no_child:
+            child_args = [a for a in raw if a not in ("--no-child",)]
+            if "--json" in child_args:
+                i = child_args.index("--json")
+                del child_args[i:i + 2]
+            runs["determinism flags on (child process)"] = audit_in_child(child_args, DETERMINISM_ON)
+    except UsageError as e:
+        print(f"python -m nondet_jax.audit: error: {e}", file=sys.stderr)
+        return 2
+    for title, run in runs.items():
+        print(format_run(title, run))
+    if args.json:
+        from nondet_jax.store import atomic_write_json
+
+        atomic_write_json(Path(args.json), {"runs": runs})
+    bad = [t for t, r in runs.items() if failed(r)]
+    if bad:
+        print(f"NOT DETERMINISTIC although declared so: {', '.join(bad)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
