@@ -63,6 +63,7 @@ class StudyConfig:
     seed: int = 0
     strategy: str = "auto"  # auto | vmap | sequential
     xla_determinism: bool = True  # CLI: XLA's determinism flags on (hardware arms run without them)
+    dynamics_every: int = 0  # > 0: trace replicas 0 and 1 of each arm every k steps (nondet_jax.dynamics)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,6 +236,8 @@ def validate(config: Config) -> None:
         raise UsageError(f"batch sizes must be >= 1, got {t.batch_size}; use e.g. --batch-size 128")
     if s.replicas < 1:
         raise UsageError(f"replicas must be >= 1, got {s.replicas}; use e.g. --replicas 8")
+    if s.dynamics_every < 0:
+        raise UsageError(f"study.dynamics_every must be >= 0 (0 = off), got {s.dynamics_every}")
     if s.strategy not in STRATEGIES:
         raise UsageError(f"unknown strategy '{s.strategy}'; choose one of: {', '.join(STRATEGIES)}")
     mc = config.metrics

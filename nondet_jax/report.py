@@ -216,7 +216,27 @@ def make_figures(run: Path, summary: dict, records: dict[str, dict]) -> list[str
     else:
         plt.close(fig)
 
-    # 5. LMC error curves
+    # 5. divergence dynamics of replicas 0 and 1, every k steps
+    traces = {a: run / "dynamics" / f"{a}.npz" for a in arms if (run / "dynamics" / f"{a}.npz").exists()}
+    if traces:
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
+        for i, (a, path) in enumerate(traces.items()):
+            with np.load(path) as t:
+                step, wd, dis = t["step"], t["weight_distance"], t["disagreement"]
+            style = {"color": f"C{arms.index(a)}", "ls": LINESTYLES[i % len(LINESTYLES)], "label": a}
+            ax1.plot(step, np.where(wd > 0, wd, np.nan), **style)
+            ax2.plot(step, dis * 100, **style)
+        ax1.set_yscale("log")
+        ax1.set_xlabel("training step")
+        ax1.set_ylabel("||θ0 − θ1|| / ||θ0||")
+        ax1.set_title("Weight distance of replicas 0 and 1")
+        ax2.set_xlabel("training step")
+        ax2.set_ylabel("prediction disagreement on probe images (%)")
+        ax2.set_title("Disagreement of replicas 0 and 1")
+        ax1.legend(fontsize=8)
+        save(fig, "dynamics")
+
+    # 6. LMC error curves
     fig, ax = plt.subplots(figsize=(6.5, 4))
     plotted = False
     for i, a in enumerate(arms):
@@ -255,6 +275,22 @@ def _comparison_md(summary: dict) -> list[str]:
     return lines + [""]
 
 
+def _dynamics_md(summary: dict) -> list[str]:
+    rows = [(a, r["dynamics"]) for a, r in summary["arms"].items() if "dynamics" in r]
+    if not rows:
+        return []
+    lines = ["## Divergence dynamics", "",
+             "Replicas 0 and 1 of each arm, traced every k steps; growth rate λ of the weight distance fitted as "
+             "log d = log d0 + λ·step over the early phase (until half the largest distance), ± its standard error.",
+             "", "| arm | every k steps | λ per step ± s.e. | fitted steps | points |", "|---|---|---|---|---|"]
+    for a, d in rows:
+        w = d["window"]
+        lines.append(f"| {a} | {d['every']} | {_fmt(d['rate_per_step'], 4)} ± {_fmt(d['stderr'], 4)} | "
+                     f"{_fmt(w[0], 0) if w[0] is not None else '—'}–{_fmt(w[1], 0) if w[1] is not None else '—'} | "
+                     f"{d['points']} |")
+    return lines + [""]
+
+
 def _findings(summary: dict) -> list[str]:
     """Plain statements read off the numbers (no tuning, no interpretation beyond the CI)."""
     vs = summary["vs_all"]
@@ -271,11 +307,16 @@ def _findings(summary: dict) -> list[str]:
                  "lies above 1: more spread than all sources together")
         out.append(f"- `{arm}`: accuracy std is {a['ratio']:.2f}× the `all` arm's; the 95% CI "
                    f"[{lo:.2f}, {hi:.2f}] {where} (F-test p = {a['f_test_p']:.3f}).")
-    control = summary["arms"].get("control")
-    if control:
-        same = control.get("replicas_bitwise_identical")
-        out.append(f"- `control` (nothing varies): replicas {'are' if same else 'are NOT'} bitwise identical "
-                   f"on {summary.get('backend')}.")
+    for arm in ("control", "hardware"):
+        rec = summary["arms"].get(arm)
+        if rec:
+            same = rec.get("replicas_bitwise_identical")
+            what = "nothing varies" if arm == "control" else "seeds fixed, XLA determinism flags off"
+            out.append(f"- `{arm}` ({what}): replicas {'are' if same else 'are NOT'} bitwise identical "
+                       f"on {summary.get('backend')}.")
+    if "hardware" in summary["arms"] and summary["arms"]["hardware"].get("replicas_bitwise_identical"):
+        out.append(f"- {summary.get('backend')} gave no hardware nondeterminism to measure: `batch_order` (the order "
+                   "of examples, hence of floating-point reductions, inside each minibatch) is its simulated stand-in.")
     return out
 
 
@@ -300,6 +341,7 @@ def write_report(run: str | Path, command: str | None = None) -> dict:
            "Full per-arm table: `arms.csv`; one row per replica: `replicas.csv`.", "",
            "## Spread relative to the `all` arm", "", *_comparison_md(summary),
            "## What the numbers say", "", *(_findings(summary) or ["- (nothing to compare)"]), "",
+           *_dynamics_md(summary),
            "## Figures", ""]
     md += [f"![{Path(f).stem}]({f})" for f in figures]
     md += ["", "## Definitions", "",

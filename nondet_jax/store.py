@@ -13,6 +13,8 @@ Layout::
                              weight distance at init and after each epoch (epochs + 1, pairs)
     <out>/weights/<arm>.npz  final parameters and BatchNorm statistics, leading axis R
     <out>/pairs/<arm>.npz    per-replica accuracy and cross-entropy, per-pair metrics, LMC curves
+    <out>/dynamics/<arm>.npz replicas 0 and 1 traced every k steps (study.dynamics_every > 0)
+    <out>/environments/<arm>.json  the environment of an arm trained in a child process
     <out>/arms.csv, report.md, figures/   written by nondet_jax.report from the files above
 """
 
@@ -155,8 +157,11 @@ class RunStore:
         return json.loads((self.root / f"arms/{arm}.json").read_text())
 
     def save_arm(self, arm: str, record: dict, logits: np.ndarray, features: np.ndarray,
-                 history: dict[str, np.ndarray], weights: dict[str, np.ndarray], pairs: dict[str, np.ndarray]) -> None:
+                 history: dict[str, np.ndarray], weights: dict[str, np.ndarray], pairs: dict[str, np.ndarray],
+                 dynamics: dict[str, np.ndarray] | None = None) -> None:
         """Write an arm's arrays, then its JSON record (the marker that the arm is finished)."""
+        if dynamics is not None:
+            atomic_save_npz(self.root / f"dynamics/{arm}.npz", dynamics)
         atomic_save_npy(self.root / f"logits/{arm}.npy", logits)
         atomic_save_npy(self.root / f"features/{arm}.npy", features)
         atomic_save_npz(self.root / f"history/{arm}.npz", history)

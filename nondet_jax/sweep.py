@@ -160,12 +160,20 @@ def train_arm(config: Config, data, fns, store, arm: str, progress, log=print) -
                           config.train.epochs, strategy, progress)
     metrics, pair_arrays = arm_metrics(result, data, fns, config.metrics)
     record = arm_record(arm, result, data.y_test, reason, metrics)
+    trace = None
+    if study.dynamics_every and arm != "control" and study.replicas >= 2:
+        from nondet_jax.dynamics import divergence_trace, fit_growth_rate
+
+        trace = divergence_trace(fns, arm_keys(study.seed, varied, 2), perturbations(varied), data,
+                                 config.train.epochs, study.dynamics_every)
+        record["dynamics"] = {"every": study.dynamics_every,
+                              **fit_growth_rate(trace["step"], trace["weight_distance"])}
     store.save_arm(arm, record, result.logits.astype(np.float32), result.features.astype(np.float32),
                    {"train_loss": result.train_loss, "train_accuracy": result.train_accuracy,
                     "weight_distance": result.weight_distance},
                    {**{f"params/{k}": v for k, v in flatten_tree(result.state.params).items()},
                     **{f"batch_stats/{k}": v for k, v in flatten_tree(result.state.batch_stats).items()}},
-                   pair_arrays)
+                   pair_arrays, trace)
     return record
 
 

@@ -4,6 +4,8 @@
 
 * ``init(keys, perturb, x_sample) -> TrainState``: initial weights from the ``init`` key, then
   the ``bitflip`` perturbation when the arm varies it;
+* ``train_step(state, x, y, keys, perturb, epoch, i, batch_idx) -> (state, (loss, accuracy))``:
+  one step, the body of the epoch's scan (for instruments that look between steps);
 * ``train_epoch(state, x, y, keys, perturb, epoch) -> (state, metrics)``: one epoch as one ``lax.scan``;
   ``metrics`` holds per-step training loss and accuracy;
 * ``evaluate(state, x) -> (logits, features)``: test logits and penultimate features, in chunks;
@@ -58,9 +60,11 @@ class TrainState(NamedTuple):
 
 class TrainFns(NamedTuple):
     init: Callable
+    train_step: Callable
     train_epoch: Callable
     evaluate: Callable
     recompute_batch_stats: Callable
+    batch_size: int
     steps_per_epoch: int
     unroll: int
 
@@ -144,29 +148,33 @@ def _make_train(config: Config, spec: DataSpec) -> TrainFns:
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
         return loss, (logits, updates.get("batch_stats", {}))
 
+    def train_step(state: TrainState, x_train, y_train, keys: ReplicaKeys, perturb: Perturbations, epoch, i,
+                   batch_idx):
+        """Step ``i`` of ``epoch`` on the examples ``batch_idx``: returns (state, (loss, accuracy))."""
+        g = epoch * steps + i  # global step: the per-step key index
+        x, y = x_train[batch_idx], y_train[batch_idx]
+        if do_augment:
+            x = augment(x, jax.random.fold_in(keys.augmentation, g), padding, flip)
+        dkeys = None
+        if use_dropout:
+            dkeys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(jax.random.fold_in(keys.dropout, g), jnp.arange(b))
+        # Off, the identity gather: bitwise the natural order, and no recompile per arm.
+        p = jnp.where(perturb.batch_order, batch_permutation(keys.batch_order, g, b), jnp.arange(b))
+        x, y = x[p], y[p]
+        dkeys = None if dkeys is None else dkeys[p]
+        (loss, (logits, bs)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            state.params, state.batch_stats, x, y, dkeys)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        acc = jnp.mean(jnp.argmax(logits, -1) == y)
+        return TrainState(params, bs, opt_state), (loss, acc)
+
     def train_epoch(state: TrainState, x_train, y_train, keys: ReplicaKeys, perturb: Perturbations, epoch):
         idx = epoch_indices(keys.data_order, epoch, spec.n_train, b)
 
         def step(state: TrainState, inputs):
             i, batch_idx = inputs
-            g = epoch * steps + i  # global step: the per-step key index
-            x, y = x_train[batch_idx], y_train[batch_idx]
-            if do_augment:
-                x = augment(x, jax.random.fold_in(keys.augmentation, g), padding, flip)
-            dkeys = None
-            if use_dropout:
-                dkeys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(
-                    jax.random.fold_in(keys.dropout, g), jnp.arange(b))
-            # Off, the identity gather: bitwise the natural order, and no recompile per arm.
-            p = jnp.where(perturb.batch_order, batch_permutation(keys.batch_order, g, b), jnp.arange(b))
-            x, y = x[p], y[p]
-            dkeys = None if dkeys is None else dkeys[p]
-            (loss, (logits, bs)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-                state.params, state.batch_stats, x, y, dkeys)
-            updates, opt_state = tx.update(grads, state.opt_state, state.params)
-            params = optax.apply_updates(state.params, updates)
-            acc = jnp.mean(jnp.argmax(logits, -1) == y)
-            return TrainState(params, bs, opt_state), (loss, acc)
+            return train_step(state, x_train, y_train, keys, perturb, epoch, i, batch_idx)
 
         state, (losses, accs) = jax.lax.scan(step, state, (jnp.arange(steps), idx), unroll=unroll)
         return state, {"loss": losses, "accuracy": accs}
@@ -193,4 +201,4 @@ def _make_train(config: Config, spec: DataSpec) -> TrainFns:
         _, updates = bn_model.apply(variables(params, batch_stats), x, train=True, mutable=["batch_stats"])
         return updates["batch_stats"]
 
-    return TrainFns(init, train_epoch, evaluate, recompute_batch_stats, steps, unroll)
+    return TrainFns(init, train_step, train_epoch, evaluate, recompute_batch_stats, b, steps, unroll)

@@ -242,3 +242,16 @@ def test_unknown_xla_flag_is_a_clear_error(tmp_path):
     assert proc.returncode == 2 and len(lines) == 1
     assert "XLA flag --xla_no_such_flag=1 is not known to the installed jaxlib" in lines[0]
     assert not (tmp_path / "x").exists()
+
+
+def test_dynamics_are_traced_stored_and_reported(tmp_path):
+    config = from_flat({"model.name": "mlp", "train.epochs": 2, "study.replicas": 2, "train.batch_size": 128,
+                        "study.arms": "control,bitflip", "study.dynamics_every": 3})
+    summary = sweep.run(config, tmp_path, progress=False, log=quiet)
+    assert "dynamics" not in summary["arms"]["control"]
+    dyn = summary["arms"]["bitflip"]["dynamics"]
+    assert dyn["every"] == 3 and np.isfinite(dyn["rate_per_step"])
+    with np.load(tmp_path / "dynamics" / "bitflip.npz") as t:
+        assert t["step"][:3].tolist() == [0, 3, 6]
+    assert (tmp_path / "figures" / "dynamics.png").is_file()
+    assert "## Divergence dynamics" in (tmp_path / "report.md").read_text()
