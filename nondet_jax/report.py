@@ -120,6 +120,16 @@ def format_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def _stored(run: Path, arms: list[str], folder: str, key: str):
+    """(index, arm, arrays) for each arm whose ``folder/<arm>.npz`` holds ``key``."""
+    for i, arm in enumerate(arms):
+        path = run / folder / f"{arm}.npz"
+        if path.exists():
+            with np.load(path) as f:
+                if key in f.files:
+                    yield i, arm, {k: f[k] for k in f.files}
+
+
 def make_figures(run: Path, summary: dict, records: dict[str, dict]) -> list[str]:
     """Write the report's figures; returns their paths relative to the run folder."""
     import matplotlib
@@ -193,13 +203,9 @@ def make_figures(run: Path, summary: dict, records: dict[str, dict]) -> list[str
     # 4. weight divergence over training
     fig, ax = plt.subplots(figsize=(6.5, 4))
     plotted = False
-    for i, a in enumerate(arms):
-        path = run / "history" / f"{a}.npz"
-        if not path.exists():
-            continue
-        with np.load(path) as h:
-            wd = h["weight_distance"] if "weight_distance" in h.files else None
-        if wd is None or wd.shape[1] == 0:
+    for i, a, h in _stored(run, arms, "history", "weight_distance"):
+        wd = h["weight_distance"]
+        if wd.shape[1] == 0:
             continue
         mean = wd.mean(1)
         if (mean > 0).any():
@@ -217,13 +223,12 @@ def make_figures(run: Path, summary: dict, records: dict[str, dict]) -> list[str
         plt.close(fig)
 
     # 5. divergence dynamics of replicas 0 and 1, every k steps
-    traces = {a: run / "dynamics" / f"{a}.npz" for a in arms if (run / "dynamics" / f"{a}.npz").exists()}
+    traces = list(_stored(run, arms, "dynamics", "weight_distance"))
     if traces:
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
-        for i, (a, path) in enumerate(traces.items()):
-            with np.load(path) as t:
-                step, wd, dis = t["step"], t["weight_distance"], t["disagreement"]
-            style = {"color": f"C{arms.index(a)}", "ls": LINESTYLES[i % len(LINESTYLES)], "label": a}
+        for i, a, t in traces:
+            step, wd, dis = t["step"], t["weight_distance"], t["disagreement"]
+            style = {"color": f"C{i}", "ls": LINESTYLES[i % len(LINESTYLES)], "label": a}
             ax1.plot(step, np.where(wd > 0, wd, np.nan), **style)
             ax2.plot(step, dis * 100, **style)
         ax1.set_yscale("log")
@@ -239,14 +244,8 @@ def make_figures(run: Path, summary: dict, records: dict[str, dict]) -> list[str
     # 6. LMC error curves
     fig, ax = plt.subplots(figsize=(6.5, 4))
     plotted = False
-    for i, a in enumerate(arms):
-        path = run / "pairs" / f"{a}.npz"
-        if not path.exists():
-            continue
-        with np.load(path) as p:
-            if "lmc_curves" not in p.files:
-                continue
-            alphas, curves = p["lmc_alphas"], p["lmc_curves"]
+    for i, a, p in _stored(run, arms, "pairs", "lmc_curves"):
+        alphas, curves = p["lmc_alphas"], p["lmc_curves"]
         ax.plot(alphas, curves.mean(0) * 100, marker="o", ms=3, label=a, color=f"C{i}", ls=LINESTYLES[i % len(LINESTYLES)])
         plotted = True
     if plotted:
