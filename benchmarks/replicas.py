@@ -9,7 +9,7 @@ every strategy) trained with each strategy on two workloads, batch 128:
 * ``resnet14``: ResNet-14 on synthetic 32x32x3 images (standard normal pixels, uniform labels,
   10 classes, 256 test images; augmentation off, as for any data set but CIFAR);
 * ``digits``: the default study, ResNet-8 on the embedded digits data (1,437 train images 8x8x1,
-  11 steps per epoch).
+  11 steps per epoch; ``--quick``: its first 2 batches).
 
 Strategies:
 
@@ -43,14 +43,15 @@ The peer row's ``compile s`` and ``steady img/s`` come from the same split insid
 
 Also recorded: ``resolve_strategy("auto", R)`` per R; the largest absolute difference between the
 vmap and sequential final test logits at each R both ran (the same replicas, so it is the
-floating-point rounding of the batched program); ``determinism.environment()``; and the load
-average before and after (another process sharing the CPU slows every row).
+floating-point rounding of the batched program, amplified by every training step after it: 0 at
+R=1, where both run the same computation); ``determinism.environment()``; and the load average
+before and after (another process sharing the CPU slows every row).
 
 Command lines
 -------------
 ::
 
-    python benchmarks/replicas.py            # full: R = 1,4,8; about 10-12 min on 2 CPU cores
+    python benchmarks/replicas.py            # full: R = 1,4,8; about 11-13 min on 2 CPU cores
     python benchmarks/replicas.py --quick    # smoke test: R = 2, 2 steps per epoch, 2 epochs
     python benchmarks/replicas.py --replicas 1,4 --strategies vmap,sequential --workloads digits \\
         --out /tmp/replicas.json
@@ -61,9 +62,10 @@ One row per (workload, strategy, R). ``steady img/s`` compares the compiled prog
 img/s`` and ``vs peer`` compare what a user waits for. Compilation dominates these short runs, so
 e2e favours whatever compiles least: ``sequential`` compiles one single-replica program for any R,
 ``vmap`` one program per R, ``peer`` one per child. On XLA:CPU ``vmap`` turns each convolution into
-a grouped convolution and is expected to be slower than ``sequential`` even in steady state, which
-is why ``auto`` picks ``sequential`` there. JSON: ``benchmarks/results/replicas.json``
-(``--quick``: ``replicas-quick.json``) by default.
+a grouped convolution, and at R > 1 its steady state is slower than ``sequential`` (several times
+for the 32x32 ResNet-14), which is why ``auto`` picks ``sequential`` there. Rows are noisy when
+another process shares the CPU: compare ``load_average`` in the JSON. JSON:
+``benchmarks/results/replicas.json`` (``--quick``: ``replicas-quick.json``) by default.
 """
 
 from __future__ import annotations
@@ -119,8 +121,6 @@ class Mode:
 
 # Every in-process row pays its own compilation (15-45 s per row on 2 CPU cores) and vmapped
 # ResNet-14 steps are slow on CPU: these bound the designs (2 epochs: one compile, one steady).
-# At least 2 steps per epoch: a scan of length 1 is a 1-trip while loop, which puts XLA:CPU
-# convolutions on their slow path (see train.CPU_UNROLL_MAX_STEPS): 27 s instead of 0.7 s a step.
 MODES = {
     "quick": Mode({"resnet14": Workload("resnet14", "resnet14", epochs=2, steps=2),
                    "digits": Workload("digits", "resnet8", epochs=2, steps=2)},
@@ -279,8 +279,9 @@ def run(args: argparse.Namespace) -> dict:
             print(f"  {name} peer: {rows[-1]['children_measured']} children, {rows[-1]['wall_s']:.1f} s "
                   f"(R={rows[-1]['replicas']})", flush=True)
         in_process = [s for s in args.strategies if s in IN_PROCESS]
-        w_rows, diffs[name] = in_process_rows(w, in_process, args.replicas)
-        rows += w_rows
+        if in_process:
+            w_rows, diffs[name] = in_process_rows(w, in_process, args.replicas)
+            rows += w_rows
     add_speedups(rows)
     record = {
         "benchmark": "replicas",

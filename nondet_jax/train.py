@@ -191,7 +191,10 @@ def _make_train(config: Config, spec: DataSpec) -> TrainFns:
         xp = jnp.pad(x, ((0, nb * chunk - n),) + ((0, 0),) * (x.ndim - 1)).reshape((nb, chunk) + x.shape[1:])
         f = lambda xb: model.apply(variables(state.params, state.batch_stats), xb, train=False,  # noqa: E731
                                    return_features=True)
-        logits, feats = jax.lax.map(f, xp)
+        if nb == 1:  # no loop at all: a 1-trip loop is XLA:CPU's slow convolution path too
+            logits, feats = jax.tree.map(lambda a: a[None], f(xp[0]))
+        else:
+            _, (logits, feats) = jax.lax.scan(lambda c, xb: (c, f(xb)), None, xp, unroll=scan_unroll(0, nb))
         return logits.reshape((nb * chunk,) + logits.shape[2:])[:n], feats.reshape((nb * chunk,) + feats.shape[2:])[:n]
 
     # BatchNorm statistics of given weights, recomputed on data (for interpolated weights):
