@@ -334,7 +334,9 @@ def main(argv: list[str] | None = None) -> int:
         if config.study.xla_determinism:
             set_determinism_flags()
         command = "python -m nondet_jax.sweep" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+        t0 = time.perf_counter()
         run(config, args.out, progress=progress, command=command)
+        print(f"done in {time.perf_counter() - t0:.0f} s")
     except UsageError as e:
         print(f"python -m nondet_jax.sweep: error: {e}", file=sys.stderr)
         return 2
@@ -359,8 +361,4 @@ def set_determinism_flags() -> None:
 
 
 if __name__ == "__main__":
-    t0 = time.perf_counter()
-    code = main()
-    if code == 0:
-        print(f"done in {time.perf_counter() - t0:.0f} s")
-    sys.exit(code)
+    sys.exit(main())
