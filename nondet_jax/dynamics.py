@@ -90,8 +90,8 @@ def fit_growth_rate(step, distance, saturation: float = 0.5) -> dict:
         return nan
     stop = int(np.argmax(d >= saturation * d.max()))
     t, y = t[: stop + 1], np.log(d[: stop + 1])
-    if len(t) < 3:
-        return nan
+    if len(t) < 3:  # already saturated from the start (e.g. different initial weights): no growth phase
+        return {**nan, "points": int(len(t))}
     slope, intercept = np.polyfit(t, y, 1)
     resid = y - (slope * t + intercept)
     se = float(np.sqrt(resid @ resid / (len(t) - 2) / ((t - t.mean()) ** 2).sum()))

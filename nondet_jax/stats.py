@@ -23,8 +23,10 @@ BOOTSTRAP_SEED = 0
 
 
 def std(x, ddof: int = 1) -> float:
+    """Sample std; exactly 0 for identical values (shifted by the first value: the mean of equal
+    floats can be off by an ulp, which would leave a spurious 1e-16 spread)."""
     x = np.asarray(x, dtype=np.float64)
-    return float(x.std(ddof=ddof)) if len(x) > ddof else float("nan")
+    return float((x - x[0]).std(ddof=ddof)) if len(x) > ddof else float("nan")
 
 
 def bootstrap_std_ci(x, level: float = 0.95, samples: int = BOOTSTRAP_SAMPLES, seed: int = BOOTSTRAP_SEED,
@@ -39,7 +41,7 @@ def bootstrap_std_ci(x, level: float = 0.95, samples: int = BOOTSTRAP_SAMPLES, s
         return float("nan"), float("nan")
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, len(x), size=(samples, len(x)))
-    s = x[idx].std(axis=1, ddof=ddof)
+    s = (x[idx] - x[0]).std(axis=1, ddof=ddof)
     lo, hi = np.quantile(s, [(1 - level) / 2, 1 - (1 - level) / 2])
     return float(lo), float(hi)
 
@@ -58,7 +60,7 @@ def bootstrap_mean_ci(x, level: float = 0.95, samples: int = BOOTSTRAP_SAMPLES,
 def f_test(a, b) -> float:
     """Two-sided F-test p-value for equal variances of two normal samples."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    va, vb = a.var(ddof=1), b.var(ddof=1)
+    va, vb = std(a) ** 2, std(b) ** 2
     if va == 0 and vb == 0:
         return 1.0
     if vb == 0 or va == 0:
@@ -79,7 +81,7 @@ def brown_forsythe(a, b) -> float:
 def std_ratio_ci(a, b, level: float = 0.95) -> tuple[float, float]:
     """F-distribution CI of std(a)/std(b) under normality."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    va, vb = a.var(ddof=1), b.var(ddof=1)
+    va, vb = std(a) ** 2, std(b) ** 2
     if vb == 0:
         return float("nan"), float("nan")
     f = va / vb

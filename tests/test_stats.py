@@ -104,3 +104,10 @@ def test_pairwise_mean_ci_resamples_replicas():
     assert lo < values.mean() < hi and (lo, hi) == stats.bootstrap_pairwise_mean_ci(values, r)
     assert stats.bootstrap_pairwise_mean_ci(np.full(len(a), 0.25), r) == (0.25, 0.25)
     assert np.isnan(stats.bootstrap_pairwise_mean_ci([0.1], 2)[0])
+
+
+def test_identical_values_have_exactly_zero_spread():
+    x = np.full(12, 0.9833333333333333)
+    assert stats.std(x) == 0.0 and stats.bootstrap_std_ci(x) == (0.0, 0.0)
+    out = stats.compare_spread(x, np.random.default_rng(0).normal(0.98, 0.006, 12))
+    assert out["ratio"] == 0.0 and out["replicas_for_80pct_power"] is None
