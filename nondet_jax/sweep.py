@@ -61,12 +61,11 @@ def default_out(config: Config) -> Path:
     return Path("runs") / f"{config.data.name}-{config.model.name}-{digest}"
 
 
-def arm_record(arm: str, result, labels: np.ndarray, strategy_reason: str, arm_metrics: dict) -> dict:
-    """The JSON record of a finished arm: per-replica rows, metrics, and how it was trained."""
-    from nondet_jax.metrics import accuracy, cross_entropy
+def arm_record(arm: str, result, strategy_reason: str, arm_metrics: dict, acc: np.ndarray, nll: np.ndarray) -> dict:
+    """The JSON record of a finished arm: per-replica rows (test accuracy ``acc`` and cross-entropy
+    ``nll``), metrics, and how it was trained."""
     from nondet_jax.sources import arm_sources
 
-    acc, nll = accuracy(result.logits, labels), cross_entropy(result.logits, labels)
     rows = [{"arm": arm, "replica": r, "test_accuracy": float(acc[r]), "test_loss": float(nll[r]),
              "train_loss": float(result.train_loss[r, -1]), "train_accuracy": float(result.train_accuracy[r, -1]),
              "strategy": result.strategy} for r in range(len(acc))]
@@ -159,7 +158,7 @@ def train_arm(config: Config, data, fns, store, arm: str, progress, log=print) -
     result = run_replicas(fns, arm_keys(study.seed, varied, study.replicas), perturbations(varied), data,
                           config.train.epochs, strategy, progress)
     metrics, pair_arrays = arm_metrics(result, data, fns, config.metrics)
-    record = arm_record(arm, result, data.y_test, reason, metrics)
+    record = arm_record(arm, result, reason, metrics, pair_arrays["accuracy"], pair_arrays["cross_entropy"])
     trace = None
     if study.dynamics_every and arm != "control" and study.replicas >= 2:
         from nondet_jax.dynamics import divergence_trace, fit_growth_rate
