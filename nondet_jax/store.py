@@ -120,9 +120,13 @@ class RunStore:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip()
             os.close(fd)
-            raise UsageError(f"results folder {root} is in use by another sweep; wait for it to finish "
-                             "or choose another --out") from None
+            raise UsageError(f"results folder {root} is in use by another sweep (pid {holder or 'unknown'}); wait for "
+                             "it to finish or choose another --out") from None
+        # flock dies with its process, so a killed sweep leaves no stale lock; the pid is for the message.
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._lock_fd = fd
         try:
             new = to_dict(self.config)

@@ -129,7 +129,7 @@ def test_folder_in_use_is_refused(tmp_path):
     config = from_flat({"model.name": "mlp", "train.epochs": 1, "study.replicas": 2, "train.batch_size": 128})
     with RunStore(out, config):
         proc = cli(*FAST, "--arms", "control,init,bitflip,batch_order,data_order,all", "--out", str(out))
-        assert proc.returncode == 2 and "in use by another sweep" in proc.stderr
+        assert proc.returncode == 2 and f"in use by another sweep (pid {os.getpid()})" in proc.stderr
     assert not (out / "logits").exists()
 
 
