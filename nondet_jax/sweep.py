@@ -288,7 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
                                   "dropout, bitflip, batch_order), a+b combination, or all. Default: the preset's")
     p.add_argument("--replicas", type=int, help="replicas per arm (R)")
     p.add_argument("--epochs", type=int)
-    p.add_argument("--model", help="mlp, resnet8, resnet14, resnet20, resnet32, resnet56, resnet18")
+    p.add_argument("--model", help="mlp, resnet8/14/20/32/56, resnet18, resnet18_imagenet, resnet50, resnet29v2, "
+                                   "vgg11, shufflenetv2")
     p.add_argument("--width", type=float, help="width multiplier")
     p.add_argument("--dropout", type=float, help="dropout rate before the classifier")
     p.add_argument("--dataset", help="digits (embedded), cifar10, mnist, fashion_mnist (TFDS, prepared in --data-dir)")

@@ -15,7 +15,8 @@ def n_convs(params) -> int:
                and "shortcut" not in "/".join(k))
 
 
-@pytest.mark.parametrize("name,depth", [("resnet8", 8), ("resnet14", 14), ("resnet20", 20), ("resnet18", 18)])
+@pytest.mark.parametrize("name,depth", [("resnet8", 8), ("resnet14", 14), ("resnet20", 20), ("resnet18", 18),
+                                        ("resnet18_imagenet", 18), ("resnet50", 50), ("resnet29v2", 29)])
 def test_resnet_depth_counts_weighted_layers(name, depth):
     v = jax.eval_shape(lambda: make_model(name, 10).init(jax.random.key(0), jnp.zeros((1, 8, 8, 1))))
     # depth = convolutions on the main path + the classifier
@@ -25,7 +26,7 @@ def test_resnet_depth_counts_weighted_layers(name, depth):
 @pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize("shape", [(8, 8, 1), (32, 32, 3)])
 def test_models_map_images_to_logits_and_features(name, shape):
-    if name in ("resnet56", "resnet18") and shape[0] == 32:
+    if name in ("resnet56", "resnet18", "resnet50", "vgg11", "shufflenetv2") and shape[0] == 32:
         pytest.skip("large model at 32x32: covered at 8x8")
     model = make_model(name, 10)
     x = jnp.ones((2,) + shape)
@@ -68,3 +69,34 @@ def test_dropout_head_needs_keys_in_training():
     v = model.init(jax.random.key(0), x)
     with pytest.raises(ValueError, match="dropout_keys"):
         model.apply(v, x, train=True)
+
+
+def test_shufflenet_channel_shuffle_interleaves_halves():
+    from nondet_jax.models.shufflenet import channel_shuffle
+
+    x = jnp.arange(6.0).reshape(1, 1, 1, 6)
+    assert channel_shuffle(x).ravel().tolist() == [0, 3, 1, 4, 2, 5]
+
+
+def test_vgg11_has_eight_convolutions_and_survives_8x8_inputs():
+    v = jax.eval_shape(lambda: make_model("vgg11", 10).init(jax.random.key(0), jnp.zeros((1, 8, 8, 1))))
+    assert sum(1 for k in traverse_util.flatten_dict(v["params"]) if k[-1] == "kernel") == 9  # 8 conv + classifier
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["vgg11", "resnet29v2", "shufflenetv2", "resnet18_imagenet", "resnet50"])
+@pytest.mark.parametrize("strategy", ["sequential", "vmap"])
+def test_every_model_trains_under_every_strategy(small_digits, name, strategy):
+    from conftest import spec_of, tiny_config
+    from nondet_jax.replicas import run_replicas
+    from nondet_jax.sources import arm_keys, arm_sources, perturbations
+    from nondet_jax.train import make_train
+
+    data = small_digits._replace(x_train=small_digits.x_train[:64], y_train=small_digits.y_train[:64])
+    config = tiny_config(**{"model.name": name, "model.width": 0.25, "train.epochs": 1, "train.batch_size": 32,
+                            "model.dropout": 0.1, "data.augment": "on"})
+    varied = arm_sources("all")
+    res = run_replicas(make_train(config, spec_of(data)), arm_keys(0, varied, 2), perturbations(varied), data, 1,
+                       strategy)
+    assert np.isfinite(res.train_loss).all() and res.logits.shape == (2, 100, 10)
+    assert not np.array_equal(res.logits[0], res.logits[1])

@@ -9,7 +9,10 @@ from functools import partial
 import flax.linen as nn
 
 from nondet_jax.models.mlp import MLP
-from nondet_jax.models.resnet import ResNet, cifar_resnet, resnet18
+from nondet_jax.models.preact import PreActResNet
+from nondet_jax.models.resnet import ResNet, cifar_resnet, resnet18, resnet50
+from nondet_jax.models.shufflenet import ShuffleNetV2
+from nondet_jax.models.vgg import VGG
 
 MODELS = {
     "mlp": partial(MLP),
@@ -19,6 +22,11 @@ MODELS = {
     "resnet32": partial(cifar_resnet, 32),
     "resnet56": partial(cifar_resnet, 56),
     "resnet18": resnet18,
+    "resnet18_imagenet": partial(resnet18, stem="imagenet"),
+    "resnet50": resnet50,
+    "resnet29v2": partial(PreActResNet, depth=29),
+    "vgg11": VGG,
+    "shufflenetv2": ShuffleNetV2,
 }
 
 
@@ -27,4 +35,5 @@ def make_model(name: str, num_classes: int, width: float = 1.0, dropout: float =
     return MODELS[name](num_classes=num_classes, width=width, dropout=dropout)
 
 
-__all__ = ["MODELS", "MLP", "ResNet", "cifar_resnet", "make_model", "resnet18"]
+__all__ = ["MODELS", "MLP", "PreActResNet", "ResNet", "ShuffleNetV2", "VGG", "cifar_resnet", "make_model",
+           "resnet18", "resnet50"]
