@@ -1,10 +1,25 @@
-"""Pieces every model shares: the classifier head with per-example dropout."""
+"""Pieces every model shares: conv/BatchNorm layer factories and the classifier head with
+per-example dropout."""
 
 from __future__ import annotations
+
+from functools import partial
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+
+# He (fan_out) init for convolutions, as torchvision's ResNets.
+conv_init = nn.initializers.variance_scaling(2.0, "fan_out", "normal")
+
+
+def conv_bn(train: bool, bn_momentum: float):
+    """(conv, norm) layer factories: bias-free He-initialised convolutions, and BatchNorm using
+    batch statistics in training and running averages otherwise (``axis_name=None``: per replica)."""
+    conv = partial(nn.Conv, use_bias=False, kernel_init=conv_init)
+    norm = partial(nn.BatchNorm, use_running_average=not train, momentum=bn_momentum, epsilon=1e-5)
+    return conv, norm
 
 
 def example_dropout(x: jax.Array, keys: jax.Array, rate: float) -> jax.Array:

@@ -9,13 +9,10 @@ A final BN-ReLU, global average pool and the head end it.
 
 from __future__ import annotations
 
-from functools import partial
-
 import flax.linen as nn
 import jax.numpy as jnp
 
-from nondet_jax.models.common import Head
-from nondet_jax.models.resnet import conv_init
+from nondet_jax.models.common import Head, conv_bn
 
 
 class PreActBottleneck(nn.Module):
@@ -27,8 +24,7 @@ class PreActBottleneck(nn.Module):
 
     @nn.compact
     def __call__(self, x, train: bool):
-        conv = partial(nn.Conv, use_bias=False, kernel_init=conv_init)
-        norm = partial(nn.BatchNorm, use_running_average=not train, momentum=self.bn_momentum, epsilon=1e-5)
+        conv, norm = conv_bn(train, self.bn_momentum)
         y = nn.relu(norm()(x)) if self.preactivate else x
         shortcut = x
         if self.stride != 1 or x.shape[-1] != self.out:  # as the Keras example: projected from the block input
@@ -52,8 +48,8 @@ class PreActResNet(nn.Module):
             raise ValueError(f"pre-activation ResNet depth must be 9n+2, got {self.depth}")
         n = (self.depth - 2) // 9
         w = lambda c: max(1, int(round(c * self.width)))  # noqa: E731
-        norm = partial(nn.BatchNorm, use_running_average=not train, momentum=self.bn_momentum, epsilon=1e-5)
-        x = nn.Conv(w(16), (3, 3), use_bias=False, kernel_init=conv_init, name="stem_conv")(x)
+        conv, norm = conv_bn(train, self.bn_momentum)
+        x = conv(w(16), (3, 3), name="stem_conv")(x)
         x = nn.relu(norm(name="stem_bn")(x))
         inner = 16
         for stage in range(3):

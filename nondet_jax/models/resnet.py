@@ -8,17 +8,12 @@ halve the resolution with stride-2 convolutions (SAME padding) and a global aver
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Sequence
 
 import flax.linen as nn
 import jax.numpy as jnp
 
-from nondet_jax.models.common import Head
-
-# He (fan_out) init for convolutions, as torchvision's ResNets.
-conv_init = nn.initializers.variance_scaling(2.0, "fan_out", "normal")
-
+from nondet_jax.models.common import Head, conv_bn
 
 class BasicBlock(nn.Module):
     features: int
@@ -27,8 +22,7 @@ class BasicBlock(nn.Module):
 
     @nn.compact
     def __call__(self, x, train: bool):
-        conv = partial(nn.Conv, use_bias=False, kernel_init=conv_init)
-        norm = partial(nn.BatchNorm, use_running_average=not train, momentum=self.bn_momentum, epsilon=1e-5)
+        conv, norm = conv_bn(train, self.bn_momentum)
         y = conv(self.features, (3, 3), strides=self.stride)(x)
         y = nn.relu(norm()(y))
         y = conv(self.features, (3, 3))(y)
@@ -48,8 +42,7 @@ class Bottleneck(nn.Module):
 
     @nn.compact
     def __call__(self, x, train: bool):
-        conv = partial(nn.Conv, use_bias=False, kernel_init=conv_init)
-        norm = partial(nn.BatchNorm, use_running_average=not train, momentum=self.bn_momentum, epsilon=1e-5)
+        conv, norm = conv_bn(train, self.bn_momentum)
         out = 4 * self.features
         y = nn.relu(norm()(conv(self.features, (1, 1))(x)))
         y = nn.relu(norm()(conv(self.features, (3, 3), strides=self.stride)(y)))
@@ -79,12 +72,12 @@ class ResNet(nn.Module):
     @nn.compact
     def __call__(self, x, train: bool = False, dropout_keys=None, return_features: bool = False):
         w = lambda c: max(1, int(round(c * self.width)))  # noqa: E731
+        conv, norm = conv_bn(train, self.bn_momentum)
         if self.stem == "imagenet":
-            x = nn.Conv(w(self.stem_width), (7, 7), strides=2, use_bias=False, kernel_init=conv_init,
-                        name="stem_conv")(x)
+            x = conv(w(self.stem_width), (7, 7), strides=2, name="stem_conv")(x)
         else:
-            x = nn.Conv(w(self.stem_width), (3, 3), use_bias=False, kernel_init=conv_init, name="stem_conv")(x)
-        x = nn.BatchNorm(use_running_average=not train, momentum=self.bn_momentum, epsilon=1e-5, name="stem_bn")(x)
+            x = conv(w(self.stem_width), (3, 3), name="stem_conv")(x)
+        x = norm(name="stem_bn")(x)
         x = nn.relu(x)
         if self.stem == "imagenet":
             x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")

@@ -8,13 +8,10 @@ transforms both halves with stride 2.
 
 from __future__ import annotations
 
-from functools import partial
-
 import flax.linen as nn
 import jax.numpy as jnp
 
-from nondet_jax.models.common import Head
-from nondet_jax.models.resnet import conv_init
+from nondet_jax.models.common import Head, conv_bn
 
 
 def channel_shuffle(x, groups: int = 2):
@@ -29,8 +26,7 @@ class ShuffleUnit(nn.Module):
 
     @nn.compact
     def __call__(self, x, train: bool):
-        conv = partial(nn.Conv, use_bias=False, kernel_init=conv_init)
-        norm = partial(nn.BatchNorm, use_running_average=not train, momentum=self.bn_momentum, epsilon=1e-5)
+        conv, norm = conv_bn(train, self.bn_momentum)
         half = self.out // 2
 
         def branch(y, name):
@@ -61,13 +57,13 @@ class ShuffleNetV2(nn.Module):
     @nn.compact
     def __call__(self, x, train: bool = False, dropout_keys=None, return_features: bool = False):
         even = lambda c: max(2, 2 * int(round(c * self.width / 2)))  # noqa: E731  units split channels in two
-        norm = partial(nn.BatchNorm, use_running_average=not train, momentum=self.bn_momentum, epsilon=1e-5)
-        x = nn.Conv(even(24), (3, 3), use_bias=False, kernel_init=conv_init, name="stem_conv")(x)
+        conv, norm = conv_bn(train, self.bn_momentum)
+        x = conv(even(24), (3, 3), name="stem_conv")(x)
         x = nn.relu(norm(name="stem_bn")(x))
         for i, (n, c) in enumerate(zip(self.stage_repeats, self.stage_channels)):
             for j in range(n):
                 x = ShuffleUnit(even(c), 2 if j == 0 else 1, self.bn_momentum, name=f"stage{i + 2}_unit{j + 1}")(x, train)
-        x = nn.Conv(even(1024), (1, 1), use_bias=False, kernel_init=conv_init, name="conv5")(x)
+        x = conv(even(1024), (1, 1), name="conv5")(x)
         x = nn.relu(norm(name="conv5_bn")(x))
         features = jnp.mean(x, axis=(1, 2))
         logits, features = Head(self.num_classes, self.dropout, name="head")(features, train, dropout_keys)

@@ -10,8 +10,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
-from nondet_jax.models.common import Head
-from nondet_jax.models.resnet import conv_init
+from nondet_jax.models.common import Head, conv_bn
 
 VGG11 = (64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M")
 
@@ -25,14 +24,14 @@ class VGG(nn.Module):
 
     @nn.compact
     def __call__(self, x, train: bool = False, dropout_keys=None, return_features: bool = False):
+        conv, norm = conv_bn(train, self.bn_momentum)
         for i, layer in enumerate(self.layers):
             if layer == "M":
                 if x.shape[1] > 1 and x.shape[2] > 1:
                     x = nn.max_pool(x, (2, 2), strides=(2, 2))
                 continue
-            x = nn.Conv(max(1, int(round(layer * self.width))), (3, 3), use_bias=False, kernel_init=conv_init,
-                        name=f"conv{i}")(x)
-            x = nn.BatchNorm(use_running_average=not train, momentum=self.bn_momentum, epsilon=1e-5, name=f"bn{i}")(x)
+            x = conv(max(1, int(round(layer * self.width))), (3, 3), name=f"conv{i}")(x)
+            x = norm(name=f"bn{i}")(x)
             x = nn.relu(x)
         features = jnp.mean(x, axis=(1, 2))
         logits, features = Head(self.num_classes, self.dropout, name="head")(features, train, dropout_keys)
