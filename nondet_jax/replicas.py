@@ -22,8 +22,6 @@ from nondet_jax.metrics import flatten_weights, weight_distance
 from nondet_jax.sources import Perturbations, ReplicaKeys, replica_slice
 from nondet_jax.train import TrainFns, TrainState
 
-STRATEGIES = ("vmap", "sequential")
-
 
 class ArmResult(NamedTuple):
     """What training one arm produced; arrays carry a leading replica axis R."""

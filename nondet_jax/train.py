@@ -38,8 +38,9 @@ from nondet_jax.models import make_model
 from nondet_jax.sources import Perturbations, ReplicaKeys, bitflip
 
 # XLA:CPU runs convolutions inside a while-loop body on a much slower path than straight-line
-# code (jax#12868): a ResNet-8 digits epoch of 11 steps took 1.6-2.0 s as a rolled scan and
-# 0.27-0.30 s fully unrolled (compile 4.6 s vs 14.7 s). So on CPU short epochs are unrolled.
+# code (jax#12868): a ResNet-8 digits epoch of 11 steps took 1.45 s as a rolled scan and 0.23 s
+# fully unrolled, compile 3.6 s vs 14.7 s (benchmarks/scan_unroll.py). So on CPU short epochs
+# are unrolled.
 CPU_UNROLL_MAX_STEPS = 16
 
 
