@@ -70,3 +70,91 @@ def test_batch_permutation_is_keyed_by_step():
     k = jax.random.key(3)
     p0, p1 = np.asarray(batch_permutation(k, 0, 16)), np.asarray(batch_permutation(k, 1, 16))
     assert sorted(p0) == list(range(16)) and not np.array_equal(p0, p1)
+
+
+def test_imagenette_is_resized_and_center_cropped_on_mock_data():
+    from nondet_jax.config import from_flat
+    from nondet_jax.data import load_data
+
+    with tfds.testing.mock_data(num_examples=24):  # mock photos have random sizes (8..48 px a side)
+        d = load_data(from_flat({"data.name": "imagenette", "data.image_size": 16}).data)
+        full = load_dataset("imagenette")
+    assert d.x_train.shape == (24, 16, 16, 3) and d.x_test.shape == (24, 16, 16, 3)
+    assert full.x_train.shape == (24, 224, 224, 3)  # the default size for ImageNet-like sets
+    assert d.num_classes == 10 and d.y_train.dtype == np.int32 and d.x_train.dtype == np.float32
+    assert np.isfinite(d.x_train).all()
+    np.testing.assert_allclose(d.x_train.mean(axis=(0, 1, 2)), 0, atol=1e-4)  # standardised per channel
+    np.testing.assert_allclose(d.x_train.std(axis=(0, 1, 2)), 1, atol=1e-4)
+
+
+def test_imagenet2012_needs_a_cap_and_takes_a_fixed_subset_on_mock_data():
+    from nondet_jax.config import from_flat
+    from nondet_jax.data.tfds_source import subset_indices
+
+    with pytest.raises(UsageError, match="data.max_train_examples"):
+        from_flat({"data.name": "imagenet2012"})
+    with tfds.testing.mock_data(num_examples=30):
+        with pytest.raises(UsageError, match="data.max_train_examples"):
+            load_dataset("imagenet2012", image_size=16)
+        d = load_dataset("imagenet2012", image_size=16, max_train_examples=10, max_test_examples=6)
+        again = load_dataset("imagenet2012", image_size=16, max_train_examples=10, max_test_examples=6)
+        source = tfds.data_source("imagenet2012", split="train", download=False)
+        idx = subset_indices(30, 10)
+        expected = [int(source[int(i)]["label"]) for i in idx]
+    assert d.x_train.shape == (10, 16, 16, 3) and d.x_test.shape == (6, 16, 16, 3) and d.num_classes == 1000
+    assert len(set(idx)) == 10 and not np.array_equal(idx, np.arange(10))  # a random subset, not the first 10
+    assert d.y_train.tolist() == expected
+    assert np.array_equal(d.x_train, again.x_train) and np.array_equal(d.y_test, again.y_test)
+
+
+def test_fixed_size_sets_can_be_resized_whole():
+    with tfds.testing.mock_data(num_examples=24):
+        d = load_dataset("mnist", image_size=14)
+        native = load_dataset("mnist", image_size=28)
+        default = load_dataset("mnist")
+    assert d.x_train.shape == (24, 14, 14, 1)
+    assert np.array_equal(native.x_train, default.x_train)  # the native size is the untouched images
+
+
+def test_missing_imagenet_says_where_the_tar_files_go(tmp_path):
+    with pytest.raises(UsageError, match="ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar") as e:
+        load_dataset("imagenet2012", str(tmp_path), max_train_examples=100)
+    msg = str(e.value)
+    assert f"{tmp_path}/downloads/manual/" in msg and "tfds build imagenet2012" in msg and "\n" not in msg
+    with pytest.raises(UsageError, match="tfds build imagenette/320px-v2"):
+        load_dataset("imagenette", str(tmp_path))
+
+
+def test_data_too_big_for_memory_is_refused_before_reading():
+    with tfds.testing.mock_data(num_examples=24):
+        with pytest.raises(UsageError, match="needs about .* GiB in memory.*max_train_examples"):
+            load_dataset("imagenette", image_size=40000)
+
+
+def test_digits_refuses_tfds_only_settings():
+    from nondet_jax.config import from_flat
+
+    with pytest.raises(UsageError, match="apply to TFDS data sets"):
+        from_flat({"data.image_size": 32})
+    with pytest.raises(UsageError, match="apply to TFDS data sets"):
+        load_dataset("digits", max_train_examples=100)
+
+
+def test_resize_center_crop_by_hand():
+    from nondet_jax.data.tfds_source import resize_center_crop
+
+    img = np.arange(6 * 10 * 2, dtype=np.uint8).reshape(6, 10, 2)
+    # shorter side already the size and nothing cropped off it: exactly the central 6 columns
+    np.testing.assert_array_equal(resize_center_crop(img, 6, crop_fraction=1.0), img[:, 2:8])
+    const = np.full((37, 53, 3), 123, np.uint8)
+    out = resize_center_crop(const, 16)
+    assert out.shape == (16, 16, 3) and out.dtype == np.uint8 and (out == 123).all()
+    # a horizontal ramp halved: the (symmetric, antialiased) filter keeps it linear away from the edges
+    ramp = np.tile(np.arange(40, dtype=np.float64), (40, 1))[..., None]
+    half = resize_center_crop(ramp, 20, crop_fraction=1.0)[..., 0]
+    np.testing.assert_allclose(half[:, 1:-1], np.tile(2 * np.arange(1, 19) + 0.5, (20, 1)), atol=1e-9)
+    # ImageNet's transform: shorter side to size / 0.875, then the central size x size
+    tall = np.zeros((64, 32, 1), np.uint8)
+    tall[:, 14:18] = 255  # a centred vertical bar survives the crop, centred
+    out = resize_center_crop(tall, 14)
+    assert out.shape == (14, 14, 1) and out[:, 7, 0].min() > 200 and out[:, 0, 0].max() == 0
