@@ -1,0 +1,195 @@
+"""Overhead of the instruments: step time with / without, per configuration, side by side.
+
+What it measures
+----------------
+For each workload (batch 128):
+
+* ``resnet8_digits``: the default study, ResNet-8 on the embedded digits data;
+* ``resnet14_random``: ResNet-14 on synthetic 32x32x3 images (standard normal pixels, 10 classes),
+
+it compiles ``make_train(...).train_step`` (one jitted step, the body of the epoch scan) for
+instruments off and for each configuration (economy, business, full) at ``every=1`` and
+``every=16``, then runs them in interleaved rounds (each round runs every variant for a block of
+steps, in turn), so machine noise hits all variants alike. Per variant, the step time is the
+median over rounds of the block's mean step time (every-16 blocks are whole 16-step cycles: one
+tracked step, one Alpha end-point step, 14 idle steps). The ratio is that time over the
+instruments-off time.
+
+Where the cost goes: the instruments' ``update`` alone, at a tracked step, for each quantity on its
+own (ms; and x the plain train step's time).
+
+Run ``python benchmarks/instruments.py [--quick]``; writes benchmarks/results/instruments.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nondet_jax import instruments
+from nondet_jax.config import from_flat
+from nondet_jax.data import load_dataset
+from nondet_jax.sources import arm_keys, arm_sources, perturbations, replica_slice
+from nondet_jax.train import DataSpec, make_train
+
+CONFIGS = ("economy", "business", "full")
+EVERY = (1, 16)
+TARGETS = {"economy": 1.2, "business": 1.5, "full": 4.0}
+
+
+def workload(name: str):
+    if name == "resnet8_digits":
+        d = load_dataset("digits")
+        return "resnet8", d.x_train, d.y_train, DataSpec(len(d.x_train), tuple(d.x_train.shape[1:]), 10, "digits")
+    rng = np.random.default_rng(0)
+    n = 512
+    x = rng.standard_normal((n, 32, 32, 3)).astype(np.float32)
+    y = rng.integers(0, 10, n).astype(np.int32)
+    return "resnet14", x, y, DataSpec(n, (32, 32, 3), 10, "random")
+
+
+def make_step(model, spec, flat):
+    cfg = from_flat({"model.name": model, "train.batch_size": 128, **flat})
+    fns = make_train(cfg, spec)
+    return fns, jax.jit(fns.train_step)
+
+
+def run_block(step_fn, state, x, y, keys, perturb, start, count, n, b):
+    t0 = time.perf_counter()
+    for s in range(start, start + count):
+        idx = (jnp.arange(b) + s * b) % n
+        state, out = step_fn(state, x, y, keys, perturb, jnp.int32(0), jnp.int32(s), idx)
+    jax.block_until_ready(out)
+    return state, (time.perf_counter() - t0) / count
+
+
+def bench_workload(name: str, quick: bool, rounds: int, log) -> dict:
+    model, x_np, y_np, spec = workload(name)
+    x, y = jnp.asarray(x_np), jnp.asarray(y_np)
+    n, b = len(x_np), 128
+    varied = arm_sources("init")
+    keys, perturb = replica_slice(arm_keys(0, varied, 1), 0), perturbations(varied)
+    variants = {"off": ({}, 1)}
+    for c in CONFIGS:
+        for k in EVERY:
+            variants[f"{c}/every{k}"] = ({"instruments.config": c, "instruments.every": k}, k)
+    block1 = 2 if (quick and model == "resnet14") else 4
+    progs, states, compile_s = {}, {}, {}
+    for v, (flat, every) in variants.items():
+        fns, step_fn = make_step(model, spec, flat)
+        state = jax.jit(fns.init)(keys, perturb, x[:1])
+        t0 = time.perf_counter()
+        state, _ = run_block(step_fn, state, x, y, keys, perturb, 0, 2, n, b)  # compile, a tracked + an end step
+        compile_s[v] = time.perf_counter() - t0
+        progs[v], states[v] = step_fn, state
+        log(f"  {name} {v}: compiled + 2 steps in {compile_s[v]:.1f} s")
+    times = {v: [] for v in variants}
+    cursor = {v: 16 for v in variants}  # every variant starts its blocks at a tracked step (16 | cursor)
+    for r in range(rounds):
+        for v, (_, every) in variants.items():
+            count = 16 if (every == 16 or v == "off") else block1
+            states[v], dt = run_block(progs[v], states[v], x, y, keys, perturb, cursor[v], count, n, b)
+            cursor[v] += count if count % 16 == 0 else 16  # keep every-16 blocks aligned to whole cycles
+            times[v].append(dt)
+        log(f"  {name} round {r + 1}/{rounds}: " + ", ".join(f"{v} {1e3 * np.mean(t[-1:]):.0f} ms"
+                                                          for v, t in times.items()))
+    base = float(np.median(times["off"]))
+    out = {"model": model, "batch_size": b, "step_ms_off": 1e3 * base, "compile_s": compile_s, "configs": {}}
+    for c in CONFIGS:
+        row = {}
+        for k in EVERY:
+            t = float(np.median(times[f"{c}/every{k}"]))
+            row[f"every{k}_ms"] = 1e3 * t
+            row[f"every{k}_ratio"] = t / base
+        out["configs"][c] = row
+    if not (quick and model == "resnet14"):  # --quick: the per-quantity breakdown on the default model only
+        out["breakdown"] = breakdown(model, spec, x, y, keys, perturb, base, quick, log)
+    return out
+
+
+def breakdown(model, spec, x, y, keys, perturb, base_s, quick, log) -> dict:
+    """Each quantity alone: ``update`` at a tracked step (the Alpha end point included), ms."""
+    fns, _ = make_step(model, spec, {"instruments.config": "economy"})
+    state = jax.jit(fns.init)(keys, perturb, x[:1])
+    from nondet_jax.instruments.trainer import for_model
+    from nondet_jax.models import make_model
+    import optax
+
+    net = make_model(model, spec.num_classes)
+
+    def train_loss(params, stats, xb, yb, dk):
+        logits, upd = net.apply({"params": params, "batch_stats": stats}, xb, train=True, mutable=["batch_stats"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, yb).mean(), None
+
+    def stats_of(params, stats, xb):
+        _, upd = net.clone(bn_momentum=0.0).apply({"params": params, "batch_stats": stats}, xb, train=True,
+                                                  mutable=["batch_stats"])
+        return upd["batch_stats"]
+
+    xb, yb = x[:128], y[:128]
+    params, stats = state.params, state.batch_stats
+    upd = jax.tree.map(lambda a: 1e-3 * jnp.ones_like(a), params)
+    res = {}
+    for q in instruments.QUANTITIES:
+        cfg = from_flat({"instruments.config": q, "optim.momentum": 0, "optim.weight_decay": 0}).instruments
+        inst = for_model(cfg, net, train_loss, stats_of, total_steps=1000)
+        fn = jax.jit(lambda s, p, bs, t: inst.update(s, p, (xb, yb, None), step=t, context=bs, updates=upd, lr=0.1,
+                                                     grads=upd, loss=jnp.float32(1.0)))
+        ist = inst.init(params)
+        jax.block_until_ready(fn(ist, params, stats, 1))
+        reps = []
+        for _ in range(2 if quick else 3):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(ist, params, stats, 1))
+            reps.append(time.perf_counter() - t0)
+        res[q] = {"ms": 1e3 * float(np.median(reps)), "x_step": float(np.median(reps)) / base_s}
+        log(f"  {model} {q}: {res[q]['ms']:.1f} ms ({res[q]['x_step']:.2f} x a step)")
+    return res
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer rounds and steps (about 10 minutes on 2 CPU cores)")
+    ap.add_argument("--workloads", default="resnet8_digits,resnet14_random")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    rounds = 2 if args.quick else 5
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    results = {"quick": args.quick, "rounds": rounds, "backend": jax.default_backend(),
+               "cpu_count": os.cpu_count(), "platform": platform.platform(), "jax": jax.__version__,
+               "targets_every1": TARGETS, "workloads": {}}
+    for w in args.workloads.split(","):
+        log(f"{w}:")
+        results["workloads"][w] = bench_workload(w, args.quick, 1 if (args.quick and w == "resnet14_random") else rounds,
+                                                 log)
+    default = results["workloads"].get("resnet8_digits") or next(iter(results["workloads"].values()))
+    results["ratios"] = {f"{c}_every{k}": default["configs"][c][f"every{k}_ratio"] for c in CONFIGS for k in EVERY}
+    print()
+    print(f"{'workload':18s} {'config':9s} {'every 1':>9s} {'every 16':>9s} {'target@1':>9s}")
+    for w, r in results["workloads"].items():
+        print(f"{w:18s} {'off':9s} {r['step_ms_off']:7.0f}ms")
+        for c in CONFIGS:
+            row = r["configs"][c]
+            print(f"{'':18s} {c:9s} {row['every1_ratio']:8.2f}x {row['every16_ratio']:8.2f}x {TARGETS[c]:8.1f}x")
+    for w, r in results["workloads"].items():
+        if "breakdown" not in r:
+            continue
+        print(f"\nwhere the cost goes, {w} (update alone at a tracked step, x one plain step):")
+        for q, v in sorted(r["breakdown"].items(), key=lambda kv: -kv[1]["ms"]):
+            print(f"  {q:14s} {v['ms']:8.1f} ms {v['x_step']:6.2f}x")
+    out = Path(args.out or "benchmarks/results/instruments.json")  # "quick" inside says how it was run
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""Quantity names and Cockpit's configurations (``economy``, ``business``, ``full``).
+
+Membership is Cockpit's (``cockpit/utils/configuration.py``): economy = Alpha, Distance,
+GradHist1d, GradNorm, InnerTest, Loss, NormTest, OrthoTest, UpdateSize; business adds TICDiag and
+HessTrace; full adds HessMaxEV and GradHist2d. MeanGSNR, TICTrace, EarlyStopping and CABS are in no
+configuration (as in Cockpit) and are asked for by name.
+
+This module imports nothing heavy: ``config.validate`` uses it.
+"""
+
+from __future__ import annotations
+
+QUANTITIES = ("Loss", "GradNorm", "Distance", "UpdateSize", "NormTest", "InnerTest", "OrthoTest", "Alpha",
+              "GradHist1d", "GradHist2d", "HessMaxEV", "HessTrace", "TICDiag", "TICTrace", "MeanGSNR",
+              "EarlyStopping", "CABS")
+ECONOMY = ("Alpha", "Distance", "GradHist1d", "GradNorm", "InnerTest", "Loss", "NormTest", "OrthoTest", "UpdateSize")
+BUSINESS = ECONOMY + ("TICDiag", "HessTrace")
+FULL = BUSINESS + ("HessMaxEV", "GradHist2d")
+CONFIGURATIONS = {"economy": ECONOMY, "business": BUSINESS, "full": FULL}
+
+PER_LAYER = ("GradNorm", "Distance", "UpdateSize", "HessTrace")  # Cockpit returns one value per parameter
+HISTOGRAMS = ("GradHist1d", "GradHist2d")
+PLAIN_SGD_ONLY = ("EarlyStopping", "CABS")  # Cockpit refuses them unless SGD has default arguments
+
+
+def resolve(spec: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """Quantity names (in :data:`QUANTITIES` order) of a configuration name, a quantity name, or a
+    comma-separated mix of both (``"economy,HessMaxEV"``). ``"none"`` or ``""`` gives ``()``.
+
+    Raises ValueError naming the unknown entry.
+    """
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    chosen: set[str] = set()
+    for item in (i.strip() for i in items):
+        if item in ("", "none"):
+            continue
+        if item in CONFIGURATIONS:
+            chosen.update(CONFIGURATIONS[item])
+        elif item in QUANTITIES:
+            chosen.add(item)
+        else:
+            lower = {q.lower(): q for q in QUANTITIES}
+            hint = f"did you mean '{lower[item.lower()]}'? " if item.lower() in lower else ""
+            raise ValueError(f"unknown instruments configuration or quantity '{item}'; {hint}use none, "
+                             f"{', '.join(CONFIGURATIONS)} or quantities from: {', '.join(QUANTITIES)}")
+    return tuple(q for q in QUANTITIES if q in chosen)

@@ -1,0 +1,140 @@
+"""The plotting layer: a Cockpit-style dashboard of one arm (replicas overlaid) and tidy rows.
+
+Input (what the run folder stores per arm): ``{"step": (T,), "<quantity>": (R, T, ...)}`` with NaN
+where a quantity was not tracked, plus optional ``"loss"``, ``"accuracy"``, ``"lr"`` arrays of
+shape (R, T) or (T,). Layout, after Cockpit's: a step-size column (Alpha, Distance, UpdateSize), a
+gradient column (GradNorm; NormTest / InnerTest / OrthoTest; GradHist1d), a curvature column
+(HessMaxEV with 2 / learning rate, HessTrace, TICTrace); loss, accuracy and learning rate beneath.
+
+Example::
+
+    values = {"step": steps, **{k: v for k, v in arm_npz.items()}}
+    fig = dashboard(values, title="arm init")
+    fig.savefig("figures/instruments_init.png", dpi=120)
+    rows = tidy_rows("init", values)   # [{"step": 0, "arm": "init", "replica": 0, "quantity": "Loss", ...}]
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from nondet_jax.instruments.histograms import HIST1D_RANGE
+
+PANELS = [  # (row, column, title, quantities)
+    (0, 0, "Alpha (0 = step to the minimum)", ("Alpha",)),
+    (1, 0, "Distance from init", ("Distance",)),
+    (2, 0, "UpdateSize", ("UpdateSize",)),
+    (0, 1, "GradNorm", ("GradNorm",)),
+    (1, 1, "Gradient tests", ("NormTest", "InnerTest", "OrthoTest")),
+    (2, 1, "GradHist1d (last tracked step)", ("GradHist1d",)),
+    (0, 2, "HessMaxEV", ("HessMaxEV",)),
+    (1, 2, "HessTrace", ("HessTrace",)),
+    (2, 2, "TICTrace", ("TICTrace",)),
+]
+COLORS = {"NormTest": "C0", "InnerTest": "C1", "OrthoTest": "C2"}
+
+
+def _per_replica(a, steps: int) -> np.ndarray:
+    a = np.asarray(a, dtype=float)
+    if a.ndim == 1:
+        a = a[None]
+    if a.shape[1] != steps:
+        raise ValueError(f"expected a leading (R, T={steps}) shape, got {a.shape}")
+    return a
+
+
+def _lines(ax, step, arr, label=None, color=None):
+    for r, row in enumerate(arr):
+        ok = np.isfinite(row)
+        ax.plot(step[ok], row[ok], ".-" if ok.sum() < 60 else "-", ms=3, lw=1, alpha=0.75, color=color,
+                label=label if r == 0 else None)
+
+
+def dashboard(values: dict, title: str = "", hist_range=HIST1D_RANGE):
+    """A matplotlib figure for one arm; replicas drawn as overlaid lines."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    if "step" not in values:
+        raise ValueError("values needs a 'step' array (T,)")
+    step = np.asarray(values["step"])
+    t = len(step)
+    fig, axes = plt.subplots(4, 3, figsize=(13, 11), constrained_layout=True)
+    for row, col, name, qs in PANELS:
+        ax = axes[row, col]
+        ax.set_title(name, fontsize=10)
+        present = [q for q in qs if q in values]
+        if not present:
+            ax.text(0.5, 0.5, "not tracked", ha="center", va="center", transform=ax.transAxes, color="0.5")
+            ax.set_xticks([]), ax.set_yticks([])
+            continue
+        if qs == ("GradHist1d",):
+            h = np.asarray(values["GradHist1d"], dtype=float)
+            h = h[None] if h.ndim == 2 else h
+            edges = np.linspace(hist_range[0], hist_range[1], h.shape[-1] + 1)
+            centres = 0.5 * (edges[1:] + edges[:-1])
+            for r, hr in enumerate(h):
+                tracked = np.where(np.all(np.isfinite(hr), -1))[0]
+                if len(tracked):
+                    ax.semilogy(centres, np.maximum(hr[tracked[-1]], 0.5), lw=1, alpha=0.75,
+                                label=f"step {step[tracked[-1]]}" if r == 0 else None)
+            ax.set_xlabel("individual gradient element")
+            ax.legend(fontsize=7)
+            continue
+        for q in present:
+            _lines(ax, step, _per_replica(values[q], t), q if len(present) > 1 else None, COLORS.get(q))
+        if len(present) > 1:
+            ax.legend(fontsize=7)
+            ax.set_yscale("log")
+        if qs == ("Alpha",):
+            ax.axhline(0, color="k", lw=0.8, ls="--")
+            ax.set_ylim(-1.5, 3)
+        if qs == ("HessMaxEV",) and "lr" in values:
+            lr = _per_replica(values["lr"], t)[0]
+            ok = lr > 0
+            ax.plot(step[ok], 2 / lr[ok], "k--", lw=1, label="2 / lr")
+            ax.set_yscale("log")
+            ax.legend(fontsize=7)
+    ax = axes[3, 0]
+    if "loss" in values:
+        _lines(ax, step, _per_replica(values["loss"], t), color="C3")
+    elif "Loss" in values:
+        _lines(ax, step, _per_replica(values["Loss"], t), color="C3")
+    ax.set_title("training loss", fontsize=10)
+    ax = axes[3, 1]
+    if "accuracy" in values:
+        _lines(ax, step, _per_replica(values["accuracy"], t), color="C4")
+    ax.set_title("training accuracy", fontsize=10)
+    ax = axes[3, 2]
+    if "lr" in values:
+        _lines(ax, step, _per_replica(values["lr"], t), color="k")
+    ax.set_title("learning rate", fontsize=10)
+    for ax in axes[3]:
+        ax.set_xlabel("step")
+    r = next((np.asarray(v).shape[0] for k, v in values.items() if k != "step" and np.ndim(v) >= 2), 1)
+    fig.suptitle(f"{title}  ({r} replica{'s' if r != 1 else ''} overlaid)".strip(), fontsize=12)
+    return fig
+
+
+def tidy_rows(arm: str, values: dict) -> list[dict]:
+    """One row per finite scalar measurement: step, arm, replica, quantity, layer ('' = total), value.
+
+    Histograms (arrays with more than the (R, T) axes) and the loss/accuracy/lr extras are skipped.
+    """
+    step = np.asarray(values["step"])
+    rows = []
+    for key, arr in values.items():
+        if key in ("step", "loss", "accuracy", "lr"):
+            continue
+        a = np.asarray(arr, dtype=float)
+        if a.ndim == 1:
+            a = a[None]
+        if a.ndim != 2:
+            continue
+        quantity, _, layer = key.partition("/")
+        for r, t in zip(*np.nonzero(np.isfinite(a))):
+            rows.append({"step": int(step[t]), "arm": arm, "replica": int(r), "quantity": quantity, "layer": layer,
+                         "value": float(a[r, t])})
+    return rows

@@ -1,0 +1,81 @@
+"""The per-example pass: per-example losses and gradients, ``vmap(value_and_grad)`` over chunks.
+
+Only running sums leave each chunk (sum of gradients, sum of squared gradient norms, element-wise
+sum of squared gradients, histogram counts), so memory is ``chunk x P``, never ``B x P``.
+
+BatchNorm convention: the per-example loss is evaluated with the normalisation statistics held
+fixed at the values the whole batch gives (they enter as a constant ``context``), so example ``i``'s
+gradient ignores how its own activations move the batch mean and variance. The mean of these
+per-example gradients is then the gradient of the batch loss with the statistics treated as
+constants, which for a model with BatchNorm differs from the training gradient (for a model
+without BatchNorm the two are equal). Cockpit/BackPACK cannot handle BatchNorm at all.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from nondet_jax.instruments import histograms
+
+
+class PerExampleStats(NamedTuple):
+    losses: jax.Array  # (B,)
+    sum_grad: object  # params-like: sum_i g_i
+    sum_sq_norm: jax.Array  # sum_i ||g_i||^2
+    sum_grad_sq: object  # params-like: sum_i g_i**2 (element-wise), or None
+    hist1d: jax.Array | None
+    hist2d: jax.Array | None
+
+
+def chunk_size(batch: int, requested: int) -> int:
+    """The largest divisor of ``batch`` that is <= ``requested`` (chunks must tile the batch)."""
+    c = max(1, min(requested, batch))
+    while batch % c:
+        c -= 1
+    return c
+
+
+def per_example_pass(example_loss: Callable, params, batch, context, chunk: int, *, grad_sq: bool,
+                     hist1d: dict | None, hist2d: dict | None) -> PerExampleStats:
+    """Run ``example_loss(params, example, context)`` and its gradient over every example of ``batch``.
+
+    Args:
+      example_loss: loss of one example (no batch axis) -> scalar.
+      batch: pytree whose leaves have the batch axis first.
+      chunk: examples per vectorised chunk (rounded down to a divisor of the batch size).
+      grad_sq: also accumulate the element-wise sum of squared per-example gradients.
+      hist1d / hist2d: keyword arguments of :func:`histograms.hist1d` / :func:`hist2d`, or None.
+    """
+    b = jax.tree.leaves(batch)[0].shape[0]
+    c = chunk_size(b, chunk)
+    chunks = jax.tree.map(lambda a: a.reshape((b // c, c) + a.shape[1:]), batch)
+    value_and_grads = jax.vmap(jax.value_and_grad(example_loss), in_axes=(None, 0, None))
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    init = (zeros, jnp.zeros((), jax.tree.leaves(params)[0].dtype), zeros if grad_sq else None,
+            None if hist1d is None else jnp.zeros(hist1d.get("bins", histograms.HIST1D_BINS), jnp.float32),
+            None if hist2d is None else jnp.zeros(hist2d.get("bins", histograms.HIST2D_BINS), jnp.float32))
+
+    def body(acc, examples):
+        sum_g, sq, sum_g2, h1, h2 = acc
+        losses, g = value_and_grads(params, examples, context)
+        sum_g = jax.tree.map(lambda s, x: s + x.sum(0), sum_g, g)
+        sq = sq + sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(g))
+        if sum_g2 is not None:
+            sum_g2 = jax.tree.map(lambda s, x: s + jnp.square(x).sum(0), sum_g2, g)
+        if h1 is not None:
+            h1 = h1 + histograms.hist1d(g, **hist1d)
+        if h2 is not None:
+            h2 = h2 + histograms.hist2d(g, params, **hist2d)
+        return (sum_g, sq, sum_g2, h1, h2), losses
+
+    if b // c == 1:  # no loop: XLA:CPU runs convolutions inside loops on a slower path
+        acc, losses = body(init, jax.tree.map(lambda a: a[0], chunks))
+        losses = losses[None]
+    else:
+        # XLA:CPU runs convolutions inside loops on a slow path (see train.CPU_UNROLL_MAX_STEPS): unroll there.
+        unroll = b // c if (jax.default_backend() == "cpu" and b // c <= 16) else 1
+        acc, losses = jax.lax.scan(body, init, chunks, unroll=unroll)
+    return PerExampleStats(losses.reshape(b), *acc)

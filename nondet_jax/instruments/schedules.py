@@ -1,0 +1,50 @@
+"""Tracking schedules: step -> bool, traceable (``step`` may be a traced integer).
+
+Cockpit's two schedules (``cockpit/utils/schedules.py``): :func:`linear` tracks the steps
+``{offset + n * interval | n >= 0}``; :func:`logarithmic` tracks ``int(base ** e)`` for ``steps``
+exponents evenly spaced in ``[start, end]``, plus step 0 when ``init``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax.numpy as jnp
+import numpy as np
+
+Schedule = Callable[[jnp.ndarray], jnp.ndarray]
+
+
+def linear(interval: int = 1, offset: int = 0) -> Schedule:
+    """Track at ``offset, offset + interval, ...``."""
+    if interval < 1 or offset < 0:
+        raise ValueError(f"linear schedule needs interval >= 1 and offset >= 0, got {interval}, {offset}")
+
+    def schedule(step):
+        shifted = jnp.asarray(step) - offset
+        return (shifted >= 0) & (shifted % interval == 0)
+
+    schedule.steps_description = f"every {interval} steps from {offset}"
+    schedule.every_step = interval == 1 and offset == 0  # lets update skip the branch altogether
+    return schedule
+
+
+def logarithmic(start: float, end: float, steps: int = 300, base: float = 10, init: bool = True) -> Schedule:
+    """Track at the integer parts of ``base ** linspace(start, end, steps)`` (and 0 if ``init``)."""
+    if steps < 1:
+        raise ValueError(f"logarithmic schedule needs steps >= 1, got {steps}")
+    tracked = np.unique(np.floor(np.logspace(start, end, steps, base=base) + 1e-9).astype(np.int64))
+    if init:
+        tracked = np.union1d(tracked, [0])
+    table = tracked.astype(np.int32)
+
+    def schedule(step):
+        return jnp.any(jnp.asarray(step) == jnp.asarray(table))
+
+    schedule.tracked_steps = tuple(int(s) for s in table)
+    return schedule
+
+
+def log_over_run(total_steps: int, points: int = 50) -> Schedule:
+    """A :func:`logarithmic` schedule covering steps ``0 .. total_steps - 1`` with ``points`` points."""
+    return logarithmic(0.0, float(np.log10(max(total_steps - 1, 1))), points, 10, True)

@@ -1,0 +1,66 @@
+"""The adaptor ``nondet_jax.train`` uses: instruments for a registered model and a :class:`Config`.
+
+* Per-example loss: the model in inference mode, so BatchNorm normalises with *fixed* statistics
+  (the ``context``: the batch's own statistics at the current weights, measured by a momentum-0
+  training-mode pass only at tracked steps), while dropout stays on with the example's own key
+  (the classifier head is switched to training mode by a flax method interceptor).
+* Curvature loss: the training loss itself (BatchNorm in training mode), so HessMaxEV is the
+  sharpness of the objective SGD descends (compare it with 2 / learning rate).
+* Learning rate for CABS: the schedule's value at the step.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import flax.linen as nn
+import optax
+
+from nondet_jax.instruments.core import Instruments, make
+from nondet_jax.instruments.schedules import linear, log_over_run
+from nondet_jax.models.common import Head
+
+
+def _head_in_training_mode(next_fun, args, kwargs, context):
+    if isinstance(context.module, Head) and context.method_name == "__call__" and context.module.dropout > 0:
+        if "train" in kwargs:
+            kwargs = {**kwargs, "train": True}
+        else:
+            args = (args[0], True) + tuple(args[2:])
+    return next_fun(*args, **kwargs)
+
+
+def schedule_for(cfg, total_steps: int):
+    """The schedule an ``InstrumentsConfig`` names."""
+    if cfg.schedule == "log":
+        return log_over_run(total_steps, cfg.log_points)
+    return linear(cfg.every)
+
+
+def for_model(cfg, model: nn.Module, train_loss: Callable, batch_stats_of: Callable, total_steps: int) -> Instruments:
+    """Instruments for one replica of ``model``.
+
+    Args:
+      cfg: the ``InstrumentsConfig``.
+      train_loss: ``(params, batch_stats, x, y, dropout_keys) -> (loss, aux)``, the training loss.
+      batch_stats_of: ``(params, batch_stats, x) -> batch statistics`` of ``x`` at ``params`` (``update``'s
+        ``context`` is the state's ``batch_stats``, {} without BatchNorm).
+    The batch passed to ``update`` is ``(x, y, dropout_keys or None)``.
+    """
+    def variables(params, stats):
+        return {"params": params, "batch_stats": stats} if stats else {"params": params}
+
+    def example_loss(params, example, stats):
+        x, y, dkey = example
+        with nn.intercept_methods(_head_in_training_mode):
+            logits = model.apply(variables(params, stats), x[None], train=False,
+                                 dropout_keys=None if dkey is None else dkey[None])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y[None])[0]
+
+    def batch_loss(params, batch, stats):
+        x, y, dkeys = batch
+        return train_loss(params, stats, x, y, dkeys)[0]
+
+    return make(cfg.config, example_loss, schedule=schedule_for(cfg, total_steps), batch_loss_fn=batch_loss,
+                context_fn=lambda params, batch, stats: batch_stats_of(params, stats, batch[0]), chunk=cfg.chunk,
+                hess_iters=cfg.hess_iters, hess_probes=cfg.hess_probes)
