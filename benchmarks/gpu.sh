@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Replica throughput of the strategies on one GPU (H100/H200 class), in under 8 minutes.
+#
+#   bash benchmarks/gpu.sh [extra gpu_bench.py arguments]
+#
+# Runs benchmarks/gpu_bench.py (resnet14 and resnet18, float32 and bfloat16, R = 1, 4, 16, 64,
+# vmap / sequential / sharded over 1 device / vmap with matmul convs) on the first GPU, with a
+# 400 s budget for starting configurations and a hard 470 s timeout; the JSON is rewritten after
+# every configuration, so a timeout still leaves benchmarks/results/gpu_bench.json with the rows
+# done. Prints the table and the environment.
+#
+# Setup (once): pip install -e '.[cuda]'  (jax[cuda12]; the H200 needs CUDA 12.x drivers)
+#
+# TPU (one host): pip install -e '.[tpu]', then
+#   python benchmarks/gpu_bench.py --sharded-devices 0 --out benchmarks/results/tpu_bench.json
+# which shards the sharded rows over every chip (see the docstring of gpu_bench.py).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}"
+# Let XLA grow its allocation instead of grabbing 75% up front: the peak memory it reports is then
+# the memory the rows used, and an out-of-memory row fails alone.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+export JAX_PLATFORMS="${JAX_PLATFORMS:-cuda}"
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+python -c "import jax; print('jax', jax.__version__, jax.devices())"
+timeout --signal=INT --kill-after=10 470 python benchmarks/gpu_bench.py --budget-s 400 "$@"
