@@ -89,14 +89,20 @@ def compare_arms(records: dict[str, dict], reference: str = "all") -> dict[str, 
     Brown-Forsythe, replicas for 80% power). Empty when the reference arm is absent."""
     if reference not in records:
         return {}
-    ref = records[reference]["rows"]
+    def healthy(rows):  # diverged replicas are left out of every metric
+        return [row for row in rows if row.get("diverged_at_step", -1) < 0]
+
+    ref = healthy(records[reference]["rows"])
     ref_acc = np.array([row["test_accuracy"] for row in ref])
     ref_ce = np.array([row["test_loss"] for row in ref])
     out = {}
     for arm, rec in records.items():
-        if arm == reference or len(rec["rows"]) < 2 or len(ref) < 2:
+        if arm == reference or len(ref) < 2:
             continue
-        acc = np.array([row["test_accuracy"] for row in rec["rows"]])
-        ce = np.array([row["test_loss"] for row in rec["rows"]])
+        rows = healthy(rec["rows"])
+        if len(rows) < 2:
+            continue
+        acc = np.array([row["test_accuracy"] for row in rows])
+        ce = np.array([row["test_loss"] for row in rows])
         out[arm] = {"accuracy": S.compare_spread(acc, ref_acc), "cross_entropy": S.compare_spread(ce, ref_ce)}
     return out

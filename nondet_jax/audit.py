@@ -30,12 +30,12 @@ def audit_run(config: Config, steps: int, perturb: str | None = None) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from nondet_jax.data import load_dataset
+    from nondet_jax.data import load_data
     from nondet_jax.determinism import DETERMINISM_ON, NONDETERMINISTIC_BACKENDS, environment, tree_ulp_diff
     from nondet_jax.sources import arm_keys, arm_sources, perturbations, replica_slice
     from nondet_jax.train import DataSpec, make_train
 
-    data = load_dataset(config.data.name, config.data.data_dir)
+    data = load_data(config.data)
     b = config.train.batch_size
     if steps * b > len(data.x_train):
         raise UsageError(f"{steps} steps of batch {b} need {steps * b} training examples, {data.name} has "

@@ -8,6 +8,7 @@ Every problem is raised as :class:`UsageError` whose message names the problem a
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,9 @@ class DataConfig:
     augment: str = "auto"  # auto (on for CIFAR, off otherwise) | on | off
     flip: str = "auto"  # horizontal flips when augmenting: auto (on for CIFAR, off for digits/MNIST) | on | off
     crop_padding: int = 0  # 0 = 4 pixels for 32x32 inputs, 1 for 8x8 ones
+    image_size: int = 0  # TFDS sets: square side on loading (0 = 224 for imagenette/imagenet2012, else native)
+    max_train_examples: int = 0  # TFDS sets: a fixed random subset of the training split (0 = all)
+    max_test_examples: int = 0  # TFDS sets: likewise for the test (validation) split (0 = all)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,10 +46,12 @@ class OptimConfig:
     momentum: float = 0.9  # sgd only
     nesterov: bool = False  # sgd only
     weight_decay: float = 5e-4
-    schedule: str = "cosine"  # constant | step | cosine
-    warmup_epochs: float = 1.0  # linear warm-up before cosine (cosine only)
+    schedule: str = "cosine"  # constant | step | cosine | snapshot (cycles cosine restarts)
+    warmup_epochs: float = 1.0  # linear warm-up before cosine (cosine; snapshot: before each cycle)
     step_every_epochs: float = 0.0  # step schedule: multiply by step_factor every N epochs (0 = at 50% and 75%)
     step_factor: float = 0.1
+    cycles: int = 1  # snapshot schedule: cosine cycles, each ending at lr 0 (train.epochs divisible by it)
+    bias_bn_lr_scale: float = 1.0  # lr multiplier of biases and BatchNorm scales (Summers & Dinneen: 0.1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +60,7 @@ class TrainConfig:
     batch_size: int = 128
     eval_batch_size: int = 500
     unroll: int = 0  # training steps unrolled per scan iteration (0 = auto: see train.scan_unroll)
+    checkpoint_every: int = 1  # epochs between orbax checkpoints of an arm in training (0 = none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +68,7 @@ class StudyConfig:
     arms: tuple[str, ...] = ("control", "init", "data_order", "bitflip", "batch_order", "all")
     replicas: int = 6
     seed: int = 0
-    strategy: str = "auto"  # auto | vmap | sequential
+    strategy: str = "auto"  # auto | vmap | sequential | sharded
     xla_determinism: bool = True  # CLI: XLA's determinism flags on (hardware arms run without them)
     dynamics_every: int = 0  # > 0: trace replicas 0 and 1 of each arm every k steps (nondet_jax.dynamics)
 
@@ -72,6 +79,20 @@ class MetricsConfig:
     lmc_pairs: int = 3  # disjoint replica pairs whose LMC barrier is measured (0 = none)
     lmc_points: int = 11  # interpolation points from one endpoint to the other
     bn_examples: int = 2048  # training examples that BatchNorm statistics are recomputed on
+    tta: tuple[str, ...] = ()  # test-time augmentation view sets evaluated per arm (nondet_jax.tta), e.g. flip,crop5
+
+
+@dataclasses.dataclass(frozen=True)
+class InstrumentsConfig:
+    """Cockpit's quantities per step and replica (nondet_jax.instruments)."""
+
+    config: str = "none"  # none | economy | business | full | quantity names, comma-separated (e.g. Loss,HessMaxEV)
+    every: int = 1  # linear schedule: track every k-th step (from step 0)
+    schedule: str = "linear"  # linear | log (log_points log-spaced steps over the run, plus step 0)
+    log_points: int = 50
+    chunk: int = 32  # examples per per-example-gradient chunk (memory ~ chunk x parameters)
+    hess_iters: int = 10  # Lanczos steps for HessMaxEV (warm-started from the last tracked step)
+    hess_probes: int = 1  # Hutchinson probes for HessTrace, TICDiag, TICTrace
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,11 +103,12 @@ class Config:
     train: TrainConfig = TrainConfig()
     study: StudyConfig = StudyConfig()
     metrics: MetricsConfig = MetricsConfig()
+    instruments: InstrumentsConfig = InstrumentsConfig()
 
 
-STRATEGIES = ("auto", "vmap", "sequential")
+STRATEGIES = ("auto", "vmap", "sequential", "sharded")
 OPTIMIZERS = ("sgd", "adamw")
-SCHEDULES = ("constant", "step", "cosine")
+SCHEDULES = ("constant", "step", "cosine", "snapshot")
 AUGMENT = ("auto", "on", "off")
 
 
@@ -136,8 +158,10 @@ def from_flat(flat: dict[str, Any], base: Config | None = None) -> Config:
     updates: dict[str, dict[str, Any]] = {}
     for key, value in flat.items():
         if key not in keys:
-            close = [k for k in keys if k.split(".")[-1] == key.split(".")[-1]]
-            hint = f"did you mean '{close[0]}'?" if close else "see --help for the options or use one of: " + ", ".join(keys)
+            close = [k for k in keys if k.split(".")[-1] == key.split(".")[-1]] or difflib.get_close_matches(key, keys, 1)
+            sections = sorted({k.split(".")[0] for k in keys})
+            hint = (f"did you mean '{close[0]}'?" if close else
+                    f"keys are section.name with section one of {', '.join(sections)}; the full list is in README.md")
             raise UsageError(f"unknown config key '{key}'; {hint}")
         section, name = key.split(".")
         default = getattr(getattr(base, section), name)
@@ -188,14 +212,31 @@ def parse_overrides(items: list[str]) -> dict[str, str]:
 def to_dict(config: Config) -> dict[str, Any]:
     """The nested plain-dict form written to ``config.json``."""
     d = dataclasses.asdict(config)
-    d["study"]["arms"] = list(d["study"]["arms"])
-    return d
+    return {section: {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
+            for section, values in d.items()}
 
 
 def from_dict(d: dict[str, Any]) -> Config:
     """Inverse of :func:`to_dict`."""
     flat = {f"{s}.{k}": v for s, sec in d.items() for k, v in sec.items()}
     return from_flat(flat)
+
+
+def arm_config(config: Config, arm: str) -> Config:
+    """The configuration an arm trains under: ``config`` itself, or with the snapshot schedule of K
+    cycles for an ``arm@snapshotK`` variant (same epochs, so the same training cost)."""
+    from nondet_jax.sources import split_variant
+
+    k = split_variant(arm)[1]
+    if not k:
+        return config
+    optim = dataclasses.replace(config.optim, schedule="snapshot", cycles=k)
+    variant = dataclasses.replace(config, optim=optim)
+    try:
+        validate(dataclasses.replace(variant, study=dataclasses.replace(config.study, arms=("control",))))
+    except UsageError as e:
+        raise UsageError(f"arm '{arm}': {e}") from None
+    return variant
 
 
 def validate(config: Config) -> None:
@@ -220,6 +261,16 @@ def validate(config: Config) -> None:
         raise UsageError(f"data.flip must be one of {', '.join(AUGMENT)}, got '{d.flip}'")
     if d.crop_padding < 0:
         raise UsageError(f"data.crop_padding must be >= 0, got {d.crop_padding}")
+    if d.image_size < 0 or d.max_train_examples < 0 or d.max_test_examples < 0:
+        raise UsageError("data.image_size, data.max_train_examples and data.max_test_examples must be >= 0 "
+                         "(0 = default / all); fix the value")
+    if d.name == "digits" and (d.image_size not in (0, 8) or d.max_train_examples or d.max_test_examples):
+        raise UsageError("data.image_size and data.max_*_examples apply to TFDS data sets, not digits; leave them at 0")
+    from nondet_jax.data import NEEDS_TRAIN_CAP
+
+    if d.name in NEEDS_TRAIN_CAP and d.max_train_examples == 0:
+        raise UsageError(f"{d.name}'s training split does not fit in memory; set a subset size with "
+                         "--set data.max_train_examples=50000 (say)")
     if o.name not in OPTIMIZERS:
         raise UsageError(f"unknown optimizer '{o.name}'; choose one of: {', '.join(OPTIMIZERS)}")
     if o.schedule not in SCHEDULES:
@@ -228,8 +279,24 @@ def validate(config: Config) -> None:
         raise UsageError(f"learning rate must be > 0, got {o.lr}; use e.g. --lr 0.05")
     if o.weight_decay < 0 or o.warmup_epochs < 0 or o.step_every_epochs < 0:
         raise UsageError("weight_decay, warmup_epochs and step_every_epochs must be >= 0; fix the value")
+    if o.bias_bn_lr_scale <= 0:
+        raise UsageError(f"optim.bias_bn_lr_scale must be > 0, got {o.bias_bn_lr_scale}; use 1 for no scaling")
+    if o.cycles < 1:
+        raise UsageError(f"optim.cycles must be >= 1, got {o.cycles}; use e.g. --set optim.cycles=3")
+    if o.cycles > 1 and o.schedule != "snapshot":
+        raise UsageError(f"optim.cycles={o.cycles} needs the snapshot schedule; add --set optim.schedule=snapshot "
+                         "or set optim.cycles=1")
+    if o.schedule == "snapshot":
+        if t.epochs % o.cycles:
+            raise UsageError(f"the snapshot schedule needs train.epochs divisible by optim.cycles, got {t.epochs} "
+                             f"epochs and {o.cycles} cycles; use e.g. --epochs {o.cycles * max(1, t.epochs // o.cycles)}")
+        if o.warmup_epochs >= t.epochs // o.cycles:
+            raise UsageError(f"optim.warmup_epochs={o.warmup_epochs} leaves no cosine decay in cycles of "
+                             f"{t.epochs // o.cycles} epoch(s); make it smaller than train.epochs / optim.cycles")
     if t.epochs < 1:
         raise UsageError(f"epochs must be >= 1, got {t.epochs}; use e.g. --epochs 10")
+    if t.checkpoint_every < 0:
+        raise UsageError(f"train.checkpoint_every must be >= 0 (0 = no checkpoints), got {t.checkpoint_every}")
     if t.unroll < 0:
         raise UsageError(f"train.unroll must be >= 0 (0 = auto), got {t.unroll}")
     if t.batch_size < 1 or t.eval_batch_size < 1:
@@ -252,3 +319,25 @@ def validate(config: Config) -> None:
         raise UsageError(f"arm listed twice in {','.join(s.arms)}; list each arm once")
     for arm in s.arms:
         sources.arm_sources(arm)  # raises UsageError for unknown names
+        if sources.split_variant(arm)[1]:
+            arm_config(config, arm)  # the variant's schedule must fit, e.g. epochs divisible by K
+    _validate_instruments(config)
+
+
+def _validate_instruments(config: Config) -> None:
+    from nondet_jax.instruments import configurations
+
+    ic, o = config.instruments, config.optim
+    try:
+        names = configurations.resolve(ic.config)
+    except ValueError as e:
+        raise UsageError(f"{e} (--instruments / instruments.config)") from None
+    if ic.schedule not in ("linear", "log"):
+        raise UsageError(f"unknown instruments.schedule '{ic.schedule}'; choose linear (every k steps) or log")
+    for key in ("every", "log_points", "chunk", "hess_iters", "hess_probes"):
+        if getattr(ic, key) < 1:
+            raise UsageError(f"instruments.{key} must be >= 1, got {getattr(ic, key)}; fix --set instruments.{key}")
+    plain = [q for q in names if q in configurations.PLAIN_SGD_ONLY]
+    if plain and (o.name != "sgd" or o.momentum != 0 or o.nesterov or o.weight_decay != 0):
+        raise UsageError(f"{' and '.join(plain)} assume plain SGD, as in Cockpit; use --set optim.name=sgd "
+                         "--set optim.momentum=0 --set optim.weight_decay=0, or drop them from instruments.config")

@@ -40,6 +40,10 @@ def load_records(run: Path) -> tuple[dict, dict[str, dict]]:
                    if (run / "arms" / f"{a}.json").exists()}
     except (OSError, json.JSONDecodeError, KeyError) as e:
         raise UsageError(f"{run} holds a corrupt result file ({e}); rerun the sweep into a new --out") from None
+    from nondet_jax.store import verify_arm_files
+
+    for arm, record in records.items():
+        verify_arm_files(run, arm, record)
     if not records:
         raise UsageError(f"{run} has no finished arms yet; run the sweep to completion first")
     return config, records
@@ -60,7 +64,46 @@ def build_summary(run: Path) -> tuple[dict, dict[str, dict]]:
         "std_ddof": 1, "ci_level": 0.95,
         "arms": {a: {k: v for k, v in rec.items() if k != "rows"} for a, rec in records.items()},
         "vs_all": compare_arms(records),
+        "mitigations": mitigation_results(run, records),
     }, records
+
+
+def _healthy(record: dict) -> set[int]:
+    return {row["replica"] for row in record["rows"] if row.get("diverged_at_step", -1) < 0}
+
+
+def mitigation_results(run: Path, records: dict[str, dict]) -> dict[str, dict]:
+    """Per plain arm with a mitigation stored: its variants' metrics (nondet_jax.mitigations).
+
+    Variants: ``single`` (the arm's logits), ``tta:<views>`` (same models, test-time augmentation),
+    ``snapshotK`` (arm@snapshotK: the mean of each replica's K cycle-end logits, same training
+    epochs) and ``snapshotK last`` (its final snapshot alone). Replica r of the two arms shares
+    every key, so the comparison is paired; replicas that diverged in either are left out.
+    """
+    from nondet_jax.mitigations import mitigation_metrics, snapshot_ensemble
+    from nondet_jax.sources import split_variant
+
+    if not (run / "test_labels.npy").exists():
+        return {}
+    labels = np.load(run / "test_labels.npy", allow_pickle=False)
+    out = {}
+    for arm, rec in records.items():
+        if split_variant(arm)[1]:
+            continue
+        snaps = {other: split_variant(other)[1] for other in records
+                 if split_variant(other)[0] == arm and split_variant(other)[1]}
+        keep = sorted(_healthy(rec).intersection(*(_healthy(records[o]) for o in snaps)))
+        variants = {"single": np.load(run / "logits" / f"{arm}.npy", allow_pickle=False)[keep]}
+        if (run / "tta" / f"{arm}.npz").exists():
+            with np.load(run / "tta" / f"{arm}.npz", allow_pickle=False) as f:
+                variants.update({f"tta:{name}": f[name][keep] for name in f.files})
+        for other, k in snaps.items():
+            variants[f"snapshot{k}"] = snapshot_ensemble(np.load(run / "snapshots" / f"{other}.npy",
+                                                                 allow_pickle=False)[keep])
+            variants[f"snapshot{k} last"] = np.load(run / "logits" / f"{other}.npy", allow_pickle=False)[keep]
+        if len(variants) > 1 and len(keep):
+            out[arm] = mitigation_metrics(variants, labels)
+    return out
 
 
 def arm_rows(summary: dict) -> list[dict]:
@@ -68,7 +111,10 @@ def arm_rows(summary: dict) -> list[dict]:
     rows = []
     for arm, a in summary["arms"].items():
         m = a["metrics"]
+        if not m:
+            continue
         row = {"arm": arm, "varied": "+".join(a["varied"]) or "none", "replicas": a["replicas"],
+               "diverged": len(a.get("diverged", [])),
                "accuracy_mean": m["accuracy"]["mean"], "accuracy_std": m["accuracy"]["std"],
                "accuracy_std_ci_low": m["accuracy"]["std_ci"][0], "accuracy_std_ci_high": m["accuracy"]["std_ci"][1],
                "cross_entropy_mean": m["cross_entropy"]["mean"], "cross_entropy_std": m["cross_entropy"]["std"],
@@ -108,15 +154,23 @@ def format_table(summary: dict) -> str:
     for arm, a in summary["arms"].items():
         m = a["metrics"]
         vs = summary["vs_all"].get(arm, {}).get("accuracy", {})
+        if not m:
+            lines.append(f"{arm:<13}{0:>3}  every replica diverged (see report.md)")
+            continue
         acc, ce = m["accuracy"], m["cross_entropy"]
         lines.append(
-            f"{arm:<13}{a['replicas']:>3} {acc['mean'] * 100:>10.2f} "
+            f"{arm:<13}{a.get('replicas_used', a['replicas']):>3} {acc['mean'] * 100:>10.2f} "
             f"{acc['std'] * 100:>6.2f}{_ci(acc['std_ci'], 2, 100):<16} {_fmt(vs.get('ratio'), 2):>12} "
             f"{_fmt(vs.get('f_test_p'), 3):>6} {ce['std']:>7.4f}{_ci(ce['std_ci']):<17} "
             f"{_fmt(m.get('disagreement', {}).get('mean'), 4):>8} {_fmt(m.get('cka', {}).get('mean'), 3):>6} "
             f"{_fmt(m.get('lmc_barrier', {}).get('mean'), 4):>8}")
     lines.append("std: sample std over replicas (ddof=1), seeded bootstrap CIs; ratio: accuracy std / the all arm's, "
                  "two-sided F-test p")
+    diverged = {arm: a["diverged"] for arm, a in summary["arms"].items() if a.get("diverged")}
+    if diverged:
+        lines.append("diverged (left out of every metric; R counts the rest): " + "; ".join(
+            f"{arm} {len(d)} of {summary['arms'][arm]['replicas']} (replica "
+            + ", ".join(f"{x['replica']} at step {x['step']}" for x in d) + ")" for arm, d in diverged.items()))
     return "\n".join(lines)
 
 
@@ -256,6 +310,14 @@ def make_figures(run: Path, summary: dict, records: dict[str, dict]) -> list[str
         save(fig, "lmc")
     else:
         plt.close(fig)
+    for arm in records:  # Cockpit-style dashboards of the arms trained with instruments
+        path = run / "instruments" / f"{arm}.npz"
+        if path.exists():
+            from nondet_jax.instruments.dashboard import dashboard
+
+            with np.load(path, allow_pickle=False) as f:
+                values = {k: f[k] for k in f.files}
+            save(dashboard(values, title=f"arm {arm}: instruments"), f"instruments_{arm}")
     return made
 
 
@@ -319,6 +381,19 @@ def _findings(summary: dict) -> list[str]:
     return out
 
 
+def _mitigations_md(summary: dict) -> list[str]:
+    if not summary.get("mitigations"):
+        return []
+    from nondet_jax.mitigations import mitigation_table
+
+    return ["## Mitigations: single models, test-time augmentation, snapshot ensembles", "",
+            "Same replicas (paired by key) evaluated as variants: `single` is the trained arm; `tta:<views>` the "
+            "same models averaged over test-time views; `snapshotK` the arm retrained with K cosine cycles in the "
+            "same epochs (equal training cost), its K cycle-end logits averaged; `snapshotK last` that run's final "
+            "snapshot alone. The std ratio is to `single` (F-test p).", "",
+            mitigation_table(summary["mitigations"]), ""]
+
+
 def write_report(run: str | Path, command: str | None = None) -> dict:
     """Rebuild ``summary.json``, ``arms.csv``, figures and ``report.md`` from stored results."""
     from nondet_jax.store import atomic_write_bytes, atomic_write_json
@@ -341,6 +416,7 @@ def write_report(run: str | Path, command: str | None = None) -> dict:
            "## Spread relative to the `all` arm", "", *_comparison_md(summary),
            "## What the numbers say", "", *(_findings(summary) or ["- (nothing to compare)"]), "",
            *_dynamics_md(summary),
+           *_mitigations_md(summary),
            "## Figures", ""]
     md += [f"![{Path(f).stem}]({f})" for f in figures]
     md += ["", "## Definitions", "",

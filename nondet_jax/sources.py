@@ -75,12 +75,27 @@ def perturbations(varied: frozenset[str]) -> Perturbations:
     return Perturbations(*(jnp.asarray(s in varied) for s in PERTURBATIONS))
 
 
+def split_variant(arm: str) -> tuple[str, int]:
+    """``'init@snapshot3'`` -> ``('init', 3)``: an arm trained with the snapshot schedule of K cycles
+    (a mitigation, compared with the plain arm at equal training cost); plain arms give K = 0."""
+    base, _, variant = arm.partition("@")
+    if not variant:
+        return arm, 0
+    k = variant.removeprefix("snapshot")
+    if not variant.startswith("snapshot") or not k.isdigit() or int(k) < 2:
+        raise UsageError(f"unknown arm variant '@{variant}' in '{arm}'; the one variant is @snapshotK with K >= 2 "
+                         "cycles, e.g. init@snapshot3")
+    return base, int(k)
+
+
 def arm_sources(arm: str) -> frozenset[str]:
     """The sources an arm varies.
 
     ``control`` varies nothing, ``all`` every seeded source (not ``hardware``), a source name only
-    that source, and ``a+b`` the union of its parts (``all+hardware`` for everything).
+    that source, and ``a+b`` the union of its parts (``all+hardware`` for everything). A variant
+    suffix (``@snapshot3``, see :func:`split_variant`) changes the schedule, not the sources.
     """
+    arm = split_variant(arm)[0]
     if arm == "control":
         return frozenset()
     varied: set[str] = set()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import csv
 import fcntl
+import hashlib
 import io
 import json
 import os
@@ -35,6 +36,9 @@ from flax import traverse_util
 from nondet_jax.config import Config, UsageError, to_dict
 
 LOCK = ".lock"
+# Keys a folder's results do not depend on: arms may be added (each arm is stored on its own), and
+# the checkpoint interval only decides how much a crash costs.
+RESULT_NEUTRAL = {("study", "arms"), ("train", "checkpoint_every")}
 ARM_FILES = ("arms/{}.json", "logits/{}.npy", "features/{}.npy", "history/{}.npz", "weights/{}.npz", "pairs/{}.npz")
 
 
@@ -57,16 +61,16 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
 
 
-def atomic_save_npy(path: Path, array: np.ndarray) -> None:
+def npy_bytes(array: np.ndarray) -> bytes:
     buf = io.BytesIO()
     np.save(buf, array, allow_pickle=False)
-    atomic_write_bytes(path, buf.getvalue())
+    return buf.getvalue()
 
 
-def atomic_save_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:
+def npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
     buf = io.BytesIO()
-    np.savez(buf, **arrays)
-    atomic_write_bytes(path, buf.getvalue())
+    np.savez(buf, **{k: np.asarray(v) for k, v in arrays.items()})
+    return buf.getvalue()
 
 
 def flatten_tree(tree: Any) -> dict[str, np.ndarray]:
@@ -78,19 +82,36 @@ def _config_diff(a: dict, b: dict) -> list[str]:
     out = []
     for section in sorted(set(a) | set(b)):
         for key in sorted(set(a.get(section, {})) | set(b.get(section, {}))):
-            if section == "study" and key == "arms":
-                continue  # arms may be added to a folder; each arm is stored on its own
+            if (section, key) in RESULT_NEUTRAL:
+                continue
             va, vb = a.get(section, {}).get(key), b.get(section, {}).get(key)
             if va != vb:
                 out.append(f"{section}.{key} {va!r} vs {vb!r}")
     return out
 
 
+def verify_arm_files(root: Path, arm: str, record: dict) -> dict:
+    """Check every file an arm's record lists against its sha256; UsageError naming the file and
+    ``--recompute ARM`` when one is missing, truncated or altered. Returns the record."""
+    for rel, digest in record.get("files", {}).items():
+        path = Path(root) / rel
+        try:
+            ok = hashlib.sha256(path.read_bytes()).hexdigest() == digest
+        except OSError:
+            ok = False
+        if not ok:
+            raise UsageError(f"result file {path} is missing, truncated or corrupt (sha256 mismatch); rerun the sweep "
+                             f"with --recompute {arm} to train arm '{arm}' again")
+    return record
+
+
 class RunStore:
     """An open run folder. Use as a context manager: it holds the folder's lock while open."""
 
-    def __init__(self, out: str | Path, config: Config, locked_by_parent: bool = False):
+    def __init__(self, out: str | Path, config: Config, locked_by_parent: bool = False,
+                 recompute: tuple[str, ...] = ()):
         self.root = Path(out)
+        self.recompute = recompute  # arms about to be deleted: not verified on open
         self.config = config
         self.locked_by_parent = locked_by_parent  # a child process writing under its parent's lock
         self._lock_fd: int | None = None
@@ -128,6 +149,8 @@ class RunStore:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._lock_fd = fd
+        for tmp in root.rglob(".*.tmp"):  # left by a process killed mid-write; never a result
+            tmp.unlink(missing_ok=True)
         try:
             new = to_dict(self.config)
             if cfg_path.exists():
@@ -141,6 +164,17 @@ class RunStore:
                     raise UsageError(f"--out {root} holds results of a different config ({'; '.join(diff[:3])}); "
                                      "choose another --out or rerun with the same settings")
                 new["study"]["arms"] = list(dict.fromkeys(old["study"]["arms"] + new["study"]["arms"]))
+                for arm in old["study"]["arms"]:  # damaged results stop the run before anything is written
+                    if self.arm_done(arm) and arm not in self.recompute:
+                        self.verify_arm(arm)
+                    elif arm not in self.recompute and (root / "checkpoints" / arm).is_dir():
+                        from nondet_jax.checkpoint import CorruptCheckpoint, verify_latest
+
+                        try:
+                            verify_latest(root / "checkpoints" / arm)
+                        except CorruptCheckpoint as e:
+                            raise UsageError(f"{e}; rerun with --recompute {arm} to train arm '{arm}' again from "
+                                             "scratch") from None
             atomic_write_json(cfg_path, new)
         except BaseException:
             self.close()
@@ -154,23 +188,44 @@ class RunStore:
 
     # --- arms -------------------------------------------------------------------------------
     def arm_done(self, arm: str) -> bool:
-        """True when every file of the arm is present (its JSON marker is written last)."""
-        return all((self.root / f.format(arm)).exists() for f in ARM_FILES)
+        """True when the arm's JSON record, written last, is present (see :meth:`verify_arm`)."""
+        return (self.root / f"arms/{arm}.json").exists()
 
     def load_arm(self, arm: str) -> dict:
-        return json.loads((self.root / f"arms/{arm}.json").read_text())
+        path = self.root / f"arms/{arm}.json"
+        try:
+            return json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            raise UsageError(f"result file {path} is unreadable or corrupt; rerun with --recompute {arm} "
+                             f"to train arm '{arm}' again") from None
+
+    def verify_arm(self, arm: str) -> dict:
+        """The arm's record, its files checked (see :func:`verify_arm_files`)."""
+        return verify_arm_files(self.root, arm, self.load_arm(arm))
+
+    def remove_arm(self, arm: str) -> None:
+        """Delete an arm's results and checkpoints (its record first, so it never looks finished)."""
+        import shutil
+
+        (self.root / f"arms/{arm}.json").unlink(missing_ok=True)
+        for pattern in ARM_FILES[1:] + ("dynamics/{}.npz", "environments/{}.json", "instruments/{}.npz",
+                                        "instruments/{}.csv"):
+            (self.root / pattern.format(arm)).unlink(missing_ok=True)
+        shutil.rmtree(self.root / "checkpoints" / arm, ignore_errors=True)
 
     def save_arm(self, arm: str, record: dict, logits: np.ndarray, features: np.ndarray,
                  history: dict[str, np.ndarray], weights: dict[str, np.ndarray], pairs: dict[str, np.ndarray],
-                 dynamics: dict[str, np.ndarray] | None = None) -> None:
-        """Write an arm's arrays, then its JSON record (the marker that the arm is finished)."""
+                 dynamics: dict[str, np.ndarray] | None = None, extra: dict[str, bytes] | None = None) -> None:
+        """Write an arm's arrays, then its JSON record (the marker that the arm is finished), which
+        lists every file's sha256. ``extra`` maps further relative paths to their bytes."""
+        files = {f"logits/{arm}.npy": npy_bytes(logits), f"features/{arm}.npy": npy_bytes(features),
+                 f"history/{arm}.npz": npz_bytes(history), f"weights/{arm}.npz": npz_bytes(weights),
+                 f"pairs/{arm}.npz": npz_bytes(pairs), **(extra or {})}
         if dynamics is not None:
-            atomic_save_npz(self.root / f"dynamics/{arm}.npz", dynamics)
-        atomic_save_npy(self.root / f"logits/{arm}.npy", logits)
-        atomic_save_npy(self.root / f"features/{arm}.npy", features)
-        atomic_save_npz(self.root / f"history/{arm}.npz", history)
-        atomic_save_npz(self.root / f"weights/{arm}.npz", weights)
-        atomic_save_npz(self.root / f"pairs/{arm}.npz", pairs)
+            files[f"dynamics/{arm}.npz"] = npz_bytes(dynamics)
+        for rel, data in files.items():
+            atomic_write_bytes(self.root / rel, data)
+        record = {**record, "files": {rel: hashlib.sha256(data).hexdigest() for rel, data in files.items()}}
         atomic_write_json(self.root / f"arms/{arm}.json", record)
 
     def write_json(self, name: str, obj: Any) -> None:

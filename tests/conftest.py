@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import jax
 import numpy as np
 import pytest
@@ -12,6 +15,8 @@ from nondet_jax.train import DataSpec
 
 # Compile time dominates these tiny runs; tests that train for real turn optimisation back on.
 jax.config.update("jax_disable_most_optimizations", True)
+# The sweeps the tests start share one compilation cache, kept out of the user's own.
+os.environ.setdefault("NONDET_JAX_COMPILE_CACHE", os.path.join(tempfile.gettempdir(), "nondet_jax_test_cache"))
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,301 @@
+"""Every row of docs/bad_inputs.md, run: the exact one-line message, exit status 2, nothing damaged.
+
+The table in the docs is generated from CASES by ``python tests/test_bad_inputs.py`` and this test
+checks that each documented message is still, exactly, what the code says. Paths under the test's
+temporary folder print as ``<tmp>``, process ids as ``<pid>``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "bad_inputs.md"
+FAST = "--model mlp --epochs 1 --replicas 2 --batch-size 256 --no-progress"
+
+# (where, input as shown in the docs, setup key or None)
+CASES: list[tuple[str, str]] = [
+    ("CLI", "--arms control,nosuch"),
+    ("CLI", "--arms init+cosmic_rays"),
+    ("CLI", "--arms control,control"),
+    ("CLI", "--arms control,dropout"),
+    ("CLI", "--augment off --arms augmentation"),
+    ("CLI", "--model resnet99"),
+    ("CLI", "--dataset nosuch"),
+    ("CLI", "--dataset cifar10 --data-dir <tmp>/empty"),
+    ("CLI", "--batch-size 5000"),
+    ("CLI", "--replicas 0"),
+    ("CLI", "--replicas 1"),
+    ("CLI", "--epochs two"),
+    ("CLI", "--strategy fast"),
+    ("CLI", "--preset nosuch"),
+    ("CLI", "--width 0"),
+    ("CLI", "--set train.epoch=3"),
+    ("CLI", "--set optim.lr"),
+    ("CLI", "--set optim.lr=-1"),
+    ("CLI", "--set model.dropout=1.5"),
+    ("CLI", "--set optim.name=lbfgs"),
+    ("CLI", "--set optim.schedule=linear"),
+    ("CLI", "--set data.augment=sometimes"),
+    ("CLI", "--set study.xla_determinism=maybe"),
+    ("CLI", "--set train.checkpoint_every=-1"),
+    ("CLI", "--arms init@snap"),
+    ("CLI", "--arms init,init@snapshot5"),
+    ("CLI", "--set metrics.tta=crop9"),
+    ("CLI", "--instruments nosuch"),
+    ("CLI", "--instruments CABS"),
+    ("CLI", "--compile-cache /proc/nondet_jax_cache"),
+    ("CLI", "--resume <tmp>/nothing"),
+    ("CLI", "--resume <run> --epochs 3"),
+    ("CLI", "--out <run> --recompute nosuch"),
+    ("config file", "--config <tmp>/missing.yaml"),
+    ("config file", "--config <tmp>/broken.yaml  (contains `train: [1, 2`)"),
+    ("config file", "--config <tmp>/list.yaml  (contains `- 1`)"),
+    ("config file", "--config <tmp>/c.json  (contains `{\"optim\": {\"lr\": \"fast\"}}`)"),
+    ("config file", "--config <tmp>/c.yaml  (contains `trian: {epochs: 3}`)"),
+    ("run folder", "--out <tmp>/afile  (a file)"),
+    ("run folder", "--out <tmp>/foreign  (a folder holding other files)"),
+    ("run folder", "--out <run> --seed 1  (a folder of another config)"),
+    ("run folder", "--out <run>  (while another process holds the folder's lock)"),
+    ("run folder", "--out <run>  (config.json corrupted)"),
+    ("run folder", "--out <run>  (logits/init.npy truncated)"),
+    ("run folder", "--out <run>  (arms/init.json corrupted)"),
+    ("run folder", "--out <run>  (an arm's checkpoint corrupted mid-training)"),
+    ("report", "python -m nondet_jax.report <tmp>/empty"),
+    ("API", "config.from_flat({'model.nam': 'resnet8'})"),
+    ("API", "sources.arm_sources('nosuch')"),
+    ("API", "data.load_dataset('nosuch')"),
+    ("API", "train.make_train(from_flat({'train.batch_size': 5000}), digits_spec)"),
+]
+
+
+def _normalize(message: str, tmp: Path) -> str:
+    message = message.replace(str(tmp), "<tmp>")
+    message = re.sub(r"/[0-9a-f]{32}\b", "/<hash>", message)  # orbax's data file names
+    return re.sub(r"pid \d+", "pid <pid>", message)
+
+
+def _snapshot(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != ".lock"} if folder.is_dir() else {}
+
+
+class Context:
+    """A temporary folder and, made once, a finished 2-arm run folder to copy."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self._run: Path | None = None
+
+    def finished_run(self) -> Path:
+        import shutil
+
+        from nondet_jax import sweep
+
+        if self._run is None:
+            self._run = self.tmp / "template"
+            assert sweep.main([*FAST.split(), "--arms", "control,init", "--out", str(self._run)]) == 0
+        run = self.tmp / "run"
+        shutil.rmtree(run, ignore_errors=True)
+        shutil.copytree(self._run, run)
+        return run
+
+
+def run_case(where: str, text: str, ctx: Context, capsys) -> tuple[str, int, bool]:
+    """(normalised message, exit status, whether the touched folder was left byte-for-byte as it was)."""
+    from nondet_jax import config, data, sources, sweep, train
+    from nondet_jax.config import UsageError, from_flat
+
+    tmp = ctx.tmp
+    if where == "API":
+        spec = train.DataSpec(1437, (8, 8, 1), 10, "digits")
+        try:
+            eval(text, {"config": config, "sources": sources, "data": data, "train": train,  # noqa: S307
+                        "from_flat": from_flat, "digits_spec": spec})
+        except UsageError as e:
+            return _normalize(str(e), tmp), 2, True
+        raise AssertionError(f"{text} raised nothing")
+    command, _, note = text.partition("  (")
+    folder = None
+    if "<run>" in command:
+        folder = ctx.finished_run()
+        command = command.replace("<run>", str(folder))
+    command = command.replace("<tmp>", str(tmp))
+    content = re.search(r"contains `(.*)`", note)
+    args = shlex.split(command)
+    if "--config" in args:
+        path = Path(args[args.index("--config") + 1])
+        if content:
+            path.write_text(content.group(1))
+    if note.startswith("a file"):
+        Path(args[args.index("--out") + 1]).write_text("x")
+    if note.startswith("a folder holding"):
+        folder = Path(args[args.index("--out") + 1])
+        folder.mkdir(exist_ok=True)
+        (folder / "thesis.tex").write_text("x")
+    (tmp / "empty").mkdir(exist_ok=True)
+    lock_fd = None
+    if note.startswith("while another process"):
+        lock_fd = os.open(folder / ".lock", os.O_RDWR)
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.pwrite(lock_fd, f"{os.getpid()}\n".encode(), 0)
+    if note.startswith("config.json corrupted"):
+        (folder / "config.json").write_text("{ not json")
+    if note.startswith("logits/init.npy truncated"):
+        p = folder / "logits" / "init.npy"
+        p.write_bytes(p.read_bytes()[:100])
+    if note.startswith("arms/init.json corrupted"):
+        (folder / "arms" / "init.json").write_text('{"arm": "init", "files": ')
+    if note.startswith("an arm's checkpoint"):
+        folder = _folder_with_corrupt_checkpoint(ctx)
+        args = [*FAST.split(), "--epochs", "2", "--arms", "init", "--out", str(folder)]
+    before = _snapshot(folder) if folder else {}
+    capsys.readouterr()
+    try:
+        if where == "report":
+            from nondet_jax import report
+
+            status = report.main(args[3:])
+        else:
+            status = sweep.main([*FAST.split(), *args] if "--resume" not in args else args)
+    except SystemExit as e:  # argparse
+        status = e.code
+    finally:
+        if lock_fd is not None:
+            os.close(lock_fd)
+    err = [ln for ln in capsys.readouterr().err.splitlines()
+           if ln.strip() and "Location" not in ln and not ln.startswith("WARNING:")]  # absl logging lines
+    assert len(err) == 1, err
+    message = re.sub(r"^python -m nondet_jax\.(sweep|report): error: ", "", err[0])
+    return _normalize(message, tmp), status, _snapshot(folder) == before if folder else True
+
+
+def _folder_with_corrupt_checkpoint(ctx: Context) -> Path:
+    """A run folder whose arm 'init' stopped after epoch 1 of 2, its checkpoint then damaged."""
+    from nondet_jax import sweep
+
+    folder = ctx.tmp / "ckpt_run"
+    # Stop after epoch 1 the honest way: a 1-epoch study with checkpoints leaves none (they are deleted
+    # when the arm finishes), so train 2 epochs and keep the checkpoint by failing the metrics step.
+    from nondet_jax import analysis
+
+    original = analysis.arm_metrics
+
+    def crash(*a, **k):
+        raise KeyboardInterrupt
+
+    analysis.arm_metrics = crash
+    try:
+        sweep.main([*FAST.split(), "--epochs", "2", "--arms", "init", "--out", str(folder)])
+    finally:
+        analysis.arm_metrics = original
+    latest = max((p for p in (folder / "checkpoints" / "init" / "orbax").iterdir() if p.name.isdigit()),
+                 key=lambda p: int(p.name))
+    data = max((p for p in latest.rglob("*") if p.is_file()),
+               key=lambda p: p.stat().st_size)
+    data.write_bytes(b"\0" * data.stat().st_size)
+    return folder
+
+
+def _code(text: str) -> str:
+    return "`` " + text.replace("|", "\\|") + " ``"
+
+
+def _uncode(cell: str) -> str:
+    return cell.removeprefix("`` ").removesuffix(" ``").replace("\\|", "|")
+
+
+def documented() -> dict[tuple[str, str], str]:
+    rows = {}
+    for line in DOC.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].isdigit():
+            rows[(cells[1], _uncode(cells[2]))] = _uncode(cells[3])
+    return rows
+
+
+@pytest.fixture(scope="module")
+def ctx(tmp_path_factory):
+    return Context(tmp_path_factory.mktemp("bad"))
+
+
+@pytest.fixture(autouse=True)
+def _restore_xla_flags(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # sweep.main sets determinism flags
+
+
+def test_the_table_has_every_case_and_at_least_25():
+    assert len(CASES) >= 25 and len(set(CASES)) == len(CASES)
+    assert set(documented()) == set(CASES), "regenerate docs/bad_inputs.md: python tests/test_bad_inputs.py"
+
+
+@pytest.mark.parametrize("where,text", CASES, ids=[f"{i + 1}" for i in range(len(CASES))])
+def test_bad_input_gets_its_documented_message(where, text, ctx, capsys):
+    message, status, untouched = run_case(where, text, ctx, capsys)
+    assert status == 2
+    assert message == documented()[(where, text)]
+    assert untouched, "a refused command changed the run folder"
+
+
+def main() -> None:
+    """Regenerate docs/bad_inputs.md from CASES (run the cases, record their messages)."""
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import jax
+
+    jax.config.update("jax_disable_most_optimizations", True)
+
+    class Capsys:
+        def readouterr(self):
+            import io
+
+            out, err = sys.stdout.getvalue(), sys.stderr.getvalue()
+            sys.stdout, sys.stderr = io.StringIO(), io.StringIO()
+            return type("R", (), {"out": out, "err": err})()
+
+    import io
+
+    real = sys.stdout, sys.stderr
+    lines = ["# Bad input: what each gets", "",
+             "Every row is run by `tests/test_bad_inputs.py`, which checks the exact message, exit status 2 and that "
+             "the run folder involved is byte-for-byte unchanged. CLI rows run `python -m nondet_jax.sweep` with "
+             f"`{FAST}` plus the input; `<tmp>` is a scratch folder, `<run>` a finished 2-arm run folder. "
+             "Regenerate with `python tests/test_bad_inputs.py`.", "",
+             "| # | where | input | message (exit status 2) |", "|---|---|---|---|"]
+    with tempfile.TemporaryDirectory() as d:
+        ctx = Context(Path(d))
+        sys.stdout, sys.stderr = io.StringIO(), io.StringIO()
+        try:
+            for i, (where, text) in enumerate(CASES, 1):
+                print(i, text, file=real[1], flush=True)
+                message, status, untouched = run_case(where, text, ctx, Capsys())
+                assert status == 2 and untouched, (text, status)
+                lines.append(f"| {i} | {where} | {_code(text)} | {_code(message)} |")
+        finally:
+            sys.stdout, sys.stderr = real
+    DOC.parent.mkdir(exist_ok=True)
+    DOC.write_text("\n".join(lines) + "\n")
+    print(f"wrote {DOC} ({len(CASES)} rows)")
+
+
+if __name__ == "__main__":
+    main()
+
+
+def test_readme_lists_every_config_key():  # the unknown-key message points there
+    from nondet_jax.config import valid_keys
+
+    readme = (ROOT / "README.md").read_text()
+    for key in valid_keys():
+        section, name = key.split(".")
+        assert re.search(rf"`{section}\.\{{[^`]*\b{name}\b", readme), key

@@ -1,0 +1,178 @@
+"""Crash safety: orbax checkpoints, resume after SIGKILL bitwise, divergence isolation, corruption."""
+
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import spec_of, tiny_config, tree_equal
+from nondet_jax.checkpoint import ArmCheckpoints, CorruptCheckpoint, key_fingerprint
+from nondet_jax.replicas import Progress, make_strategy, train_replicas
+from nondet_jax.sources import arm_keys, arm_sources, perturbations
+from nondet_jax.train import make_train
+
+ENV = {**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1", "JAX_PLATFORMS": "cpu"}
+STUDY = ["--model", "mlp", "--epochs", "5", "--replicas", "3", "--batch-size", "256", "--arms", "control,init,all",
+         "--no-progress"]
+RESULTS = ("arms/", "logits/", "features/", "history/", "weights/", "pairs/")
+
+
+def sweep(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "nondet_jax.sweep", *args], capture_output=True, text=True,
+                          env=env or ENV, timeout=600)
+
+
+def digests(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file() and str(p.relative_to(folder)).startswith(RESULTS)
+            and not p.name.startswith(".")}
+
+
+def without_timing(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k not in ("seconds", "files")}
+
+
+@pytest.fixture(scope="module")
+def arm(small_digits):
+    config = tiny_config(**{"model.name": "resnet8", "train.epochs": 3})
+    fns = make_train(config, spec_of(small_digits))
+    varied = arm_sources("all")
+    return fns, arm_keys(0, varied, 2), perturbations(varied), make_strategy(fns, "sequential")
+
+
+def test_checkpoint_restores_exactly_the_saved_state_and_resumes_bitwise(arm, small_digits, tmp_path):
+    fns, keys, perturb, strategy = arm
+    ckpt = ArmCheckpoints(tmp_path / "ck", every=1)
+    saved = {}
+
+    def on_epoch(p):
+        ckpt.save(p, {"keys_sha256": key_fingerprint(keys)})
+        saved[p.epoch] = p
+
+    full = train_replicas(strategy, keys, perturb, small_digits, 3, on_epoch=on_epoch)
+    assert ckpt.steps() == [2, 3]  # two kept
+    target = jax.eval_shape(strategy.init, keys, perturb, small_digits.x_train[:1])
+    epoch, state, steps, wd, _ = ckpt.restore_latest(target, {"keys_sha256": key_fingerprint(keys)})
+    assert epoch == 3 and tree_equal(state, saved[3].state) and tree_equal(steps, saved[3].steps)
+    assert jax.tree.structure(state) == jax.tree.structure(saved[3].state)  # optax NamedTuples, Health
+    np.testing.assert_array_equal(wd, saved[3].weight_distance)
+    # Resume from epoch 2: the last epoch again gives bitwise the uninterrupted result.
+    ckpt.close()
+    for p in (tmp_path / "ck" / "orbax" / "3", tmp_path / "ck" / "sha256" / "3.json"):
+        __import__("shutil").rmtree(p) if p.is_dir() else p.unlink()
+    restored = ArmCheckpoints(tmp_path / "ck").restore_latest(target, {"keys_sha256": key_fingerprint(keys)})
+    assert restored[0] == 2
+    resumed = train_replicas(strategy, keys, perturb, small_digits, 3, start=Progress(*restored))
+    assert tree_equal(resumed.state, full.state)
+    np.testing.assert_array_equal(resumed.logits, full.logits)
+    np.testing.assert_array_equal(resumed.train_loss, full.train_loss)
+    np.testing.assert_array_equal(resumed.weight_distance, full.weight_distance)
+
+
+def test_corrupt_or_foreign_checkpoint_is_detected_and_half_saved_one_discarded(arm, small_digits, tmp_path):
+    fns, keys, perturb, strategy = arm
+    ckpt = ArmCheckpoints(tmp_path / "ck", every=2)
+    train_replicas(strategy, keys, perturb, small_digits, 2, on_epoch=lambda p: ckpt.save(p, {"k": 1}))
+    ckpt.close()
+    assert ckpt.steps() == [2]  # every=2: epoch 1 was not saved
+    target = jax.eval_shape(strategy.init, keys, perturb, small_digits.x_train[:1])
+    with pytest.raises(CorruptCheckpoint, match="different run"):
+        ArmCheckpoints(tmp_path / "ck").restore_latest(target, {"k": 2})
+    data = max((p for p in (tmp_path / "ck" / "orbax" / "2").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])  # truncate the biggest file
+    with pytest.raises(CorruptCheckpoint, match="does not match its sha256 manifest"):
+        ArmCheckpoints(tmp_path / "ck").restore_latest(target, {"k": 1})
+    (tmp_path / "ck" / "sha256" / "2.json").unlink()  # as if killed between orbax's commit and the manifest
+    assert ArmCheckpoints(tmp_path / "ck").restore_latest(target, {"k": 1}) is None
+    assert not (tmp_path / "ck" / "orbax" / "2").exists()
+
+
+def test_divergent_replica_is_frozen_recorded_and_left_out(tmp_path):
+    out = tmp_path / "run"
+    proc = sweep(*STUDY[:-1], "--epochs", "3", "--out", str(out), "--no-progress",
+                 env={**ENV, "NONDET_JAX_INJECT_FAULT": "all:1:1"})
+    assert proc.returncode == 0, proc.stderr
+    assert "replica 1 diverged at step 5" in proc.stdout  # 5 steps per epoch: epoch 1 starts at step 5
+    record = json.loads((out / "arms" / "all.json").read_text())
+    assert record["replicas"] == 3 and record["replicas_used"] == 2
+    assert record["diverged"][0]["replica"] == 1 and record["diverged"][0]["step"] == 5
+    assert np.isfinite(record["diverged"][0]["last_finite_loss"])
+    assert [r["diverged_at_step"] for r in record["rows"]] == [-1, 5, -1]
+    pairs = np.load(out / "pairs" / "all.npz")
+    assert pairs["accuracy"].shape == (2,) and pairs["disagreement"].shape == (1,)
+    weights = np.load(out / "weights" / "all.npz")
+    assert np.isnan(weights[[k for k in weights.files if k.startswith("params/")][0]][1]).all()  # frozen as it was
+    summary = json.loads((out / "summary.json").read_text())
+    assert "all" in summary["arms"] and summary["vs_all"]["init"]["accuracy"]["ratio"] > 0
+    report = (out / "report.md").read_text()
+    assert "diverged (left out of every metric; R counts the rest): all 1 of 3 (replica 1 at step 5)" in report
+    assert "diverged (left out" in proc.stdout
+    history = np.load(out / "history" / "all.npz")
+    assert np.isnan(history["train_loss"][1, 1:]).all() and np.isfinite(history["train_loss"][[0, 2]]).all()
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_then_resume_gives_bitwise_the_uninterrupted_study(tmp_path):
+    clean = tmp_path / "clean"
+    t0 = time.perf_counter()
+    proc = sweep(*STUDY, "--out", str(clean))
+    duration = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stderr
+    out = tmp_path / "killed"
+    rng = random.Random(7)
+    kills = 0
+    for attempt in range(12):
+        p = subprocess.Popen([sys.executable, "-m", "nondet_jax.sweep", *STUDY, "--out", str(out)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV, text=True)
+        try:
+            p.wait(timeout=rng.uniform(0.3, 1.0) * duration)
+        except subprocess.TimeoutExpired:
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+            kills += 1
+            # What a killed run leaves: every result file present is complete (its arm record lists it).
+            for rec_path in (out / "arms").glob("*.json"):
+                rec = json.loads(rec_path.read_text())
+                for rel, digest in rec["files"].items():
+                    assert hashlib.sha256((out / rel).read_bytes()).hexdigest() == digest
+            continue
+        stdout, stderr = p.communicate()
+        assert p.returncode == 0, stderr
+        break
+    else:
+        pytest.fail("the study never finished")
+    assert kills >= 2, "the seeded kill times missed the run; the test proves nothing"
+    assert digests(out).keys() == digests(clean).keys()
+    for name, digest in digests(clean).items():
+        if name.startswith("arms/"):
+            a, b = json.loads((clean / name).read_text()), json.loads((out / name).read_text())
+            assert without_timing(a) == without_timing(b), name
+        else:
+            assert digests(out)[name] == digest, name
+    assert not list(out.rglob(".*.tmp")) and not any((out / "checkpoints").iterdir())
+
+
+def test_recompute_repairs_a_corrupt_arm_and_resume_reuses_the_folder(tmp_path, monkeypatch):
+    from nondet_jax import sweep
+
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+    out = tmp_path / "run"
+    fast = ["--model", "mlp", "--epochs", "1", "--replicas", "2", "--batch-size", "256", "--no-progress"]
+    assert sweep.main([*fast, "--arms", "control,init", "--out", str(out)]) == 0
+    good = digests(out)
+    logits = out / "logits" / "init.npy"
+    logits.write_bytes(logits.read_bytes()[:-8])
+    assert sweep.main(["--resume", str(out)]) == 2  # refused: names the file and --recompute
+    assert sweep.main(["--resume", str(out), "--recompute", "init"]) == 0
+    assert {k: v for k, v in digests(out).items() if not k.startswith("arms/")} == \
+        {k: v for k, v in good.items() if not k.startswith("arms/")}
+    assert sweep.main(["--resume", str(out)]) == 0  # nothing to do: both arms reused

@@ -1,0 +1,71 @@
+"""The mitigations preset and the instruments end to end through the sweep CLI, on digits."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ENV = {**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1", "JAX_PLATFORMS": "cpu"}
+
+
+def sweep(*args):
+    return subprocess.run([sys.executable, "-m", "nondet_jax.sweep", *args, "--no-progress"], capture_output=True,
+                          text=True, env=ENV, timeout=900)
+
+
+@pytest.mark.slow
+def test_mitigations_preset_runs_end_to_end_on_digits(tmp_path):
+    out = tmp_path / "run"
+    # The preset as shipped, shortened: MLP, 3 epochs (3 snapshot cycles of 1 epoch), 3 replicas.
+    proc = sweep("--preset", "mitigations", "--model", "mlp", "--epochs", "3", "--replicas", "3",
+                 "--set", "optim.warmup_epochs=0.5", "--arms", "init,init@snapshot3", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    snaps = np.load(out / "snapshots" / "init@snapshot3.npy")
+    assert snaps.shape == (3, 3, 360, 10)
+    np.testing.assert_array_equal(snaps[:, -1], np.load(out / "logits" / "init@snapshot3.npy"))  # last = final
+    assert not np.array_equal(snaps[:, 0], snaps[:, 1])
+    tta = np.load(out / "tta" / "init.npz")
+    assert tta.files == ["crop3"] and tta["crop3"].shape == (3, 360, 10)
+    summary = json.loads((out / "summary.json").read_text())
+    variants = summary["mitigations"]["init"]
+    assert list(variants) == ["single", "tta:crop3", "snapshot3", "snapshot3 last"]
+    assert variants["single"]["replicas"] == 3 and "accuracy_vs_reference" in variants["snapshot3"]
+    report = (out / "report.md").read_text()
+    assert "## Mitigations" in report and "| init | snapshot3 | 3 |" in report
+    # The snapshot arm is the plain arm under another schedule: same keys, so replica 0 starts alike.
+    w_plain, w_snap = np.load(out / "weights" / "init.npz"), np.load(out / "weights" / "init@snapshot3.npz")
+    assert w_plain.files == w_snap.files
+
+
+def test_instruments_from_the_cli_fill_the_run_folder(tmp_path):
+    out = tmp_path / "run"
+    proc = sweep("--model", "mlp", "--epochs", "2", "--replicas", "2", "--batch-size", "256", "--arms", "init",
+                 "--instruments", "economy", "--set", "instruments.every=2", "--set", "optim.momentum=0",
+                 "--set", "optim.weight_decay=0", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    values = np.load(out / "instruments" / "init.npz")
+    np.testing.assert_array_equal(values["step"], [0, 2, 4, 6, 8])  # 5 steps per epoch, every 2nd
+    assert values["Loss"].shape == (2, 5) and np.isfinite(values["Loss"]).all()
+    np.testing.assert_allclose(values["Loss"], values["loss"], rtol=1e-5)  # the instrument sees the step's loss
+    rows = list(csv.DictReader((out / "instruments" / "init.csv").open()))
+    assert set(rows[0]) == {"step", "arm", "replica", "quantity", "layer", "value"}
+    assert {r["quantity"] for r in rows} >= {"Loss", "GradNorm", "Distance", "UpdateSize"}
+    assert (out / "figures" / "instruments_init.png").stat().st_size > 10_000
+
+
+def test_sharded_strategy_from_the_cli_over_two_host_devices(tmp_path):
+    out = tmp_path / "run"
+    env = {**ENV, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    proc = subprocess.run([sys.executable, "-m", "nondet_jax.sweep", "--model", "mlp", "--epochs", "1", "--replicas",
+                           "3", "--batch-size", "256", "--arms", "control,init", "--strategy", "sharded",
+                           "--no-progress", "--out", str(out)], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    environment = json.loads((out / "environment.json").read_text())
+    assert environment["strategy"]["chosen"] == "sharded" and len(environment["devices"]) == 2
+    record = json.loads((out / "arms" / "control.json").read_text())
+    assert record["strategy"] == "sharded" and record["replicas_bitwise_identical"]
+    assert np.load(out / "logits" / "init.npy").shape == (3, 360, 10)
