@@ -79,7 +79,7 @@ def guard(old: TrainState, new: TrainState, losses: jax.Array, first_step: jax.A
     of the first non-finite loss and the last finite loss recorded.
 
     Checked once per epoch, outside the step loop (a per-step check multiplied the compile time of
-    an unrolled ResNet-8 epoch by 6, 35 s -> 227 s on XLA:CPU), from the losses alone, and the
+    an unrolled ResNet-8 epoch by 6: 36 s -> 218 s in benchmarks/scan_unroll.py), from the losses alone, and the
     state is chosen by ``lax.cond``: consuming the weights (an elementwise select, a finiteness
     sum) let XLA fuse the last update differently and moved weights by an ulp, whereas this
     leaves the epoch's program, and so its results, bitwise as they were without the guard.
