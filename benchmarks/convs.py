@@ -23,3 +23,27 @@ def matmul_conv(x, w, stride: int):
             y = lax.dot_general(xs, w[i, j], (((3,), (0,)), ((), ())))
             out = y if out is None else out + y
     return out
+
+
+def kernel_conv(fn):
+    """A Flax module class with ``nn.Conv``'s parameter (kernel HWIO, no bias) and constructor,
+    computing ``fn(x, kernel, stride)`` instead: a drop-in for the conv ``models.common.conv_bn``
+    returns, to benchmark other computations of the same layer."""
+    import flax.linen as nn
+
+    from nondet_jax.models.common import conv_init
+
+    class KernelConv(nn.Module):
+        features: int
+        kernel_size: tuple
+        strides: int = 1
+        use_bias: bool = False
+        kernel_init: object = conv_init
+
+        @nn.compact
+        def __call__(self, x):
+            kh, kw = self.kernel_size
+            w = self.param("kernel", self.kernel_init, (kh, kw, x.shape[-1], self.features), jnp.float32)
+            return fn(x, w, self.strides if isinstance(self.strides, int) else self.strides[0])
+
+    return KernelConv

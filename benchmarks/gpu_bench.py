@@ -57,7 +57,7 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from convs import matmul_conv  # noqa: E402  (benchmarks/convs.py)
+from convs import kernel_conv, matmul_conv  # noqa: E402  (benchmarks/convs.py)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CLASSES = 10
@@ -88,31 +88,15 @@ def model_variant(conv: str, dtype: str):
     (shifted slices + dot_general), computing in ``dtype``; restore it and drop cached trainers."""
     from functools import partial
 
-    import flax.linen as nn
     import jax.numpy as jnp
 
     import nondet_jax.models.resnet as resnet
     from nondet_jax import train
-    from nondet_jax.models.common import conv_bn, conv_init
+    from nondet_jax.models.common import conv_bn
 
     compute = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
 
-    class MatmulConv(nn.Module):
-        """``nn.Conv``'s parameter (kernel HWIO, no bias) and SAME padding, as kh*kw GEMMs."""
-
-        features: int
-        kernel_size: tuple
-        strides: int = 1
-        use_bias: bool = False
-        kernel_init: object = conv_init
-
-        @nn.compact
-        def __call__(self, x):
-            kh, kw = self.kernel_size
-            w = self.param("kernel", self.kernel_init, (kh, kw, x.shape[-1], self.features), jnp.float32)
-            x, w = x.astype(compute), w.astype(compute)
-            s = self.strides if isinstance(self.strides, int) else self.strides[0]
-            return matmul_conv(x, w, s)
+    MatmulConv = kernel_conv(lambda x, w, s: matmul_conv(x.astype(compute), w.astype(compute), s))
 
     def variant(train_mode, bn_momentum):
         lax_conv, norm = conv_bn(train_mode, bn_momentum)

@@ -61,7 +61,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from convs import matmul_conv  # noqa: E402  (benchmarks/convs.py)
+from convs import kernel_conv, matmul_conv  # noqa: E402  (benchmarks/convs.py)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BATCH = 128
@@ -171,32 +171,18 @@ def patch_conv(kind: str) -> None:
     """Replace the conv layer the ResNets build (``models.resnet.conv_bn``) by a variant."""
     from functools import partial
 
-    import flax.linen as nn
-    import jax.numpy as jnp
     from jax import lax
 
     import nondet_jax.models.resnet as resnet
-    from nondet_jax.models.common import conv_bn, conv_init
+    from nondet_jax.models.common import conv_bn
 
-    class VariantConv(nn.Module):
-        """``nn.Conv``'s parameters (kernel HWIO, no bias), SAME padding, another computation."""
+    def nchw_conv(x, w, s):
+        y = lax.conv_general_dilated(x.transpose(0, 3, 1, 2), w.transpose(3, 2, 0, 1), (s, s), "SAME",
+                                     dimension_numbers=("NCHW", "OIHW", "NCHW"))
+        return y.transpose(0, 2, 3, 1)
 
-        features: int
-        kernel_size: tuple
-        strides: int = 1
-        use_bias: bool = False
-        kernel_init: object = conv_init
-
-        @nn.compact
-        def __call__(self, x):
-            kh, kw = self.kernel_size
-            w = self.param("kernel", self.kernel_init, (kh, kw, x.shape[-1], self.features), jnp.float32)
-            s = self.strides if isinstance(self.strides, int) else self.strides[0]
-            if kind == "nchw":
-                y = lax.conv_general_dilated(x.transpose(0, 3, 1, 2), w.transpose(3, 2, 0, 1), (s, s), "SAME",
-                                             dimension_numbers=("NCHW", "OIHW", "NCHW"))
-                return y.transpose(0, 2, 3, 1)
-            return matmul_conv(x, w, s)  # kh*kw shifted slices of the SAME-padded input, one dot_general each
+    # matmul: kh*kw shifted slices of the SAME-padded input, one dot_general each
+    VariantConv = kernel_conv(nchw_conv if kind == "nchw" else matmul_conv)
 
     def variant_conv_bn(train, bn_momentum):
         _, norm = conv_bn(train, bn_momentum)

@@ -158,11 +158,6 @@ class ArmCheckpoints:
         return (epoch, restored.state, history["steps"], np.asarray(history["weight_distance"]),
                 history.get("snapshots"))
 
-    def remove(self) -> None:
-        """Delete this arm's checkpoints (once its final results are stored)."""
-        self.close()
-        shutil.rmtree(self.root, ignore_errors=True)
-
     def close(self) -> None:
         if self._manager is not None:
             self._manager.close()

@@ -205,12 +205,16 @@ class RunStore:
 
     def remove_arm(self, arm: str) -> None:
         """Delete an arm's results and checkpoints (its record first, so it never looks finished)."""
-        import shutil
-
         (self.root / f"arms/{arm}.json").unlink(missing_ok=True)
         for pattern in ARM_FILES[1:] + ("dynamics/{}.npz", "environments/{}.json", "instruments/{}.npz",
                                         "instruments/{}.csv"):
             (self.root / pattern.format(arm)).unlink(missing_ok=True)
+        self.remove_checkpoints(arm)
+
+    def remove_checkpoints(self, arm: str) -> None:
+        """Delete an arm's checkpoints (once its results are stored, or to retrain it)."""
+        import shutil
+
         shutil.rmtree(self.root / "checkpoints" / arm, ignore_errors=True)
 
     def save_arm(self, arm: str, record: dict, logits: np.ndarray, features: np.ndarray,

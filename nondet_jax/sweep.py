@@ -168,6 +168,8 @@ def injected_fault(arm: str) -> tuple[int, int] | None:
 
 def healthy_subset(result):
     """The result restricted to replicas that did not diverge (pairwise distances re-indexed)."""
+    import jax
+
     from nondet_jax.metrics import pair_indices
 
     keep = np.flatnonzero(result.diverged_at < 0)
@@ -176,12 +178,10 @@ def healthy_subset(result):
         return result
     ia, ib = pair_indices(r)
     pairs = [np.flatnonzero((ia == a) & (ib == b))[0] for i, a in enumerate(keep) for b in keep[i + 1:]]
-    import jax
-
     return result._replace(state=jax.tree.map(lambda x: x[keep], result.state), train_loss=result.train_loss[keep],
                            train_accuracy=result.train_accuracy[keep], logits=result.logits[keep],
                            features=result.features[keep], weight_distance=result.weight_distance[:, pairs],
-                           steps=jax.tree.map(lambda x: x[keep], result.steps))
+                           steps=jax.tree.map(lambda x: x[keep], result.steps), snapshots=result.snapshots[keep])
 
 
 def arm_setup(config: Config, fns, arm: str):
@@ -293,9 +293,7 @@ def finish_arm(config: Config, data, fns, store, arm: str, result, reason: str, 
                    {**{f"params/{k}": v for k, v in flatten_tree(result.state.params).items()},
                     **{f"batch_stats/{k}": v for k, v in flatten_tree(result.state.batch_stats).items()}},
                    pair_arrays, trace, extra)
-    import shutil
-
-    shutil.rmtree(store.root / "checkpoints" / arm, ignore_errors=True)
+    store.remove_checkpoints(arm)
     return record
 
 
@@ -464,6 +462,7 @@ def run_distributed(config: Config, out: str | Path | None, procs, progress: boo
     import jax
 
     from nondet_jax import multihost as mh
+    from nondet_jax.determinism import environment
     from nondet_jax.replicas import make_strategy, resolve_strategy
     from nondet_jax.sources import arm_keys, arm_sources, perturbations
     from nondet_jax.store import RunStore, atomic_write_bytes, npy_bytes
@@ -483,8 +482,7 @@ def run_distributed(config: Config, out: str | Path | None, procs, progress: boo
     try:
         store.open()
         if procs.leader:
-            env = {**__import__("nondet_jax.determinism", fromlist=["environment"]).environment(),
-                   "processes": procs.count}
+            env = {**environment(), "processes": procs.count}
             store.write_json("environment.json", env)
             atomic_write_bytes(out / "test_labels.npy", npy_bytes(np.asarray(data.y_test)))
             if command:

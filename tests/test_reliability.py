@@ -4,6 +4,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -68,7 +69,7 @@ def test_checkpoint_restores_exactly_the_saved_state_and_resumes_bitwise(arm, sm
     # Resume from epoch 2: the last epoch again gives bitwise the uninterrupted result.
     ckpt.close()
     for p in (tmp_path / "ck" / "orbax" / "3", tmp_path / "ck" / "sha256" / "3.json"):
-        __import__("shutil").rmtree(p) if p.is_dir() else p.unlink()
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
     restored = ArmCheckpoints(tmp_path / "ck").restore_latest(target, {"keys_sha256": key_fingerprint(keys)})
     assert restored[0] == 2
     resumed = train_replicas(strategy, keys, perturb, small_digits, 3, start=Progress(*restored))
