@@ -127,8 +127,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default="benchmarks/results/determinism_gpu.json")
+    p.add_argument("--parts", default="spread,cost,audit", help="which parts to run, in this order")
     p.add_argument("--timing-child", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
+    parts = args.parts.split(",")
+    if set(parts) - {"spread", "cost", "audit"}:
+        p.error(f"unknown parts {sorted(set(parts) - {'spread', 'cost', 'audit'})}; use spread, cost, audit")
     if args.timing_child:
         timing_child(args.timing_child)
         return 0
@@ -140,27 +144,32 @@ def main() -> int:
     backend = jax.default_backend()
     result: dict = {"environment": environment(), "quick": args.quick, "skipped": {}}
     t0 = time.perf_counter()
+    save = lambda: atomic_write_json(Path(args.out), {**result, "seconds": time.perf_counter() - t0})  # noqa: E731
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        print("== spread: control (determinism on) vs hardware (off)")
-        result["spread"] = part_spread(args.quick, tmp)
-        for arm, r in result["spread"].get("arms", {}).items():
-            print(f"  {arm:<9} R={r['replicas']} acc {r['accuracy_mean'] * 100:.2f}% std {r['accuracy_std'] * 100:.3f}% "
-                  f"CE std {r['cross_entropy_std']:.5f} disagreement {r['disagreement']} bitwise identical "
-                  f"{r['bitwise_identical']}")
-        if backend in NONDETERMINISTIC_BACKENDS:
-            print("== cost of the determinism flags (steady step time)")
+        if "spread" in parts:
+            print("== spread: control (determinism on) vs hardware (off)", flush=True)
+            result["spread"] = part_spread(args.quick, tmp)
+            for arm, r in result["spread"].get("arms", {}).items():
+                print(f"  {arm:<9} R={r['replicas']} acc {r['accuracy_mean'] * 100:.2f}% "
+                      f"std {r['accuracy_std'] * 100:.3f}% CE std {r['cross_entropy_std']:.5f} "
+                      f"disagreement {r['disagreement']} bitwise identical {r['bitwise_identical']}", flush=True)
+            save()
+        if "cost" in parts and backend in NONDETERMINISTIC_BACKENDS:
+            print("== cost of the determinism flags (steady step time)", flush=True)
             result["cost"] = part_cost(args.quick)
             for k, ratio in result["cost"].get("step_time_ratio_on_over_off", {}).items():
                 on = result["cost"]["determinism_on"]["results"][k]["step_ms"]
                 off = result["cost"]["determinism_off"]["results"][k]["step_ms"]
-                print(f"  {k:<16} on {on:8.2f} ms  off {off:8.2f} ms  ratio {ratio:.3f}")
-        else:
+                print(f"  {k:<16} on {on:8.2f} ms  off {off:8.2f} ms  ratio {ratio:.3f}", flush=True)
+            save()
+        elif "cost" in parts:
             result["skipped"]["cost"] = f"the determinism flags are GPU flags: no effect on {backend}"
             print(f"== cost: skipped ({result['skipped']['cost']})")
-        print("== audit")
-        result["audit"] = part_audit(args.quick, tmp)
-        print(result["audit"].get("report") or result["audit"])
+        if "audit" in parts:
+            print("== audit", flush=True)
+            result["audit"] = part_audit(args.quick, tmp)
+            print(result["audit"].get("report") or result["audit"], flush=True)
     result["seconds"] = time.perf_counter() - t0
     atomic_write_json(Path(args.out), result)
     print(f"wrote {args.out} in {result['seconds']:.0f} s")

@@ -1,7 +1,7 @@
 """Replica throughput, memory and compile time of the strategies on one accelerator (GPU or TPU).
 
-Grid (priority order: the script stops starting configurations at ``--budget-s`` and writes the
-JSON after every one, so a cut-short run still leaves its rows)::
+Grid (in priority order, see ``grid``: the script stops starting configurations at ``--budget-s``
+and writes the JSON after every one, so a cut-short run still leaves its rows)::
 
     model    in resnet14, resnet18 (CIFAR stem), batch 128, 32x32x3 synthetic images, 10 classes
     dtype    in float32, bfloat16
@@ -14,7 +14,8 @@ JSON after every one, so a cut-short run still leaves its rows)::
       vmap_matmul R in 16, 64         vmap with every conv written as shifted slices + dot_general
                                       (batched GEMMs instead of grouped convolutions)
 
-sequential and vmap for every model and dtype come first, sharded and vmap_matmul after.
+Each (model, dtype) pair runs every strategy before the next pair starts; vmap_matmul at R = 64
+comes last.
 
 Each configuration builds the library's single-replica functions (``make_train``), the program
 exactly as the strategy does, then ``lower(...).compile()`` (``compile_s``), one warm-up epoch and
@@ -65,21 +66,24 @@ QUICK = {("sequential", "float32"), ("vmap", "float32"), ("sharded", "bfloat16")
 
 
 def grid(models, dtypes, replicas, strategies) -> list[dict]:
-    """Configurations in priority order: first ``sequential`` and ``vmap`` at every R for every
-    model and dtype, then ``sharded`` (one R: it is vmap plus a mesh) and ``vmap_matmul``."""
+    """Configurations in priority order: each (model, dtype) pair in the order given, with
+    ``sequential``, ``vmap`` at every R, ``sharded`` (one R: it is vmap plus a mesh) and
+    ``vmap_matmul`` at the smallest R >= 16; ``vmap_matmul`` at the larger R come last of all.
+    A run cut short by ``--budget-s`` therefore still has the whole comparison for the first pairs."""
     big = [r for r in replicas if r >= 16] or [max(replicas)]
-    per_strategy = {"sequential": [1], "vmap": list(replicas), "sharded": big[:1], "vmap_matmul": big}
-    out = []
-    for tier in (("sequential", "vmap"), ("sharded", "vmap_matmul")):
-        for model in models:
-            for dtype in dtypes:
-                for strategy in (s for s in strategies if s in tier):
-                    out += [{"model": model, "dtype": dtype, "strategy": strategy, "replicas": r}
-                            for r in per_strategy[strategy]]
+    per_strategy = {"sequential": [1], "vmap": list(replicas), "sharded": big[:1], "vmap_matmul": big[:1]}
     unknown = set(strategies) - set(per_strategy)
     if unknown:
         raise ValueError(f"unknown strategies {sorted(unknown)}; use {', '.join(per_strategy)}")
-    return out
+    out, late = [], []
+    for model in models:
+        for dtype in dtypes:
+            for strategy in (s for s in per_strategy if s in strategies):
+                out += [{"model": model, "dtype": dtype, "strategy": strategy, "replicas": r}
+                        for r in per_strategy[strategy]]
+            if "vmap_matmul" in strategies:
+                late += [{"model": model, "dtype": dtype, "strategy": "vmap_matmul", "replicas": r} for r in big[1:]]
+    return out + late
 
 
 @contextlib.contextmanager

@@ -71,7 +71,7 @@ def run_block(step_fn, state, x, y, keys, perturb, start, count, n, b):
     return state, (time.perf_counter() - t0) / count
 
 
-def bench_workload(name: str, quick: bool, rounds: int, log) -> dict:
+def bench_workload(name: str, quick: bool, rounds: int, log, breakdown_ok=lambda: True) -> dict:
     model, x_np, y_np, spec = workload(name)
     x, y = jnp.asarray(x_np), jnp.asarray(y_np)
     n, b = len(x_np), 128
@@ -110,7 +110,7 @@ def bench_workload(name: str, quick: bool, rounds: int, log) -> dict:
             row[f"every{k}_ms"] = 1e3 * t
             row[f"every{k}_ratio"] = t / base
         out["configs"][c] = row
-    if not (quick and model == "resnet14"):  # --quick: the per-quantity breakdown on the default model only
+    if not (quick and model == "resnet14") and breakdown_ok():  # --quick: the breakdown on the default model only
         out["breakdown"] = breakdown(model, spec, x, y, keys, perturb, base, quick, log)
     return out
 
@@ -160,22 +160,31 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="fewer rounds and steps (about 10 minutes on 2 CPU cores)")
     ap.add_argument("--workloads", default="resnet8_digits,resnet14_random")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--rounds", type=int, help="timed rounds per workload (default: 5; --quick: 2, and 1 for "
+                                               "resnet14_random)")
+    ap.add_argument("--breakdown-after-s", type=float, default=float("inf"),
+                    help="skip the per-quantity breakdown when this many seconds have passed (a time-boxed run)")
     args = ap.parse_args(argv)
-    rounds = 2 if args.quick else 5
+    rounds = args.rounds or (2 if args.quick else 5)
+    t_start = time.perf_counter()
+    out = Path(args.out or "benchmarks/results/instruments.json")  # "quick" inside says how it was run
+    out.parent.mkdir(parents=True, exist_ok=True)
     log = lambda s: print(s, flush=True)  # noqa: E731
     results = {"quick": args.quick, "rounds": rounds, "backend": jax.default_backend(),
-               "cpu_count": os.cpu_count(), "platform": platform.platform(), "jax": jax.__version__,
+               "device_kind": jax.devices()[0].device_kind, "cpu_count": os.cpu_count(), "platform": platform.platform(), "jax": jax.__version__,
                "targets_every1": TARGETS, "workloads": {}}
     for w in args.workloads.split(","):
         log(f"{w}:")
-        results["workloads"][w] = bench_workload(w, args.quick, 1 if (args.quick and w == "resnet14_random") else rounds,
-                                                 log)
+        w_rounds = args.rounds or (1 if (args.quick and w == "resnet14_random") else rounds)
+        results["workloads"][w] = bench_workload(
+            w, args.quick, w_rounds, log, lambda: time.perf_counter() - t_start < args.breakdown_after_s)
+        out.write_text(json.dumps(results, indent=2))  # after every workload: a time-boxed run keeps what it did
     default = results["workloads"].get("resnet8_digits") or next(iter(results["workloads"].values()))
     results["ratios"] = {f"{c}_every{k}": default["configs"][c][f"every{k}_ratio"] for c in CONFIGS for k in EVERY}
     print()
     print(f"{'workload':18s} {'config':9s} {'every 1':>9s} {'every 16':>9s} {'target@1':>9s}")
     for w, r in results["workloads"].items():
-        print(f"{w:18s} {'off':9s} {r['step_ms_off']:7.0f}ms")
+        print(f"{w:18s} {'off':9s} {r['step_ms_off']:7.1f}ms")
         for c in CONFIGS:
             row = r["configs"][c]
             print(f"{'':18s} {c:9s} {row['every1_ratio']:8.2f}x {row['every16_ratio']:8.2f}x {TARGETS[c]:8.1f}x")
@@ -185,8 +194,6 @@ def main(argv=None):
         print(f"\nwhere the cost goes, {w} (update alone at a tracked step, x one plain step):")
         for q, v in sorted(r["breakdown"].items(), key=lambda kv: -kv[1]["ms"]):
             print(f"  {q:14s} {v['ms']:8.1f} ms {v['x_step']:6.2f}x")
-    out = Path(args.out or "benchmarks/results/instruments.json")  # "quick" inside says how it was run
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
     print(f"\nwrote {out}")
 
