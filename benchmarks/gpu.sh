@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Replica throughput of the strategies on one GPU (H100/H200 class), in under 8 minutes.
+# Replica throughput of the strategies on one GPU (H100/H200 class), time-boxed to 8 minutes.
 #
 #   bash benchmarks/gpu.sh [extra gpu_bench.py arguments]
 #
@@ -7,7 +7,9 @@
 # vmap / sequential / sharded over 1 device / vmap with matmul convs) on the first GPU, with a
 # 400 s budget for starting configurations and a hard 470 s timeout; the JSON is rewritten after
 # every configuration, so a timeout still leaves benchmarks/results/gpu_bench.json with the rows
-# done. Prints the table and the environment.
+# done. On an H200 a row took 12-38 s (mostly compiling and autotuning), so the budget covers about
+# 25 of the 32 rows; raise --budget-s (and the timeout below) for all of them. Prints the table and
+# the environment. benchmarks/device_checks.sh runs a shorter budget next to the other GPU checks.
 #
 # Setup (once): pip install -e '.[cuda]'  (jax[cuda12]; the H200 needs CUDA 12.x drivers)
 #

@@ -71,15 +71,16 @@ def run_block(step_fn, state, x, y, keys, perturb, start, count, n, b):
     return state, (time.perf_counter() - t0) / count
 
 
-def bench_workload(name: str, quick: bool, rounds: int, log, breakdown_ok=lambda: True) -> dict:
+def bench_workload(name: str, quick: bool, rounds: int, log, breakdown_ok=lambda: True, configs=CONFIGS,
+                   everies=EVERY) -> dict:
     model, x_np, y_np, spec = workload(name)
     x, y = jnp.asarray(x_np), jnp.asarray(y_np)
     n, b = len(x_np), 128
     varied = arm_sources("init")
     keys, perturb = replica_slice(arm_keys(0, varied, 1), 0), perturbations(varied)
     variants = {"off": ({}, 1)}
-    for c in CONFIGS:
-        for k in EVERY:
+    for c in configs:
+        for k in everies:
             variants[f"{c}/every{k}"] = ({"instruments.config": c, "instruments.every": k}, k)
     block1 = 2 if (quick and model == "resnet14") else 4
     progs, states, compile_s = {}, {}, {}
@@ -103,9 +104,9 @@ def bench_workload(name: str, quick: bool, rounds: int, log, breakdown_ok=lambda
                                                           for v, t in times.items()))
     base = float(np.median(times["off"]))
     out = {"model": model, "batch_size": b, "step_ms_off": 1e3 * base, "compile_s": compile_s, "configs": {}}
-    for c in CONFIGS:
+    for c in configs:
         row = {}
-        for k in EVERY:
+        for k in everies:
             t = float(np.median(times[f"{c}/every{k}"]))
             row[f"every{k}_ms"] = 1e3 * t
             row[f"every{k}_ratio"] = t / base
@@ -164,7 +165,10 @@ def main(argv=None):
                                                "resnet14_random)")
     ap.add_argument("--breakdown-after-s", type=float, default=float("inf"),
                     help="skip the per-quantity breakdown when this many seconds have passed (a time-boxed run)")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="configurations to time")
+    ap.add_argument("--every", default=",".join(map(str, EVERY)), help="schedules to time: track every k steps")
     args = ap.parse_args(argv)
+    configs, everies = args.configs.split(","), tuple(int(k) for k in args.every.split(","))
     rounds = args.rounds or (2 if args.quick else 5)
     t_start = time.perf_counter()
     out = Path(args.out or "benchmarks/results/instruments.json")  # "quick" inside says how it was run
@@ -177,17 +181,20 @@ def main(argv=None):
         log(f"{w}:")
         w_rounds = args.rounds or (1 if (args.quick and w == "resnet14_random") else rounds)
         results["workloads"][w] = bench_workload(
-            w, args.quick, w_rounds, log, lambda: time.perf_counter() - t_start < args.breakdown_after_s)
+            w, args.quick, w_rounds, log, lambda: time.perf_counter() - t_start < args.breakdown_after_s, configs,
+            everies)
         out.write_text(json.dumps(results, indent=2))  # after every workload: a time-boxed run keeps what it did
     default = results["workloads"].get("resnet8_digits") or next(iter(results["workloads"].values()))
-    results["ratios"] = {f"{c}_every{k}": default["configs"][c][f"every{k}_ratio"] for c in CONFIGS for k in EVERY}
+    results["ratios"] = {f"{c}_every{k}": default["configs"][c][f"every{k}_ratio"] for c in configs for k in everies}
     print()
     print(f"{'workload':18s} {'config':9s} {'every 1':>9s} {'every 16':>9s} {'target@1':>9s}")
     for w, r in results["workloads"].items():
         print(f"{w:18s} {'off':9s} {r['step_ms_off']:7.1f}ms")
-        for c in CONFIGS:
+        for c in configs:
             row = r["configs"][c]
-            print(f"{'':18s} {c:9s} {row['every1_ratio']:8.2f}x {row['every16_ratio']:8.2f}x {TARGETS[c]:8.1f}x")
+            cells = " ".join(f"{row[f'every{k}_ratio']:8.2f}x" if f"every{k}_ratio" in row else f"{'-':>9s}"
+                             for k in EVERY)
+            print(f"{'':18s} {c:9s} {cells} {TARGETS[c]:8.1f}x")
     for w, r in results["workloads"].items():
         if "breakdown" not in r:
             continue

@@ -39,9 +39,18 @@ NONDETERMINISTIC_BACKENDS = ("gpu", "cuda", "rocm")  # where reduction order can
 
 
 def with_flags(flags, base: str | None = None) -> str:
-    """``XLA_FLAGS`` with ``flags`` set: same-named flags in ``base`` (default: this process's) are replaced."""
+    """``XLA_FLAGS`` with ``flags`` set: same-named flags in ``base`` (default: this process's) are replaced.
+
+    When ``flags`` turns determinism off (it holds :data:`DETERMINISM_OFF`), every other flag
+    :data:`DETERMINISM_ON` sets is dropped from ``base`` as well, so the child runs with XLA's own
+    defaults for them (autotuning on, XLA's scatter lowering), as a user who never asked for
+    determinism would. (A parent with determinism on used to leak ``--xla_gpu_autotune_level=0``
+    into the "hardware" arm.)
+    """
     base = os.environ.get("XLA_FLAGS", "") if base is None else base
     names = {f.split("=")[0] for f in flags}
+    if set(DETERMINISM_OFF) <= set(flags):
+        names |= {f.split("=")[0] for f in DETERMINISM_ON}
     kept = [f for f in base.split() if f.split("=")[0] not in names]
     return " ".join(kept + list(flags))
 

@@ -63,13 +63,20 @@ class Strategy(NamedTuple):
     evaluate: Callable  # (state, x) -> (logits, features), each (R, ...)
 
 
+GPU_VMAP_MIN_REPLICAS = 16  # below this, auto runs replicas one after another on one GPU (measured)
+
+
 def resolve_strategy(requested: str, replicas: int, backend: str | None = None) -> tuple[str, str]:
     """Pick the strategy for ``auto``; returns (strategy, reason).
 
     Rule: one replica, or the CPU backend, runs ``sequential`` (on XLA:CPU a vmapped ResNet step
     costs several times the loop, and two forced host devices gained nothing over it on 2 busy
-    cores: benchmarks/replicas.py, benchmarks/peer_pytorch.py); one accelerator runs ``vmap``,
-    several run ``sharded`` (replicas over the devices, vmapped on each).
+    cores: benchmarks/replicas.py, benchmarks/peer_pytorch.py); several accelerators run
+    ``sharded`` (replicas over the devices, vmapped on each); one GPU runs ``vmap`` from
+    :data:`GPU_VMAP_MIN_REPLICAS` replicas on and ``sequential`` below (on an H200, ResNet-14 at
+    batch 128: vmap gave 0.73x the loop's replica-images/s at R=4, 0.99x at R=16, 1.10x at R=64
+    in float32, 1.91x at R=16 in bfloat16; benchmarks/results/gpu_bench-h200.json); one TPU ``vmap``
+    (not measured here).
     """
     if requested != "auto":
         return requested, "requested"
@@ -80,6 +87,9 @@ def resolve_strategy(requested: str, replicas: int, backend: str | None = None) 
         return "sequential", "auto: XLA:CPU runs vmapped convolutions slower than a loop (benchmarks/replicas.py)"
     if jax.local_device_count() > 1:
         return "sharded", f"auto: replicas over {jax.local_device_count()} {backend} devices, vmapped on each"
+    if backend in ("gpu", "cuda", "rocm") and replicas < GPU_VMAP_MIN_REPLICAS:
+        return "sequential", (f"auto: fewer than {GPU_VMAP_MIN_REPLICAS} replicas, where vmap's grouped "
+                              "convolutions did not beat a loop on a GPU (benchmarks/gpu_bench.py)")
     return "vmap", f"auto: {backend} batches replicas with vmap"
 
 

@@ -74,6 +74,13 @@ def test_with_flags_replaces_same_named_flags():
     assert "--xla_gpu_deterministic_ops=false" not in got
 
 
+def test_determinism_off_restores_xla_defaults_for_every_flag_on_sets():
+    """The "hardware" arm's child must not inherit autotune level 0 from a deterministic parent
+    (seen on an H200: its flags still held --xla_gpu_autotune_level=0)."""
+    got = D.with_flags(D.DETERMINISM_OFF, D.with_flags(D.DETERMINISM_ON, "--xla_dump_to=/tmp/x")).split()
+    assert got == ["--xla_dump_to=/tmp/x", *D.DETERMINISM_OFF]
+
+
 def test_known_flags_pass_and_unknown_flag_is_a_clear_error():
     D.check_flags(D.DETERMINISM_ON + D.DETERMINISM_OFF)
     with pytest.raises(UsageError, match="XLA flag --xla_no_such_flag=1 is not known to the installed jaxlib"):

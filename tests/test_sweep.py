@@ -227,6 +227,7 @@ def test_hardware_arm_trains_in_a_child_process_with_determinism_off(tmp_path):
     child_env = json.loads((out / "environments" / "hardware.json").read_text())
     parent_env = json.loads((out / "environment.json").read_text())
     assert all(f in child_env["xla_flags"].split() for f in DETERMINISM_OFF)
+    assert "--xla_gpu_autotune_level=0" not in child_env["xla_flags"]  # XLA's default autotuning in the child
     assert all(f in parent_env["xla_flags"].split() for f in DETERMINISM_ON)
     summary = json.loads((out / "summary.json").read_text())
     # CPU is deterministic even with the determinism flags off: verified, not assumed
