@@ -33,7 +33,8 @@ Rows
   devices (``--xla_force_host_platform_device_count=2``), one replica per device per round or
   two vmapped per device;
 * conv variants at ``sequential R=1`` (the model's ``conv_bn`` factory patched in the child):
-  ``nchw`` (lax convolution with NCHW/OIHW dimension numbers, transposes around it) and
+  ``plain_conv`` (flax's ``nn.Conv``, i.e. ``lax.conv_general_dilated`` with its own weight
+  gradient: the models' convolution before ``models.common.conv_general_dilated``), ``nchw`` (lax convolution with NCHW/OIHW dimension numbers, transposes around it) and
   ``matmul`` (3x3 conv as nine shifted slices, each a ``dot_general``, summed; 1x1 as one
   ``dot_general``: autodiff gives matmul input and weight gradients);
 * ``vmap`` rows time 2 steps (a vmapped step costs several sequential ones on XLA:CPU);
@@ -88,6 +89,7 @@ ROWS = {
     "vmap4": ("jax", {"strategy": "vmap", "replicas": 4, "steps": 2}),
     "shard2_seq": ("jax", {"strategy": "sharded", "replicas": 2, "inner": "sequential", "flags": TWO_DEVICES}),
     "shard2_vmap4": ("jax", {"strategy": "sharded", "replicas": 4, "inner": "vmap", "flags": TWO_DEVICES}),
+    "plain_conv": ("jax", {"strategy": "sequential", "replicas": 1, "conv": "plain"}),
     "nchw": ("jax", {"strategy": "sequential", "replicas": 1, "conv": "nchw"}),
     "matmul": ("jax", {"strategy": "sequential", "replicas": 1, "conv": "matmul"}),
     **{f"seq1_{k}": ("jax", {"strategy": "sequential", "replicas": 1, "flags": v}) for k, v in FLAG_SETS.items()},
@@ -181,6 +183,14 @@ def patch_conv(kind: str) -> None:
                                      dimension_numbers=("NCHW", "OIHW", "NCHW"))
         return y.transpose(0, 2, 3, 1)
 
+    if kind == "plain":  # flax's nn.Conv as it was before models.common.conv_general_dilated
+        import flax.linen as nn
+
+        from nondet_jax.models.common import conv_init
+
+        resnet.conv_bn = lambda train, m: (partial(nn.Conv, use_bias=False, kernel_init=conv_init),
+                                           conv_bn(train, m)[1])
+        return
     # matmul: kh*kw shifted slices of the SAME-padded input, one dot_general each
     VariantConv = kernel_conv(nchw_conv if kind == "nchw" else matmul_conv)
 

@@ -100,3 +100,48 @@ def test_every_model_trains_under_every_strategy(small_digits, name, strategy):
                        strategy)
     assert np.isfinite(res.train_loss).all() and res.logits.shape == (2, 100, 10)
     assert not np.array_equal(res.logits[0], res.logits[1])
+
+
+@pytest.mark.parametrize("k,stride,padding,groups", [(3, 1, "SAME", 1), (3, 2, "SAME", 1), (1, 2, "SAME", 1),
+                                                     (3, 2, ((1, 1), (0, 1)), 1), (3, 1, "SAME", 2)])
+def test_conv_matches_lax_in_value_and_every_derivative(k, stride, padding, groups):
+    """The models' convolution (a fusion barrier before the weight gradient on CPU) is
+    lax.conv_general_dilated: value, gradients, JVP, Hessian-vector product and vmapped
+    gradient agree bitwise in float64 (the same convolutions run), grouped or not."""
+    from jax import lax
+
+    from nondet_jax.models.common import conv_general_dilated
+
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(0)
+        x = jnp.asarray(rng.standard_normal((2, 7, 7, 4)))
+        w = jnp.asarray(rng.standard_normal((k, k, 4 // groups, 6)))
+        kw = dict(window_strides=(stride, stride), padding=padding, dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                  feature_group_count=groups)
+
+        def derivatives(conv):
+            f = lambda a, b: conv(a, b, **kw)  # noqa: E731
+            loss = lambda a, b: jnp.sum(jnp.tanh(f(a, b)) ** 2)  # noqa: E731
+            tx, tw = 0.3 * jnp.ones_like(x), 0.7 * jnp.ones_like(w)
+            return [f(x, w), *jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w),
+                    jax.jvp(f, (x, w), (tx, tw))[1],
+                    jax.linearize(jax.grad(loss, argnums=1), x, w)[1](tx, tw),
+                    jax.vmap(jax.grad(loss, argnums=1), in_axes=(0, None))(jnp.stack([x, 2 * x]), w),
+                    jax.grad(lambda b: loss(x, b))(w)]
+
+        for a, b in zip(derivatives(lax.conv_general_dilated), derivatives(conv_general_dilated)):
+            assert a.dtype == jnp.float64
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_conv_weight_gradient_reads_its_input_across_a_conditional_on_cpu():
+    """The fusion barrier survives compilation: the weight gradient's transpose sits in a conditional."""
+    from nondet_jax.models.common import conv_general_dilated
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("CPU only")
+    x, w = jnp.ones((2, 8, 8, 4)), jnp.ones((3, 3, 4, 4))
+    loss = lambda a, b: jnp.sum(jax.nn.relu(conv_general_dilated(jax.nn.relu(a), b, (1, 1), "SAME",  # noqa: E731
+                                                                 dimension_numbers=("NHWC", "HWIO", "NHWC"))))
+    hlo = jax.jit(jax.grad(loss, argnums=1)).lower(x, w).compile().as_text()
+    assert "conditional(" in hlo
