@@ -102,7 +102,7 @@ def _assert_same_stats(fast, slow):
     (ConvZoo(), (9, 8, 2), False, 4),
     (ConvZoo(dropout=0.5), (9, 8, 2), True, 12),
     (make_model("resnet8", 3, width=0.25, dropout=0.3), (8, 8, 1), True, 5),  # stride-2 blocks, 1x1 shortcuts
-    (ShuffleNetV2(3, width=0.05, stage_repeats=(1, 2, 1)), (8, 8, 1), False, 6),  # depthwise convolutions
+    (ShuffleNetV2(3, width=0.05, stage_repeats=(2,), stage_channels=(116,)), (8, 8, 1), False, 6),  # depthwise convolutions
     (MLP(3, hidden=5), (4, 3, 1), False, 12),
 ])
 def test_layerwise_pass_equals_vmap_grad(model, shape, dropout, chunk):
@@ -112,12 +112,18 @@ def test_layerwise_pass_equals_vmap_grad(model, shape, dropout, chunk):
         kw = dict(grad_sq=True, hist1d=H1, hist2d=H2)
         slow = jax.jit(lambda p, bt, s: per_example.per_example_pass(example_loss, p, bt, s, chunk, **kw))(
             params, batch, stats)
-        fast_fn = jax.jit(lambda p, bt, s: layerwise.per_example_pass(batched, p, bt, s, chunk, **kw))
-        fast = fast_fn(params, batch, stats)
-        assert fast is not None
+        tangent = jax.tree.map(lambda a: jnp.cos(jnp.arange(a.size, dtype=a.dtype)).reshape(a.shape), params)
+        fast_fn = jax.jit(lambda p, bt, s: layerwise.per_example_pass(batched, p, bt, s, chunk, **kw,
+                                                                      tangents=(tangent,), project_mean=True))
+        fast, proj = fast_fn(params, batch, stats)
         _assert_same_stats(fast, slow)
+        # projections: the directional derivatives along the mean gradient and along the tangent
+        losses_of = lambda p: jax.vmap(example_loss, (None, 0, None))(p, batch, stats)  # noqa: E731
+        gbar = jax.tree.map(lambda a: a / len(slow.losses), slow.sum_grad)
+        for row, t in zip(proj, (gbar, tangent)):
+            np.testing.assert_allclose(row, jax.jvp(losses_of, (params,), (t,))[1], rtol=1e-9, atol=1e-13)
         again = fast_fn(params, batch, stats)  # deterministic: bitwise the same outputs
-        for a, b in zip(jax.tree.leaves(fast), jax.tree.leaves(again)):
+        for a, b in zip(jax.tree.leaves((fast, proj)), jax.tree.leaves(again)):
             np.testing.assert_array_equal(a, b)
 
 

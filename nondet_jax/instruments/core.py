@@ -227,24 +227,30 @@ def make(quantities: str | tuple[str, ...], example_loss: Callable, *, schedule:
             ctx = get_context()
             v: dict[str, jax.Array] = {}
             stats = None
+            proj = None  # (T, B): every example's directional derivatives along gbar, updates, direction
             if need_pe:
                 pe_args = dict(grad_sq=has(*GRAD_SQ), hist1d=h1 if has("GradHist1d") else None,
                                hist2d=h2 if has("GradHist2d") else None)
                 if batched_example_loss is not None:
-                    stats = layerwise.per_example_pass(batched_example_loss, params, batch, ctx, chunk, **pe_args)
+                    res = layerwise.per_example_pass(
+                        batched_example_loss, params, batch, ctx, chunk, **pe_args,
+                        tangents=(updates, state.direction) if need_alpha else (),
+                        project_mean=has("InnerTest", "OrthoTest"))
+                    if res is not None:
+                        stats, proj = res
                 if stats is None:  # no batched loss, or a layer the layerwise path does not support
                     stats = per_example_pass(example_loss, params, batch, ctx, chunk, **pe_args)
                 gbar = jax.tree.map(lambda s: s / b, stats.sum_grad)
                 g_sq = sum(_sq_norms(gbar))
-            # Directional derivatives of every example's loss: one linearisation, several tangents.
+            # Directional derivatives of every example's loss: one linearisation, several tangents
+            # (unless the layerwise pass gave them as g_i . t).
             tangents = []
             if has("InnerTest", "OrthoTest"):
                 tangents.append(gbar)
             if need_alpha:
                 tangents += [updates, state.direction]
             losses = stats.losses if stats is not None else None
-            proj = None
-            if tangents:
+            if tangents and proj is None:
                 losses, lin = jax.linearize(lambda p: example_losses(p, ctx), params)
                 proj = jax.vmap(lin)(jax.tree.map(lambda *xs: jnp.stack(xs), *tangents))
             elif losses is None and (loss is None and has("Loss", "CABS")):

@@ -213,32 +213,38 @@ def _check_coverage(params, calls: dict):
 
 
 def per_example_pass(losses_fn: Callable, params, batch, context, chunk: int, *, grad_sq: bool,
-                     hist1d: dict | None, hist2d: dict | None) -> PerExampleStats | None:
+                     hist1d: dict | None, hist2d: dict | None, tangents: tuple = (),
+                     project_mean: bool = False) -> tuple[PerExampleStats, jax.Array | None] | None:
     """The sums of :func:`.per_example.per_example_pass`, from layer inputs and output gradients.
 
     Args:
       losses_fn: ``(params, batch, context) -> (B,)`` per-example losses of the whole batch, computed
         by flax linen ``apply`` calls whose parameter tree is ``params`` itself; examples must not
         interact.
+      tangents: params-like trees ``t``; the projections ``g_i . t`` of every per-example gradient
+        onto them are returned (the directional derivatives ``jax.linearize`` would give).
+      project_mean: also project onto the mean gradient ``(1/B) sum_i g_i`` (first row), which the
+        backward pass then computes too (a plain weight gradient).
       Other arguments: as :func:`.per_example.per_example_pass`.
-    Returns None when a layer or parameter is not supported (decided while tracing): fall back.
+    Returns ``(stats, projections (T, B) or None)``, or None when a layer or parameter is not
+    supported (decided while tracing): fall back.
     """
-    def run(eps):
+    def run(p, eps):
         calls, records = {}, {}
         with nn.intercept_methods(_interceptor(calls, records, eps)):
-            losses = losses_fn(params, batch, context)
+            losses = losses_fn(p, batch, context)
         return losses, calls, records
 
+    b = jax.tree.leaves(batch)[0].shape[0]
     try:
         found = {}
 
         def probe():
-            losses, calls, _ = run(None)
+            losses, calls, _ = run(params, None)
             found.update(calls)
             return losses
 
         out = jax.eval_shape(probe)
-        b = jax.tree.leaves(batch)[0].shape[0]
         if out.shape != (b,) or not found:
             raise Unsupported("losses_fn must return one loss per example")
         _check_coverage(params, found)
@@ -247,11 +253,16 @@ def per_example_pass(losses_fn: Callable, params, batch, context, chunk: int, *,
 
     eps0 = {path: jnp.zeros(call.out.shape, call.out.dtype) for path, call in found.items()}
 
-    def total(eps):
-        losses, _, records = run(eps)
+    def total(p, eps):
+        losses, _, records = run(p, eps)
         return jnp.sum(losses), (losses, records)
 
-    (_, (losses, records)), deltas = jax.value_and_grad(total, has_aux=True)(eps0)
+    if project_mean:  # the summed gradient as well: what the mean projection needs before the chunk loop
+        (_, (losses, records)), (sum_grad, deltas) = jax.value_and_grad(total, argnums=(0, 1), has_aux=True)(
+            params, eps0)
+        tangents = (jax.tree.map(lambda s: s / b, sum_grad),) + tuple(tangents)
+    else:
+        (_, (losses, records)), deltas = jax.value_and_grad(total, argnums=1, has_aux=True)(params, eps0)
     c = chunk_size(b, chunk)
     paths = sorted(found)
     layer_params = {path: _layer_params(params, path) for path in paths}
@@ -264,8 +275,14 @@ def per_example_pass(losses_fn: Callable, params, batch, context, chunk: int, *,
             for name, v in GRADS[type(m)](m, recs[i], ds[i], layer_params[path]).items():
                 g[path + (name,)] = v
         g = jax.tree_util.tree_map_with_path(lambda kp, _: g[tuple(k.key for k in kp)], params)
-        return add_chunk(acc, g, params, hist1d=hist1d, hist2d=hist2d), None
+        proj = None
+        if tangents:
+            proj = jnp.stack([sum(x.reshape(c, -1) @ u.ravel() for x, u in zip(jax.tree.leaves(g), jax.tree.leaves(t)))
+                              for t in tangents])  # (T, c)
+        return add_chunk(acc, g, params, hist1d=hist1d, hist2d=hist2d), proj
 
     chunks = split_chunks(([records[p] for p in paths], [deltas[p] for p in paths]), c)
-    acc, _ = over_chunks(body, init_sums(params, grad_sq=grad_sq, hist1d=hist1d, hist2d=hist2d), chunks)
-    return PerExampleStats(losses, *acc)
+    acc, proj = over_chunks(body, init_sums(params, grad_sq=grad_sq, hist1d=hist1d, hist2d=hist2d), chunks)
+    if proj is not None:
+        proj = jnp.moveaxis(proj, 1, 0).reshape(len(tangents), b)  # (n, T, c) -> (T, B), examples in order
+    return PerExampleStats(losses, *acc), proj
