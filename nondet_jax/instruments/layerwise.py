@@ -39,8 +39,8 @@ import jax
 import jax.numpy as jnp
 from flax.linen.linear import canonicalize_padding
 
-from nondet_jax.instruments.per_example import (PerExampleStats, add_chunk, chunk_size, init_sums, over_chunks,
-                                                split_chunks)
+from nondet_jax.instruments.per_example import (PerExampleStats, add_chunk, chunk_size, init_sums, matmul_sum,
+                                                over_chunks, split_chunks)
 
 
 class Unsupported(Exception):
@@ -279,7 +279,7 @@ def per_example_pass(losses_fn: Callable, params, batch, context, chunk: int, *,
         if tangents:
             proj = jnp.stack([sum(x.reshape(c, -1) @ u.ravel() for x, u in zip(jax.tree.leaves(g), jax.tree.leaves(t)))
                               for t in tangents])  # (T, c)
-        return add_chunk(acc, g, params, hist1d=hist1d, hist2d=hist2d), proj
+        return add_chunk(acc, g, params, hist1d=hist1d, hist2d=hist2d, batch_sum=matmul_sum), proj
 
     chunks = split_chunks(([records[p] for p in paths], [deltas[p] for p in paths]), c)
     acc, proj = over_chunks(body, init_sums(params, grad_sq=grad_sq, hist1d=hist1d, hist2d=hist2d), chunks)
