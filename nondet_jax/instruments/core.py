@@ -61,7 +61,7 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
-from nondet_jax.instruments import configurations, curvature, formulas, histograms
+from nondet_jax.instruments import configurations, curvature, formulas, histograms, layerwise
 from nondet_jax.instruments.per_example import per_example_pass
 from nondet_jax.instruments.schedules import Schedule, linear
 
@@ -107,7 +107,8 @@ def _sq_norms(tree) -> list[jax.Array]:
 def make(quantities: str | tuple[str, ...], example_loss: Callable, *, schedule: Schedule | None = None,
          batch_loss_fn: Callable | None = None, context_fn: Callable | None = None, chunk: int = 32,
          hess_iters: int = 10, hess_probes: int = 1, seed: int = 0,
-         hist1d: dict | None = None, hist2d: dict | None = None) -> Instruments:
+         hist1d: dict | None = None, hist2d: dict | None = None,
+         batched_example_loss: Callable | None = None) -> Instruments:
     """Build the instruments.
 
     Args:
@@ -125,6 +126,11 @@ def make(quantities: str | tuple[str, ...], example_loss: Callable, *, schedule:
       hess_iters: Lanczos steps for HessMaxEV (memory ``hess_iters x P``). hess_probes: Hutchinson
         probes for HessTrace/TIC. seed: probes and Lanczos start vectors use keys from it and the step.
       hist1d / hist2d: ``{"bins": ..., "value_range": ...}`` overriding Cockpit's defaults.
+      batched_example_loss: optional ``(params, batch, context) -> (B,)``, the same losses as
+        ``example_loss`` for a whole batch in one call of flax linen modules whose examples do not
+        interact: per-example gradients then come from one batched backward pass and per-layer
+        products (:mod:`.layerwise`) instead of ``vmap(grad(example_loss))``, when every parameter
+        belongs to a layer type it supports (otherwise the vmap path runs, decided while tracing).
 
     Raises ValueError for unknown quantities or bad settings.
     """
@@ -221,21 +227,30 @@ def make(quantities: str | tuple[str, ...], example_loss: Callable, *, schedule:
             ctx = get_context()
             v: dict[str, jax.Array] = {}
             stats = None
+            proj = None  # (T, B): every example's directional derivatives along gbar, updates, direction
             if need_pe:
-                stats = per_example_pass(example_loss, params, batch, ctx, chunk,
-                                         grad_sq=has(*GRAD_SQ), hist1d=h1 if has("GradHist1d") else None,
-                                         hist2d=h2 if has("GradHist2d") else None)
+                pe_args = dict(grad_sq=has(*GRAD_SQ), hist1d=h1 if has("GradHist1d") else None,
+                               hist2d=h2 if has("GradHist2d") else None)
+                if batched_example_loss is not None:
+                    res = layerwise.per_example_pass(
+                        batched_example_loss, params, batch, ctx, chunk, **pe_args,
+                        tangents=(updates, state.direction) if need_alpha else (),
+                        project_mean=has("InnerTest", "OrthoTest"))
+                    if res is not None:
+                        stats, proj = res
+                if stats is None:  # no batched loss, or a layer the layerwise path does not support
+                    stats = per_example_pass(example_loss, params, batch, ctx, chunk, **pe_args)
                 gbar = jax.tree.map(lambda s: s / b, stats.sum_grad)
                 g_sq = sum(_sq_norms(gbar))
-            # Directional derivatives of every example's loss: one linearisation, several tangents.
+            # Directional derivatives of every example's loss: one linearisation, several tangents
+            # (unless the layerwise pass gave them as g_i . t).
             tangents = []
             if has("InnerTest", "OrthoTest"):
                 tangents.append(gbar)
             if need_alpha:
                 tangents += [updates, state.direction]
             losses = stats.losses if stats is not None else None
-            proj = None
-            if tangents:
+            if tangents and proj is None:
                 losses, lin = jax.linearize(lambda p: example_losses(p, ctx), params)
                 proj = jax.vmap(lin)(jax.tree.map(lambda *xs: jnp.stack(xs), *tangents))
             elif losses is None and (loss is None and has("Loss", "CABS")):

@@ -2,6 +2,8 @@
 
 Only running sums leave each chunk (sum of gradients, sum of squared gradient norms, element-wise
 sum of squared gradients, histogram counts), so memory is ``chunk x P``, never ``B x P``.
+:mod:`.layerwise` computes the same sums faster for flax models built from Conv/Dense/BatchNorm
+(and shares :func:`init_sums`, :func:`add_chunk`, :func:`over_chunks` with this module).
 
 BatchNorm convention: the per-example loss is evaluated with the normalisation statistics held
 fixed at the values the whole batch gives (they enter as a constant ``context``), so example ``i``'s
@@ -38,6 +40,57 @@ def chunk_size(batch: int, requested: int) -> int:
     return c
 
 
+def init_sums(params, *, grad_sq: bool, hist1d: dict | None, hist2d: dict | None):
+    """Zero running sums ``(sum_g, sum_sq_norm, sum_g2, hist1d, hist2d)`` (None for those not asked for)."""
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    return (zeros, jnp.zeros((), jax.tree.leaves(params)[0].dtype), zeros if grad_sq else None,
+            None if hist1d is None else jnp.zeros(hist1d.get("bins", histograms.HIST1D_BINS), jnp.float32),
+            None if hist2d is None else jnp.zeros(hist2d.get("bins", histograms.HIST2D_BINS), jnp.float32))
+
+
+def matmul_sum(x: jax.Array) -> jax.Array:
+    """``x.sum(0)`` as a product with a vector of ones: XLA:CPU reduces over the leading axis of a
+    large array several times slower than it runs the matrix-vector product."""
+    return (jnp.ones((1, x.shape[0]), x.dtype) @ x.reshape(x.shape[0], -1)).reshape(x.shape[1:])
+
+
+def add_chunk(acc, g, params, *, hist1d: dict | None, hist2d: dict | None, batch_sum: Callable | None = None):
+    """Add one chunk's per-example gradients ``g`` (params-like, leading axis = examples) to the sums.
+
+    ``batch_sum``: how to sum over the examples axis (default ``x.sum(0)``; :func:`matmul_sum`).
+    """
+    batch_sum = batch_sum or (lambda x: x.sum(0))
+    sum_g, sq, sum_g2, h1, h2 = acc
+    sum_g = jax.tree.map(lambda s, x: s + batch_sum(x), sum_g, g)
+    sq = sq + sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(g))
+    if sum_g2 is not None:
+        sum_g2 = jax.tree.map(lambda s, x: s + batch_sum(jnp.square(x)), sum_g2, g)
+    if h1 is not None:
+        h1 = h1 + histograms.hist1d(g, **hist1d)
+    if h2 is not None:
+        h2 = h2 + histograms.hist2d(g, params, **hist2d)
+    return sum_g, sq, sum_g2, h1, h2
+
+
+def over_chunks(body: Callable, init, chunks):
+    """``lax.scan(body, init, chunks)``, or straight-line code where XLA:CPU would be slow.
+
+    XLA:CPU runs convolutions inside loops on a slow path (see train.CPU_UNROLL_MAX_STEPS): one chunk
+    runs without a loop, and up to 16 chunks are unrolled on CPU. Returns ``(acc, stacked outputs)``.
+    """
+    n = jax.tree.leaves(chunks)[0].shape[0]
+    if n == 1:
+        acc, out = body(init, jax.tree.map(lambda a: a[0], chunks))
+        return acc, jax.tree.map(lambda a: a[None], out)
+    unroll = n if (jax.default_backend() == "cpu" and n <= 16) else 1
+    return jax.lax.scan(body, init, chunks, unroll=unroll)
+
+
+def split_chunks(tree, c: int):
+    """Reshape every leaf's leading batch axis ``(B, ...)`` into ``(B // c, c, ...)``."""
+    return jax.tree.map(lambda a: a.reshape((a.shape[0] // c, c) + a.shape[1:]), tree)
+
+
 def per_example_pass(example_loss: Callable, params, batch, context, chunk: int, *, grad_sq: bool,
                      hist1d: dict | None, hist2d: dict | None) -> PerExampleStats:
     """Run ``example_loss(params, example, context)`` and its gradient over every example of ``batch``.
@@ -51,31 +104,12 @@ def per_example_pass(example_loss: Callable, params, batch, context, chunk: int,
     """
     b = jax.tree.leaves(batch)[0].shape[0]
     c = chunk_size(b, chunk)
-    chunks = jax.tree.map(lambda a: a.reshape((b // c, c) + a.shape[1:]), batch)
     value_and_grads = jax.vmap(jax.value_and_grad(example_loss), in_axes=(None, 0, None))
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    init = (zeros, jnp.zeros((), jax.tree.leaves(params)[0].dtype), zeros if grad_sq else None,
-            None if hist1d is None else jnp.zeros(hist1d.get("bins", histograms.HIST1D_BINS), jnp.float32),
-            None if hist2d is None else jnp.zeros(hist2d.get("bins", histograms.HIST2D_BINS), jnp.float32))
+    init = init_sums(params, grad_sq=grad_sq, hist1d=hist1d, hist2d=hist2d)
 
     def body(acc, examples):
-        sum_g, sq, sum_g2, h1, h2 = acc
         losses, g = value_and_grads(params, examples, context)
-        sum_g = jax.tree.map(lambda s, x: s + x.sum(0), sum_g, g)
-        sq = sq + sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(g))
-        if sum_g2 is not None:
-            sum_g2 = jax.tree.map(lambda s, x: s + jnp.square(x).sum(0), sum_g2, g)
-        if h1 is not None:
-            h1 = h1 + histograms.hist1d(g, **hist1d)
-        if h2 is not None:
-            h2 = h2 + histograms.hist2d(g, params, **hist2d)
-        return (sum_g, sq, sum_g2, h1, h2), losses
+        return add_chunk(acc, g, params, hist1d=hist1d, hist2d=hist2d), losses
 
-    if b // c == 1:  # no loop: XLA:CPU runs convolutions inside loops on a slower path
-        acc, losses = body(init, jax.tree.map(lambda a: a[0], chunks))
-        losses = losses[None]
-    else:
-        # XLA:CPU runs convolutions inside loops on a slow path (see train.CPU_UNROLL_MAX_STEPS): unroll there.
-        unroll = b // c if (jax.default_backend() == "cpu" and b // c <= 16) else 1
-        acc, losses = jax.lax.scan(body, init, chunks, unroll=unroll)
+    acc, losses = over_chunks(body, init, split_chunks(batch, c))
     return PerExampleStats(losses.reshape(b), *acc)

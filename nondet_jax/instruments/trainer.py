@@ -4,6 +4,9 @@
   (the ``context``: the batch's own statistics at the current weights, measured by a momentum-0
   training-mode pass only at tracked steps), while dropout stays on with the example's own key
   (the classifier head is switched to training mode by a flax method interceptor).
+* Per-example gradients: in inference mode examples do not interact, so they come from one
+  batched backward pass of the summed loss (:mod:`.layerwise`), ``vmap(grad)`` where a layer is
+  not supported.
 * Curvature loss: the training loss itself (BatchNorm in training mode), so HessMaxEV is the
   sharpness of the objective SGD descends (compare it with 2 / learning rate).
 * Learning rate for CABS: the schedule's value at the step.
@@ -37,7 +40,8 @@ def schedule_for(cfg, total_steps: int):
     return linear(cfg.every)
 
 
-def for_model(cfg, model: nn.Module, train_loss: Callable, batch_stats_of: Callable, total_steps: int) -> Instruments:
+def for_model(cfg, model: nn.Module, train_loss: Callable, batch_stats_of: Callable, total_steps: int, *,
+              layerwise: bool = True) -> Instruments:
     """Instruments for one replica of ``model``.
 
     Args:
@@ -45,6 +49,8 @@ def for_model(cfg, model: nn.Module, train_loss: Callable, batch_stats_of: Calla
       train_loss: ``(params, batch_stats, x, y, dropout_keys) -> (loss, aux)``, the training loss.
       batch_stats_of: ``(params, batch_stats, x) -> batch statistics`` of ``x`` at ``params`` (``update``'s
         ``context`` is the state's ``batch_stats``, {} without BatchNorm).
+      layerwise: per-example gradients from one batched backward pass (:mod:`.layerwise`; falls back
+        to ``vmap(grad)`` by itself for layers it does not support); False forces ``vmap(grad)``.
     The batch passed to ``update`` is ``(x, y, dropout_keys or None)``.
     """
     def variables(params, stats):
@@ -57,10 +63,17 @@ def for_model(cfg, model: nn.Module, train_loss: Callable, batch_stats_of: Calla
                                  dropout_keys=None if dkey is None else dkey[None])
         return optax.softmax_cross_entropy_with_integer_labels(logits, y[None])[0]
 
+    def batched_example_loss(params, batch, stats):  # example_loss for the whole batch at once
+        x, y, dkeys = batch
+        with nn.intercept_methods(_head_in_training_mode):
+            logits = model.apply(variables(params, stats), x, train=False, dropout_keys=dkeys)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y)
+
     def batch_loss(params, batch, stats):
         x, y, dkeys = batch
         return train_loss(params, stats, x, y, dkeys)[0]
 
     return make(cfg.config, example_loss, schedule=schedule_for(cfg, total_steps), batch_loss_fn=batch_loss,
                 context_fn=lambda params, batch, stats: batch_stats_of(params, stats, batch[0]), chunk=cfg.chunk,
-                hess_iters=cfg.hess_iters, hess_probes=cfg.hess_probes)
+                hess_iters=cfg.hess_iters, hess_probes=cfg.hess_probes,
+                batched_example_loss=batched_example_loss if layerwise else None)
