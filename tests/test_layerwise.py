@@ -12,7 +12,7 @@ import pytest
 
 from nondet_jax.config import from_flat
 from nondet_jax.instruments import layerwise, per_example
-from nondet_jax.instruments.trainer import _head_in_training_mode, for_model
+from nondet_jax.instruments.trainer import for_model, model_losses
 from nondet_jax.models import MLP, ShuffleNetV2, make_model
 from nondet_jax.models.common import Head
 
@@ -66,26 +66,6 @@ def _setup(model, n=12, shape=(9, 8, 2), dropout_keys=False):
     return params, stats, (x, y, dk)
 
 
-def _losses(model):
-    def variables(params, stats):
-        return {"params": params, "batch_stats": stats} if stats else {"params": params}
-
-    def example_loss(params, example, stats):
-        x, y, dk = example
-        with nn.intercept_methods(_head_in_training_mode):
-            logits = model.apply(variables(params, stats), x[None], train=False,
-                                 dropout_keys=None if dk is None else dk[None])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y[None])[0]
-
-    def batched(params, batch, stats):
-        x, y, dk = batch
-        with nn.intercept_methods(_head_in_training_mode):
-            logits = model.apply(variables(params, stats), x, train=False, dropout_keys=dk)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y)
-
-    return example_loss, batched
-
-
 def _assert_same_stats(fast, slow):
     np.testing.assert_allclose(fast.losses, slow.losses, rtol=1e-12)
     for a, b in zip(jax.tree.leaves(fast.sum_grad), jax.tree.leaves(slow.sum_grad)):
@@ -108,7 +88,7 @@ def _assert_same_stats(fast, slow):
 def test_layerwise_pass_equals_vmap_grad(model, shape, dropout, chunk):
     with jax.enable_x64(True):
         params, stats, batch = _setup(model, 12, shape, dropout)
-        example_loss, batched = _losses(model)
+        example_loss, batched = model_losses(model)
         kw = dict(grad_sq=True, hist1d=H1, hist2d=H2)
         slow = jax.jit(lambda p, bt, s: per_example.per_example_pass(example_loss, p, bt, s, chunk, **kw))(
             params, batch, stats)
@@ -162,7 +142,7 @@ def test_unsupported_layers_fall_back(model):
     the layerwise pass declines (None) and the instruments' vmap path gives the same values."""
     with jax.enable_x64(True):
         params, stats, batch = _setup(model, 6, (3, 3, 2))
-        _, batched = _losses(model)
+        _, batched = model_losses(model)
         assert layerwise.per_example_pass(batched, params, batch, stats, 3, grad_sq=False, hist1d=None,
                                           hist2d=None) is None
 

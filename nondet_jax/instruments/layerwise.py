@@ -41,6 +41,12 @@ from flax.linen.linear import canonicalize_padding
 
 from nondet_jax.instruments.per_example import (PerExampleStats, add_chunk, chunk_size, init_sums, matmul_sum,
                                                 over_chunks, split_chunks)
+from nondet_jax.models import common
+
+
+# Convolution functions an nn.Conv may be given that compute exactly lax.conv_general_dilated's
+# value (the CPU wrapper in models.common only changes how XLA schedules its weight gradient).
+SAME_AS_LAX_CONV = (None, jax.lax.conv_general_dilated, common.conv_general_dilated)
 
 
 class Unsupported(Exception):
@@ -67,7 +73,7 @@ def _kernel_size(m: nn.Conv) -> tuple[int, ...]:
 
 def _conv_check(m: nn.Conv, x) -> tuple[str, ...]:
     n = len(_kernel_size(m))
-    if (not m.shared_weights or m.mask is not None or m.conv_general_dilated is not None
+    if (not m.shared_weights or m.mask is not None or m.conv_general_dilated not in SAME_AS_LAX_CONV
             or m.conv_general_dilated_cls is not None or x.ndim != n + 2
             or _spatial_tuple(m.input_dilation, n) != (1,) * n):
         raise Unsupported(f"convolution settings of {m.path}")

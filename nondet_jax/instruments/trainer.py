@@ -40,6 +40,29 @@ def schedule_for(cfg, total_steps: int):
     return linear(cfg.every)
 
 
+def model_losses(model: nn.Module) -> tuple[Callable, Callable]:
+    """``(example_loss, batched_example_loss)`` of ``model``: the per-example loss the instruments
+    use (inference mode, BatchNorm with the fixed statistics passed as ``context``, dropout on with
+    the example's own key), for one example and for a whole batch at once."""
+    def variables(params, stats):
+        return {"params": params, "batch_stats": stats} if stats else {"params": params}
+
+    def example_loss(params, example, stats):
+        x, y, dkey = example
+        with nn.intercept_methods(_head_in_training_mode):
+            logits = model.apply(variables(params, stats), x[None], train=False,
+                                 dropout_keys=None if dkey is None else dkey[None])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y[None])[0]
+
+    def batched_example_loss(params, batch, stats):
+        x, y, dkeys = batch
+        with nn.intercept_methods(_head_in_training_mode):
+            logits = model.apply(variables(params, stats), x, train=False, dropout_keys=dkeys)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y)
+
+    return example_loss, batched_example_loss
+
+
 def for_model(cfg, model: nn.Module, train_loss: Callable, batch_stats_of: Callable, total_steps: int, *,
               layerwise: bool = True) -> Instruments:
     """Instruments for one replica of ``model``.
@@ -53,21 +76,7 @@ def for_model(cfg, model: nn.Module, train_loss: Callable, batch_stats_of: Calla
         to ``vmap(grad)`` by itself for layers it does not support); False forces ``vmap(grad)``.
     The batch passed to ``update`` is ``(x, y, dropout_keys or None)``.
     """
-    def variables(params, stats):
-        return {"params": params, "batch_stats": stats} if stats else {"params": params}
-
-    def example_loss(params, example, stats):
-        x, y, dkey = example
-        with nn.intercept_methods(_head_in_training_mode):
-            logits = model.apply(variables(params, stats), x[None], train=False,
-                                 dropout_keys=None if dkey is None else dkey[None])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y[None])[0]
-
-    def batched_example_loss(params, batch, stats):  # example_loss for the whole batch at once
-        x, y, dkeys = batch
-        with nn.intercept_methods(_head_in_training_mode):
-            logits = model.apply(variables(params, stats), x, train=False, dropout_keys=dkeys)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y)
+    example_loss, batched_example_loss = model_losses(model)
 
     def batch_loss(params, batch, stats):
         x, y, dkeys = batch
