@@ -44,6 +44,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from nondet_jax.store import atomic_write_json  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BATCH = 128
@@ -342,8 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     record["load_average_after"] = os.getloadavg()
     print(format_tables(record))
     out = args.out or RESULTS / ("cpu_profile-quick.json" if args.quick else "cpu_profile.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1))
+    atomic_write_json(out, record)
     print(f"wrote {out}")
     return 0
 

@@ -49,8 +49,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
-import os
 import statistics
 import sys
 import time
@@ -59,6 +57,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from convs import kernel_conv, matmul_conv  # noqa: E402  (benchmarks/convs.py)
+from nondet_jax.store import atomic_write_json  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CLASSES = 10
@@ -261,9 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             gc.collect()
         row["elapsed_s"] = time.perf_counter() - t_start
         record["rows"].append(row)
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record, indent=1))
-        os.replace(tmp, out)
+        atomic_write_json(out, record)
         msg = (row.get("skipped") or row.get("error", "").splitlines()[0][:100] if "replica_images_per_s" not in row
                else f"{row['replica_images_per_s']:.1f} img/s, compile {row['compile_s']:.1f} s")
         print(f"[{row['elapsed_s']:6.1f} s] {cfg['model']} {cfg['dtype']} {cfg['strategy']} R={cfg['replicas']}: {msg}",

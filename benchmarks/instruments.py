@@ -24,7 +24,6 @@ Run ``python benchmarks/instruments.py [--quick]``; writes benchmarks/results/in
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import time
@@ -39,6 +38,7 @@ from nondet_jax.config import from_flat
 from nondet_jax.data import load_dataset
 from nondet_jax.sources import arm_keys, arm_sources, perturbations, replica_slice
 from nondet_jax.train import DataSpec, make_train
+from nondet_jax.store import atomic_write_json  # noqa: E402
 
 CONFIGS = ("economy", "business", "full")
 EVERY = (1, 16)
@@ -122,18 +122,8 @@ def breakdown(model, spec, x, y, keys, perturb, base_s, quick, log) -> dict:
     state = jax.jit(fns.init)(keys, perturb, x[:1])
     from nondet_jax.instruments.trainer import for_model
     from nondet_jax.models import make_model
-    import optax
 
     net = make_model(model, spec.num_classes)
-
-    def train_loss(params, stats, xb, yb, dk):
-        logits, upd = net.apply({"params": params, "batch_stats": stats}, xb, train=True, mutable=["batch_stats"])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, yb).mean(), None
-
-    def stats_of(params, stats, xb):
-        _, upd = net.clone(bn_momentum=0.0).apply({"params": params, "batch_stats": stats}, xb, train=True,
-                                                  mutable=["batch_stats"])
-        return upd["batch_stats"]
 
     xb, yb = x[:128], y[:128]
     params, stats = state.params, state.batch_stats
@@ -141,7 +131,7 @@ def breakdown(model, spec, x, y, keys, perturb, base_s, quick, log) -> dict:
     res = {}
     for q in instruments.QUANTITIES:
         cfg = from_flat({"instruments.config": q, "optim.momentum": 0, "optim.weight_decay": 0}).instruments
-        inst = for_model(cfg, net, train_loss, stats_of, total_steps=1000)
+        inst = for_model(cfg, net, fns.loss_fn, fns.recompute_batch_stats, total_steps=1000)
         fn = jax.jit(lambda s, p, bs, t: inst.update(s, p, (xb, yb, None), step=t, context=bs, updates=upd, lr=0.1,
                                                      grads=upd, loss=jnp.float32(1.0)))
         ist = inst.init(params)
@@ -183,7 +173,7 @@ def main(argv=None):
         results["workloads"][w] = bench_workload(
             w, args.quick, w_rounds, log, lambda: time.perf_counter() - t_start < args.breakdown_after_s, configs,
             everies)
-        out.write_text(json.dumps(results, indent=2))  # after every workload: a time-boxed run keeps what it did
+        atomic_write_json(out, results)  # after every workload: a time-boxed run keeps what it did
     default = results["workloads"].get("resnet8_digits") or next(iter(results["workloads"].values()))
     results["ratios"] = {f"{c}_every{k}": default["configs"][c][f"every{k}_ratio"] for c in configs for k in everies}
     print()
@@ -201,7 +191,7 @@ def main(argv=None):
         print(f"\nwhere the cost goes, {w} (update alone at a tracked step, x one plain step):")
         for q, v in sorted(r["breakdown"].items(), key=lambda kv: -kv[1]["ms"]):
             print(f"  {q:14s} {v['ms']:8.1f} ms {v['x_step']:6.2f}x")
-    out.write_text(json.dumps(results, indent=2))
+    atomic_write_json(out, results)
     print(f"\nwrote {out}")
 
 

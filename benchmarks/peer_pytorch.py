@@ -63,6 +63,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from convs import kernel_conv, matmul_conv  # noqa: E402  (benchmarks/convs.py)
+from nondet_jax.store import atomic_write_json  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BATCH = 128
@@ -396,8 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(record["summary"]))
     print(f"load average (1, 5, 15 min) before and after each pass: {record['load_average']}")
     out = args.out or RESULTS / ("peer_pytorch-quick.json" if args.quick else "peer_pytorch.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1))
+    atomic_write_json(out, record)
     print(f"wrote {out}")
     return 0
 

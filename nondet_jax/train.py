@@ -107,6 +107,7 @@ class TrainFns(NamedTuple):
     unroll: int
     instruments: Any = None  # the nondet_jax.instruments.Instruments (quantities, value names, edges) when on
     spec: Any = None  # the DataSpec the functions were made for
+    loss_fn: Callable | None = None  # (params, batch_stats, x, y, dropout_keys) -> (loss, (logits, batch_stats))
 
 
 def epoch_metrics(out) -> dict:
@@ -298,4 +299,5 @@ def _make_train(config: Config, spec: DataSpec) -> TrainFns:
         _, updates = bn_model.apply(variables(params, batch_stats), x, train=True, mutable=["batch_stats"])
         return updates["batch_stats"]
 
-    return TrainFns(init, train_step, train_epoch, evaluate, recompute_batch_stats, b, steps, unroll, inst, spec)
+    return TrainFns(init, train_step, train_epoch, evaluate, recompute_batch_stats, b, steps, unroll, inst, spec,
+                    loss_fn)
