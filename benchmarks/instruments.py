@@ -146,6 +146,51 @@ def breakdown(model, spec, x, y, keys, perturb, base_s, quick, log) -> dict:
     return res
 
 
+def pass_timing(rounds: int, log) -> dict:
+    """The per-example pass alone against one training gradient (ResNet-8 on digits, batch 128,
+    chunk 32), interleaved over ``rounds`` rounds: the training gradient, the inference-mode
+    gradient the pass starts from (BatchNorm statistics fixed), the layerwise pass (without and with
+    GradHist1d's histogram) and the ``vmap(grad)`` pass. Median ms and x the training gradient."""
+    from nondet_jax.instruments import histograms, layerwise, per_example
+    from nondet_jax.instruments.trainer import model_losses
+    from nondet_jax.models import make_model
+
+    model, x_np, y_np, spec = workload("resnet8_digits")
+    fns, _ = make_step(model, spec, {})
+    varied = arm_sources("init")
+    keys, perturb = replica_slice(arm_keys(0, varied, 1), 0), perturbations(varied)
+    x, y = jnp.asarray(x_np[:128]), jnp.asarray(y_np[:128])
+    state = jax.jit(fns.init)(keys, perturb, x[:1])
+    params, stats = state.params, fns.recompute_batch_stats(state.params, state.batch_stats, x)
+    example_loss, batched = model_losses(make_model(model, spec.num_classes))
+    batch, h1 = (x, y, None), {"bins": histograms.HIST1D_BINS}
+    variants = {
+        "training gradient": lambda p: jax.grad(lambda q: fns.loss_fn(q, state.batch_stats, x, y, None)[0])(p),
+        "inference-mode gradient": lambda p: jax.grad(lambda q: batched(q, batch, stats).mean())(p),
+        "layerwise pass": lambda p: layerwise.per_example_pass(batched, p, batch, stats, 32, grad_sq=False,
+                                                               hist1d=None, hist2d=None),
+        "layerwise pass + GradHist1d": lambda p: layerwise.per_example_pass(batched, p, batch, stats, 32,
+                                                                            grad_sq=False, hist1d=h1, hist2d=None),
+        "vmap(grad) pass": lambda p: per_example.per_example_pass(example_loss, p, batch, stats, 32, grad_sq=False,
+                                                                  hist1d=None, hist2d=None),
+    }
+    compiled = {k: jax.jit(f) for k, f in variants.items()}
+    for f in compiled.values():
+        jax.block_until_ready(f(params))
+    times = {k: [] for k in compiled}
+    for _ in range(rounds):
+        for k, f in compiled.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(params))
+            times[k].append(time.perf_counter() - t0)
+    base = float(np.median(times["training gradient"]))
+    res = {k: {"ms": 1e3 * float(np.median(t)), "x_training_gradient": float(np.median(t)) / base}
+           for k, t in times.items()}
+    for k, v in res.items():
+        log(f"  {k:28s} {v['ms']:8.1f} ms {v['x_training_gradient']:6.2f}x")
+    return res
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds and steps (about 10 minutes on 2 CPU cores)")
@@ -157,12 +202,23 @@ def main(argv=None):
                     help="skip the per-quantity breakdown when this many seconds have passed (a time-boxed run)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="configurations to time")
     ap.add_argument("--every", default=",".join(map(str, EVERY)), help="schedules to time: track every k steps")
+    ap.add_argument("--pass-timing", action="store_true",
+                    help="only time the per-example pass against a training gradient (ResNet-8 digits; "
+                         "writes benchmarks/results/instruments_pass.json)")
     args = ap.parse_args(argv)
+    if args.pass_timing:
+        log = lambda s: print(s, flush=True)  # noqa: E731
+        log("per-example pass alone, ResNet-8 on digits, batch 128, chunk 32 (median of interleaved rounds):")
+        res = {"rounds": args.rounds or 7, "backend": jax.default_backend(), "cpu_count": os.cpu_count(),
+               "platform": platform.platform(), "jax": jax.__version__, "pass": pass_timing(args.rounds or 7, log)}
+        out = Path(args.out or "benchmarks/results/instruments_pass.json")
+        atomic_write_json(out, res)
+        print(f"wrote {out}")
+        return
     configs, everies = args.configs.split(","), tuple(int(k) for k in args.every.split(","))
     rounds = args.rounds or (2 if args.quick else 5)
     t_start = time.perf_counter()
     out = Path(args.out or "benchmarks/results/instruments.json")  # "quick" inside says how it was run
-    out.parent.mkdir(parents=True, exist_ok=True)
     log = lambda s: print(s, flush=True)  # noqa: E731
     results = {"quick": args.quick, "rounds": rounds, "backend": jax.default_backend(),
                "device_kind": jax.devices()[0].device_kind, "cpu_count": os.cpu_count(), "platform": platform.platform(), "jax": jax.__version__,
