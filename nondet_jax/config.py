@@ -161,7 +161,7 @@ def from_flat(flat: dict[str, Any], base: Config | None = None) -> Config:
             close = [k for k in keys if k.split(".")[-1] == key.split(".")[-1]] or difflib.get_close_matches(key, keys, 1)
             sections = sorted({k.split(".")[0] for k in keys})
             hint = (f"did you mean '{close[0]}'?" if close else
-                    f"keys are section.name with section one of {', '.join(sections)}; the full list is in README.md")
+                    f"keys are section.name with section one of {', '.join(sections)}; the full list is in docs/cli.md")
             raise UsageError(f"unknown config key '{key}'; {hint}")
         section, name = key.split(".")
         default = getattr(getattr(base, section), name)

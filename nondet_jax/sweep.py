@@ -552,7 +552,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--width", type=float, help="width multiplier")
     p.add_argument("--dropout", type=float, help="dropout rate before the classifier")
     p.add_argument("--dataset", help="digits (embedded), cifar10, mnist, fashion_mnist, imagenette, imagenet2012 (TFDS, "
-                                     "prepared in --data-dir; see README)")
+                                     "prepared in --data-dir; see docs/data.md)")
     p.add_argument("--data-dir", help="TFDS data directory")
     p.add_argument("--augment", help="auto (on for cifar10), on, off")
     p.add_argument("--batch-size", type=int)
