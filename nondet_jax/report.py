@@ -441,9 +441,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m nondet_jax.report",
                                 description="Rebuild the report of a run folder from its stored results.")
     p.add_argument("run_dir")
+    p.add_argument("--tensorboard", action="store_true",
+                   help="also write TensorBoard event files, one run per replica, into RUN_DIR/tensorboard "
+                        "(needs tensorboardX: pip install \"nondet_jax[tensorboard]\")")
     args = p.parse_args(argv)
     try:
         summary = write_report(args.run_dir)
+        if args.tensorboard:
+            from nondet_jax.tensorboard import export_run
+
+            print(f"tensorboard: {export_run(args.run_dir, list(summary['arms']))}")
     except UsageError as e:
         print(f"python -m nondet_jax.report: error: {e}", file=sys.stderr)
         return 2
