@@ -43,11 +43,26 @@ def _per_replica(a, steps: int) -> np.ndarray:
     return a
 
 
-def _lines(ax, step, arr, label=None, color=None):
+LINESTYLES = ("-", "--", ":", "-.")  # replicas of one quantity: told apart by line style
+MARKERS = {"NormTest": "o", "InnerTest": "s", "OrthoTest": "^"}
+
+
+def _lines(ax, step, arr, label=None, color=None, marker=None, zorder=2):
+    """One line per replica: its own colour when ``color`` is None (a one-quantity panel), else the
+    quantity's colour with a line style per replica."""
     for r, row in enumerate(arr):
         ok = np.isfinite(row)
-        ax.plot(step[ok], row[ok], ".-" if ok.sum() < 60 else "-", ms=3, lw=1, alpha=0.75, color=color,
-                label=label if r == 0 else None)
+        dense = ok.sum() >= 60
+        ax.plot(step[ok], row[ok], ls=LINESTYLES[r % len(LINESTYLES)] if color else "-",
+                marker=None if dense else (marker or "."), ms=4 if marker else 3, mfc="none" if marker else None,
+                lw=1, alpha=0.8, color=color or f"C{r % 10}", label=label if r == 0 else None, zorder=zorder)
+
+
+def _replica_legend(ax, r: int) -> None:
+    from matplotlib.lines import Line2D
+
+    ax.legend([Line2D([], [], color=f"C{i % 10}") for i in range(r)], [f"replica {i}" for i in range(r)],
+              fontsize=7, ncol=2)
 
 
 def dashboard(values: dict, title: str = "", hist_range=HIST1D_RANGE):
@@ -83,9 +98,11 @@ def dashboard(values: dict, title: str = "", hist_range=HIST1D_RANGE):
             ax.set_xlabel("individual gradient element")
             ax.legend(fontsize=7)
             continue
-        for q in present:
-            _lines(ax, step, _per_replica(values[q], t), q if len(present) > 1 else None, COLORS.get(q))
-        if len(present) > 1:
+        several = len(present) > 1  # colour = quantity, line style = replica; else colour = replica
+        for z, q in enumerate(present):  # NormTest (first) on top: it often nearly equals OrthoTest
+            _lines(ax, step, _per_replica(values[q], t), q if several else None, COLORS.get(q) if several else None,
+                   MARKERS.get(q) if several else None, zorder=3 + len(present) - z)
+        if several:
             ax.legend(fontsize=7)
             ax.set_yscale("log")
         if qs == ("Alpha",):
@@ -99,13 +116,13 @@ def dashboard(values: dict, title: str = "", hist_range=HIST1D_RANGE):
             ax.legend(fontsize=7)
     ax = axes[3, 0]
     if "loss" in values:
-        _lines(ax, step, _per_replica(values["loss"], t), color="C3")
+        _lines(ax, step, _per_replica(values["loss"], t))
     elif "Loss" in values:
-        _lines(ax, step, _per_replica(values["Loss"], t), color="C3")
+        _lines(ax, step, _per_replica(values["Loss"], t))
     ax.set_title("training loss", fontsize=10)
     ax = axes[3, 1]
     if "accuracy" in values:
-        _lines(ax, step, _per_replica(values["accuracy"], t), color="C4")
+        _lines(ax, step, _per_replica(values["accuracy"], t))
     ax.set_title("training accuracy", fontsize=10)
     ax = axes[3, 2]
     if "lr" in values:
@@ -114,6 +131,8 @@ def dashboard(values: dict, title: str = "", hist_range=HIST1D_RANGE):
     for ax in axes[3]:
         ax.set_xlabel("step")
     r = next((np.asarray(v).shape[0] for k, v in values.items() if k != "step" and np.ndim(v) >= 2), 1)
+    if r > 1:
+        _replica_legend(axes[3, 0], r)
     fig.suptitle(f"{title}  ({r} replica{'s' if r != 1 else ''} overlaid)".strip(), fontsize=12)
     return fig
 
