@@ -22,7 +22,8 @@ from pathlib import Path
 
 
 from nondet_jax import config as cfg
-from nondet_jax.config import Config, UsageError
+from nondet_jax.config import Config
+from nondet_jax.errors import UsageError
 
 
 def audit_run(config: Config, steps: int, perturb: str | None = None) -> dict:

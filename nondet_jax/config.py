@@ -15,9 +15,7 @@ from typing import Any
 
 import yaml
 
-
-class UsageError(ValueError):
-    """Bad input from the user: the message is one line naming the problem and the fix."""
+from nondet_jax.errors import UsageError  # re-exported: ``config.UsageError`` stays importable
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nondet_jax.config import UsageError
+from nondet_jax.errors import UsageError
 
 LINESTYLES = ("-", "--", ":", "-.")  # arms with equal curves (init and all, say) stay visible
 

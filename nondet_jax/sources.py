@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
-from nondet_jax.config import UsageError
+from nondet_jax.errors import UsageError
 
 # Stable small integers: never reorder or reuse, or every stored study changes meaning.
 SOURCE_ID = {

@@ -33,7 +33,8 @@ from typing import Any
 import numpy as np
 from flax import traverse_util
 
-from nondet_jax.config import Config, UsageError, to_dict
+from nondet_jax.config import Config, to_dict
+from nondet_jax.errors import UsageError
 
 LOCK = ".lock"
 # Keys a folder's results do not depend on: arms may be added (each arm is stored on its own), and

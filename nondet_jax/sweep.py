@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from nondet_jax import config as cfg
-from nondet_jax.config import Config, UsageError
+from nondet_jax.config import Config
+from nondet_jax.errors import UsageError
 
 CHILD_ENV = "NONDET_JAX_CHILD"  # set by the sweep in the processes it starts for an arm
 

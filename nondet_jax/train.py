@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from nondet_jax.config import Config, OptimConfig, StudyConfig, UsageError
+from nondet_jax.config import Config, OptimConfig, StudyConfig
+from nondet_jax.errors import UsageError
 from nondet_jax.data import AUGMENT_BY_DEFAULT, FLIP_BY_DEFAULT
 from nondet_jax.data.pipeline import augment, batch_permutation, default_crop_padding, epoch_indices
 from nondet_jax.models import make_model
