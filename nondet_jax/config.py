@@ -220,12 +220,11 @@ def from_dict(d: dict[str, Any]) -> Config:
     return from_flat(flat)
 
 
-def arm_config(config: Config, arm: str) -> Config:
-    """The configuration an arm trains under: ``config`` itself, or with the snapshot schedule of K
-    cycles for an ``arm@snapshotK`` variant (same epochs, so the same training cost)."""
-    from nondet_jax.sources import split_variant
-
-    k = split_variant(arm)[1]
+def arm_config(config: Config, arm) -> Config:
+    """The configuration an arm (a :class:`nondet_jax.sources.Arm`) trains under: ``config`` itself,
+    or with the snapshot schedule of K cycles for an ``arm@snapshotK`` variant (same epochs, so the
+    same training cost)."""
+    k = arm.cycles
     if not k:
         return config
     optim = dataclasses.replace(config.optim, schedule="snapshot", cycles=k)
@@ -233,7 +232,7 @@ def arm_config(config: Config, arm: str) -> Config:
     try:
         validate(dataclasses.replace(variant, study=dataclasses.replace(config.study, arms=("control",))))
     except UsageError as e:
-        raise UsageError(f"arm '{arm}': {e}") from None
+        raise UsageError(f"arm '{arm.name}': {e}") from None
     return variant
 
 
@@ -316,9 +315,9 @@ def validate(config: Config) -> None:
     if len(set(s.arms)) != len(s.arms):
         raise UsageError(f"arm listed twice in {','.join(s.arms)}; list each arm once")
     for arm in s.arms:
-        sources.arm_sources(arm)  # raises UsageError for unknown names
-        if sources.split_variant(arm)[1]:
-            arm_config(config, arm)  # the variant's schedule must fit, e.g. epochs divisible by K
+        parsed = sources.parse_arm(arm)  # raises UsageError for unknown names
+        if parsed.cycles:
+            arm_config(config, parsed)  # the variant's schedule must fit, e.g. epochs divisible by K
     _validate_instruments(config)
 
 
