@@ -105,6 +105,8 @@ class Config:
 
 
 STRATEGIES = ("auto", "vmap", "sequential", "sharded")
+CUSTOM = "custom"  # optim.name of a study whose optimiser the user passed (nondet_jax.run_study)
+ARRAYS_PREFIX = "arrays-"  # data.name of arrays passed to nondet_jax.run_study: arrays-<sha256 prefix>
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("constant", "step", "cosine", "snapshot")
 AUGMENT = ("auto", "on", "off")
@@ -242,16 +244,18 @@ def validate(config: Config) -> None:
     from nondet_jax import models, sources
 
     m, d, o, t, s = config.model, config.data, config.optim, config.train, config.study
-    if m.name not in models.MODELS:
-        raise UsageError(f"unknown model '{m.name}'; choose one of: {', '.join(models.MODELS)}")
+    if m.name not in models.MODELS and ":" not in m.name:
+        raise UsageError(f"unknown model '{m.name}'; choose one of: {', '.join(models.MODELS)}, or your own as "
+                         "PACKAGE.MODULE:ATTR")
     if m.width <= 0:
         raise UsageError(f"model width must be > 0, got {m.width}; use e.g. --set model.width=1")
     if not 0 <= m.dropout < 1:
         raise UsageError(f"dropout rate must be in [0, 1), got {m.dropout}; fix --set model.dropout")
     from nondet_jax.data import DATASETS
 
-    if d.name not in DATASETS:
-        raise UsageError(f"unknown dataset '{d.name}'; choose one of: {', '.join(DATASETS)}")
+    if d.name not in DATASETS and not d.name.endswith(".npz") and not d.name.startswith(ARRAYS_PREFIX):
+        raise UsageError(f"unknown dataset '{d.name}'; choose one of: {', '.join(DATASETS)}, or your own arrays as "
+                         "PATH.npz")
     if d.augment not in AUGMENT:
         raise UsageError(f"data.augment must be one of {', '.join(AUGMENT)}, got '{d.augment}'")
     if d.flip not in AUGMENT:
@@ -268,7 +272,7 @@ def validate(config: Config) -> None:
     if d.name in NEEDS_TRAIN_CAP and d.max_train_examples == 0:
         raise UsageError(f"{d.name}'s training split does not fit in memory; set a subset size with "
                          "--set data.max_train_examples=50000 (say)")
-    if o.name not in OPTIMIZERS:
+    if o.name not in OPTIMIZERS and o.name != CUSTOM:
         raise UsageError(f"unknown optimizer '{o.name}'; choose one of: {', '.join(OPTIMIZERS)}")
     if o.schedule not in SCHEDULES:
         raise UsageError(f"unknown schedule '{o.schedule}'; choose one of: {', '.join(SCHEDULES)}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import numpy as np
 from nondet_jax import config as cfg
 from nondet_jax.config import Config
 from nondet_jax.errors import UsageError
+from nondet_jax.parts import Parts, fingerprint_diff, import_object, label_of, shape_fingerprint
 from nondet_jax.sources import Arm, parse_arm
 
 CHILD_ENV = "NONDET_JAX_CHILD"  # set by the sweep in the processes it starts for an arm
@@ -29,7 +31,8 @@ def default_out(config: Config) -> Path:
     d = cfg.to_dict(config)
     d["study"].pop("arms")
     digest = hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:8]
-    return Path("runs") / f"{config.data.name}-{config.model.name}-{digest}"
+    name = lambda s: re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(s).stem if s.endswith(".npz") else s)  # noqa: E731
+    return Path("runs") / f"{name(config.data.name)}-{name(config.model.name)}-{digest}"
 
 
 def arm_record(arm: Arm, result, strategy_reason: str, arm_metrics: dict, acc: np.ndarray, nll: np.ndarray) -> dict:
@@ -53,15 +56,17 @@ def arm_record(arm: Arm, result, strategy_reason: str, arm_metrics: dict, acc: n
     }
 
 
-def check_arms_active(config: Config, arms: list[Arm], dataset: str, image_size: int) -> None:
+def check_arms_active(config: Config, arms: list[Arm], dataset: str, image_size: int, dropout_known: bool = True,
+                      augment_given: bool = False) -> None:
     """Refuse an arm that varies only sources switched off in this config (its replicas would
-    equal the control arm's): e.g. ``dropout`` with model.dropout = 0."""
+    equal the control arm's): e.g. ``dropout`` with model.dropout = 0. A user's model may use
+    dropout or not (``dropout_known`` False): not checked."""
     from nondet_jax.train import augmentation_settings
 
     inactive = set()
-    if not augmentation_settings(config, dataset, image_size)[0]:
+    if not augment_given and not augmentation_settings(config, dataset, image_size)[0]:
         inactive.add(("augmentation", "--augment on"))
-    if config.model.dropout == 0:
+    if dropout_known and config.model.dropout == 0:
         inactive.add(("dropout", "--dropout 0.1 (say)"))
     for arm in arms:
         off = [(src, fix) for src, fix in sorted(inactive) if src in arm.varied]
@@ -103,18 +108,41 @@ def parse_arms(config: Config) -> list[Arm]:
     return [parse_arm(a) for a in config.study.arms]
 
 
-def prepare(config: Config):
-    """Validate against the data and build the training functions: (data, fns). Writes nothing."""
+def resolve_parts(config: Config, parts: Parts = Parts()) -> Parts:
+    """``parts`` with the model a ``PACKAGE.MODULE:ATTR`` model name imports (the CLI's ``--model``);
+    UsageError when the config names a part that was not passed."""
+    if parts.model is None and ":" in config.model.name:
+        parts = parts._replace(model=import_object(config.model.name))
+    if config.optim.name == cfg.CUSTOM and parts.optimizer is None:
+        raise UsageError("optim.name 'custom' means an optax optimiser passed to nondet_jax.run_study(optimizer=...); "
+                         "from the command line use --optimizer sgd or adamw")
+    return parts
+
+
+def prepare(config: Config, parts: Parts = Parts(), data=None):
+    """Validate against the data and build the training functions: (data, fns). Writes nothing.
+
+    ``parts`` are the user's own (None for what the config names); ``data`` a
+    :class:`nondet_jax.data.Dataset` given in memory (None: load what ``config.data`` names)."""
     from nondet_jax.data import load_data
-    from nondet_jax.train import DataSpec, make_train
+    from nondet_jax.train import DataSpec, augmentation_settings, make_train
 
     cfg.validate(config)
-    data = load_data(config.data)
+    parts = resolve_parts(config, parts)
+    if data is None:
+        if config.data.name.startswith(cfg.ARRAYS_PREFIX):
+            raise UsageError(f"data '{config.data.name}' are arrays passed to nondet_jax.run_study; pass them again "
+                             "(data=...) to continue this study")
+        data = load_data(config.data)
     n_train = len(data.x_train)
     if config.train.batch_size > n_train:
         raise UsageError(f"batch size {config.train.batch_size} is larger than the {n_train} training examples of "
                          f"{data.name}; use --batch-size {n_train} or less")
-    check_arms_active(config, parse_arms(config), data.name, data.x_train.shape[1])
+    if parts.augment is None and data.x_train.ndim != 4 and augmentation_settings(config, data.name, data.x_train.shape[1])[0]:
+        raise UsageError(f"data.augment=on crops and flips images, but {data.name} holds (N, features) arrays; "
+                         "use --augment off, or pass your own augment=(key, x) -> x")
+    check_arms_active(config, parse_arms(config), data.name, data.x_train.shape[1],
+                      dropout_known=parts.model is None, augment_given=parts.augment is not None)
     if config.metrics.tta:
         from nondet_jax.train import augmentation_settings
         from nondet_jax.tta import view_grid
@@ -122,7 +150,41 @@ def prepare(config: Config):
         for name in config.metrics.tta:
             view_grid(name, augmentation_settings(config, data.name, data.x_train.shape[1])[2])
     spec = DataSpec(n_train, tuple(data.x_train.shape[1:]), data.num_classes, data.name)
-    return data, make_train(config, spec)
+    return data, make_train(config, spec, parts)
+
+
+def model_record(config: Config, fns) -> dict:
+    """What ``model.json`` records: the parts that were used (what was imported) and the
+    fingerprint of the model's parameter shapes."""
+    import jax
+
+    from nondet_jax.sources import arm_keys, perturbations, replica_slice
+
+    p = fns.parts
+    keys = replica_slice(arm_keys(0, frozenset(), 1), 0)
+    x = jax.ShapeDtypeStruct((1, *fns.spec.image_shape), jax.numpy.float32)
+    params = jax.eval_shape(fns.init, keys, perturbations(frozenset()), x).params
+    return {"model": config.model.name if p.model is None or ":" in config.model.name else label_of(p.model),
+            "optimizer": config.optim.name if p.optimizer is None else label_of(type(p.optimizer)) + " (user's)",
+            "loss": "softmax_cross_entropy_with_integer_labels" if p.loss is None else label_of(p.loss),
+            "augment": "config" if p.augment is None else label_of(p.augment),
+            "features": fns.model.features, **shape_fingerprint(params)}
+
+
+def check_model(paths, record: dict) -> None:
+    """Refuse to continue a study whose stored ``model.json`` names another model or parameter shapes."""
+    if not paths.model.exists():
+        return
+    try:
+        old = json.loads(paths.model.read_text())
+    except (OSError, json.JSONDecodeError):
+        raise UsageError(f"{paths.model} is unreadable or corrupt; choose another --out") from None
+    if old.get("fingerprint") != record["fingerprint"] or old.get("model") != record["model"]:
+        diff = fingerprint_diff(old, record)
+        if old.get("model") != record["model"]:
+            diff.insert(0, f"model {old.get('model')} -> {record['model']}")
+        raise UsageError(f"--out {paths.root} holds results of another model ({'; '.join(diff)}); choose another "
+                         "--out or use the model the study started with")
 
 
 FAULT_ENV = "NONDET_JAX_INJECT_FAULT"  # "arm:replica:epoch": NaN weights before that epoch (fault tests)
@@ -161,7 +223,7 @@ def arm_setup(config: Config, fns, arm: Arm):
 
     if arm.cycles:  # the same arm under the snapshot schedule, logits kept at each cycle end
         config = cfg.arm_config(config, arm)
-        fns = make_train(config, fns.spec)
+        fns = make_train(config, fns.spec, fns.parts)
     return config, fns
 
 
@@ -342,9 +404,11 @@ def child_main(out: str, arm_name: str, progress: bool) -> int:
     return 0
 
 
-def write_run_files(store, config: Config, data, fns, command: str | None, processes: int = 1) -> tuple[str, str]:
+def write_run_files(store, config: Config, data, fns, command: str | None, model: dict,
+                    processes: int = 1) -> tuple[str, str]:
     """What every study writes before training, single- or multi-process alike: ``environment.json``
-    (with the strategy and why), the test labels, the command. Returns (strategy, reason)."""
+    (with the strategy and why), ``model.json`` (:func:`model_record`), the test labels, the
+    command. Returns (strategy, reason)."""
     from nondet_jax.determinism import environment
     from nondet_jax.replicas import resolve_strategy
     from nondet_jax.store import atomic_write_bytes, npy_bytes
@@ -356,6 +420,7 @@ def write_run_files(store, config: Config, data, fns, command: str | None, proce
     env["scan_unroll"] = fns.unroll
     env["processes"] = processes
     store.write_json(store.paths.environment.name, env)
+    store.write_json(store.paths.model.name, model)
     if command:
         atomic_write_bytes(store.paths.command, (command + "\n").encode())
     atomic_write_bytes(store.paths.test_labels, npy_bytes(np.asarray(data.y_test)))
@@ -380,20 +445,22 @@ def log_accuracy(log, arm: Arm, record: dict) -> None:
 
 
 def run(config: Config, out: str | Path | None = None, progress: bool | None = None, log=print,
-        command: str | None = None, recompute: tuple[str, ...] = ()) -> dict:
+        command: str | None = None, recompute: tuple[str, ...] = (), parts: Parts = Parts(), data=None) -> dict:
     """Run a study: train every arm not yet finished in ``out``, then write the report.
 
     Arms that vary ``hardware`` run in a child process with XLA's determinism flags off; the
     others run here, under this process's flags. Returns the summary (also in ``summary.json``).
     Arms named in ``recompute`` are deleted (results and checkpoints) and trained again.
+    ``parts`` and ``data`` are the user's own (see :func:`prepare`).
     Raises UsageError on bad input before anything is written.
     """
     import jax
 
     from nondet_jax.determinism import DETERMINISM_OFF, NONDETERMINISTIC_BACKENDS, check_flags
-    from nondet_jax.store import RunStore
+    from nondet_jax.store import RunPaths, RunStore
 
-    data, fns = prepare(config)
+    in_memory = parts != Parts() or data is not None
+    data, fns = prepare(config, parts, data)
     study = config.study
     arms = parse_arms(config)
     unknown = [a for a in recompute if a not in study.arms]
@@ -401,15 +468,21 @@ def run(config: Config, out: str | Path | None = None, progress: bool | None = N
         raise UsageError(f"--recompute names arm '{unknown[0]}', which is not in this study's arms "
                          f"({', '.join(study.arms)}); name one of those")
     hardware_arms = [a.name for a in arms if "hardware" in a.varied]
+    if hardware_arms and in_memory:
+        raise UsageError(f"arm '{hardware_arms[0]}' trains in a child process that rebuilds the study from the run "
+                         "folder, so it cannot use parts passed in memory; run it with the CLI (--model "
+                         "PACKAGE.MODULE:ATTR --dataset PATH.npz) on the same --out, or drop it")
     if hardware_arms:
         check_flags(DETERMINISM_OFF)
     out = Path(out) if out is not None else default_out(config)
+    model = model_record(config, fns)
+    check_model(RunPaths(out), model)
     if progress is None:
         progress = sys.stderr.isatty()
     backend = jax.default_backend()
 
     with RunStore(out, config, recompute=recompute) as store:
-        strategy, _ = write_run_files(store, config, data, fns, command)
+        strategy, _ = write_run_files(store, config, data, fns, command, model)
         log(f"nondet_jax: {len(arms)} arms x {study.replicas} replicas of {config.model.name} on {data.name} "
             f"({len(data.x_train)} train / {len(data.x_test)} test), {config.train.epochs} epochs, strategy "
             f"{strategy} on {backend} -> {out}")
@@ -454,7 +527,7 @@ def run_distributed(config: Config, out: str | Path | None, procs, progress: boo
     from nondet_jax import multihost as mh
     from nondet_jax.replicas import make_strategy
     from nondet_jax.sources import arm_keys, perturbations
-    from nondet_jax.store import RunStore, atomic_write_bytes
+    from nondet_jax.store import RunPaths, RunStore, atomic_write_bytes
 
     data, fns = prepare(config)
     study = config.study
@@ -466,13 +539,15 @@ def run_distributed(config: Config, out: str | Path | None, procs, progress: boo
         raise UsageError(f"{study.replicas} replicas cannot be split over {procs.count} processes; use --replicas "
                          f"{procs.count} or more")
     out = Path(out) if out is not None else default_out(config)
+    model = model_record(config, fns)
+    check_model(RunPaths(out), model)
     log = log if procs.leader else (lambda *a, **k: None)
     store = RunStore(out, config, locked_by_parent=not procs.leader)
     error, strategy = None, None
     try:
         store.open()
         if procs.leader:
-            strategy = write_run_files(store, config, data, fns, command, procs.count)[0]
+            strategy = write_run_files(store, config, data, fns, command, model, procs.count)[0]
     except UsageError as e:
         error = e
     if not mh.agree(error is None):
