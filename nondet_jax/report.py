@@ -439,17 +439,20 @@ def write_report(run: str | Path, command: str | None = None) -> dict:
     return summary
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    from nondet_jax.__main__ import prog_name
+
+    prog = prog or prog_name("nondet_jax.report", "nondet-jax-report")
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m nondet_jax.report",
+    p = argparse.ArgumentParser(prog=prog,
                                 description="Rebuild the report of a run folder from its stored results.")
     p.add_argument("run_dir")
     args = p.parse_args(argv)
     try:
         summary = write_report(args.run_dir)
     except UsageError as e:
-        print(f"python -m nondet_jax.report: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     print(format_table(summary))
     print(f"report: {RunPaths(args.run_dir).report}")

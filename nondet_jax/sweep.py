@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import time
+from importlib import resources
 from pathlib import Path
 
 from nondet_jax import config as cfg
@@ -39,17 +40,21 @@ FLAGS = {
 }
 
 
-PRESET_DIR = Path(__file__).resolve().parent.parent / "experiments"
 DEFAULT_PRESET = "sources"
 
 
+def preset_names() -> list[str]:
+    """The presets shipped inside the package (``nondet_jax/presets/*.yaml``, package data)."""
+    folder = resources.files("nondet_jax") / "presets"
+    return sorted(p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
 def preset_path(name: str) -> Path:
-    """``experiments/<name>.yaml``; UsageError naming the available presets when absent."""
-    path = PRESET_DIR / f"{name}.yaml"
+    """The preset file ``nondet_jax/presets/<name>.yaml``; UsageError naming the presets when absent."""
+    path = resources.files("nondet_jax") / "presets" / f"{name}.yaml"
     if not path.is_file():
-        names = sorted(p.stem for p in PRESET_DIR.glob("*.yaml")) if PRESET_DIR.is_dir() else []
-        raise UsageError(f"unknown preset '{name}'; choose one of: {', '.join(names) or '(none found in ' + str(PRESET_DIR) + ')'}")
-    return path
+        raise UsageError(f"unknown preset '{name}'; choose one of: {', '.join(preset_names())}")
+    return Path(str(path))
 
 
 
@@ -58,19 +63,21 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}; see --help\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m nondet_jax.sweep",
+def build_parser(prog: str = "python -m nondet_jax.sweep") -> argparse.ArgumentParser:
+    p = _Parser(prog=prog,
                 description="Train R replicas per arm, varying only the arm's randomness sources, and write a run folder.")
     p.add_argument("--arms", help="comma list: control (nothing varies), a source (init, data_order, augmentation, "
                                   "dropout, bitflip, batch_order), a+b combination, or all. Default: the preset's")
     p.add_argument("--replicas", type=int, help="replicas per arm (R)")
     p.add_argument("--epochs", type=int)
     p.add_argument("--model", help="mlp, resnet8/14/20/32/56, resnet18, resnet18_imagenet, resnet50, resnet29v2, "
-                                   "vgg11, shufflenetv2")
+                                   "vgg11, shufflenetv2, or your own Flax module as PACKAGE.MODULE:ATTR (a class or "
+                                   "factory taking num_classes=, imported from PYTHONPATH; see docs/api.md)")
     p.add_argument("--width", type=float, help="width multiplier")
     p.add_argument("--dropout", type=float, help="dropout rate before the classifier")
     p.add_argument("--dataset", help="digits (embedded), cifar10, mnist, fashion_mnist, imagenette, imagenet2012 (TFDS, "
-                                     "prepared in --data-dir; see README)")
+                                     "prepared in --data-dir; see README), or your own arrays as PATH.npz holding "
+                                     "x_train, y_train, x_test, y_test (images NHWC or (N, features))")
     p.add_argument("--data-dir", help="TFDS data directory")
     p.add_argument("--augment", help="auto (on for cifar10), on, off")
     p.add_argument("--batch-size", type=int)
@@ -81,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                                          "quantity names (e.g. Loss,HessMaxEV); see instruments.every/schedule")
     p.add_argument("--strategy", help="auto, vmap, sequential or sharded (replicas over the devices)")
     p.add_argument("--out", help="run folder (default: runs/<dataset>-<model>-<config hash>)")
-    p.add_argument("--preset", help="a study from experiments/: sources (the default), morin, bitflip")
+    p.add_argument("--preset", help=f"a study shipped with the package: {', '.join(preset_names())} (default: "
+                                    f"{DEFAULT_PRESET})")
     p.add_argument("--config", help="YAML or JSON file of config keys (sections or dotted keys), applied after the preset")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config key, e.g. --set optim.nesterov=true (repeatable)")
@@ -160,8 +168,11 @@ def enable_compile_cache(setting: str | None) -> Path | None:
     return folder
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    from nondet_jax.__main__ import prog_name
+
+    prog = prog or prog_name("nondet_jax.sweep", "nondet-jax-sweep")
+    args = build_parser(prog).parse_args(argv)
     progress = False if args.no_progress else None
     try:
         enable_compile_cache(args.compile_cache)
@@ -174,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             config = config_from_args(args)
         if config.study.xla_determinism:
             set_determinism_flags()
-        command = "python -m nondet_jax.sweep" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+        command = prog + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
         t0 = time.perf_counter()
         recompute = tuple(a.strip() for a in (args.recompute or "").split(",") if a.strip())
         from nondet_jax import multihost
@@ -188,14 +199,14 @@ def main(argv: list[str] | None = None) -> int:
             study.run(config, args.out, progress=progress, command=command, recompute=recompute)
         print(f"done in {time.perf_counter() - t0:.0f} s")
     except UsageError as e:
-        print(f"python -m nondet_jax.sweep: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted: finished arms are kept in the run folder; rerun the same command to resume",
               file=sys.stderr)
         return 130
     except RuntimeError as e:
-        print(f"python -m nondet_jax.sweep: {e}", file=sys.stderr)
+        print(f"{prog}: {e}", file=sys.stderr)
         return 1
     return 0
 
