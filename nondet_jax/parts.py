@@ -222,7 +222,8 @@ def shape_fingerprint(params) -> dict:
 def fingerprint_diff(old: dict, new: dict, limit: int = 3) -> list[str]:
     """Lines naming how two :func:`shape_fingerprint` results differ."""
     a, b = old.get("param_shapes", {}), new.get("param_shapes", {})
-    out = [f"{k}: {a.get(k, 'absent')} -> {b.get(k, 'absent')}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    fmt = lambda v: "absent" if v is None else f"{tuple(v[0])} {v[1]}"  # noqa: E731
+    out = [f"{k}: {fmt(a.get(k))} -> {fmt(b.get(k))}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
     return out[:limit]
 
 

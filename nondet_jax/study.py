@@ -134,13 +134,14 @@ def prepare(config: Config, parts: Parts = Parts(), data=None):
             raise UsageError(f"data '{config.data.name}' are arrays passed to nondet_jax.run_study; pass them again "
                              "(data=...) to continue this study")
         data = load_data(config.data)
+    image_size = data.x_train.shape[1]
+    if parts.augment is None and data.x_train.ndim != 4 and augmentation_settings(config, data.name, image_size)[0]:
+        raise UsageError(f"data.augment=on crops and flips images, but {data.name} holds (N, features) arrays; "
+                         "use --augment off, or pass your own augment=(key, x) -> x")
     n_train = len(data.x_train)
     if config.train.batch_size > n_train:
         raise UsageError(f"batch size {config.train.batch_size} is larger than the {n_train} training examples of "
                          f"{data.name}; use --batch-size {n_train} or less")
-    if parts.augment is None and data.x_train.ndim != 4 and augmentation_settings(config, data.name, data.x_train.shape[1])[0]:
-        raise UsageError(f"data.augment=on crops and flips images, but {data.name} holds (N, features) arrays; "
-                         "use --augment off, or pass your own augment=(key, x) -> x")
     check_arms_active(config, parse_arms(config), data.name, data.x_train.shape[1],
                       dropout_known=parts.model is None, augment_given=parts.augment is not None)
     if config.metrics.tta:

@@ -84,6 +84,8 @@ def load_npz(path: str) -> Dataset:
                 raise UsageError(f"--dataset {path} lacks array(s) {', '.join(missing)} (it has {', '.join(f.files)}); "
                                  "save it with np.savez(path, x_train=..., y_train=..., x_test=..., y_test=...)")
             arrays = [f[k] for k in ARRAY_NAMES]
+    except UsageError:
+        raise
     except (OSError, ValueError) as e:
         raise UsageError(f"--dataset {path} cannot be read as a .npz file ({str(e).splitlines()[0]}); pass a file "
                          "written by np.savez") from None
