@@ -177,3 +177,23 @@ def test_python_m_nondet_jax_lists_its_commands():
     proc = subprocess.run([sys.executable, "-m", "nondet_jax", "nosuch"], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 2 and "unknown command 'nosuch'" in proc.stderr
+
+
+def test_nnx_module_through_split_and_merge(tmp_path):
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, num_classes, rngs):
+            self.l1, self.bn = nnx.Linear(6, 16, rngs=rngs), nnx.BatchNorm(16, rngs=rngs)
+            self.do, self.l2 = nnx.Dropout(0.2, rngs=rngs), nnx.Linear(16, num_classes, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l2(self.do(self.bn(nnx.relu(self.l1(x)))))
+
+    r = nj.run_study(model=Net, data=own_arrays(), optimizer=optax.adam(1e-2), epochs=1, batch_size=32,
+                     arms="control,init,dropout", replicas=2, settings={"metrics.lmc_pairs": 0},
+                     out=tmp_path / "run", **QUIET)
+    control = r.logits["control"]
+    assert np.array_equal(control[0], control[1])
+    assert not np.array_equal(r.logits["init"][0], r.logits["init"][1])
+    assert not np.array_equal(r.logits["dropout"][0], r.logits["dropout"][1])  # the dropout source reaches NNX
