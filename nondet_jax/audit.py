@@ -22,7 +22,8 @@ from pathlib import Path
 
 
 from nondet_jax import config as cfg
-from nondet_jax.config import Config, UsageError
+from nondet_jax.config import Config
+from nondet_jax.errors import UsageError
 
 
 def audit_run(config: Config, steps: int, perturb: str | None = None) -> dict:
@@ -95,8 +96,11 @@ def failed(run: dict) -> bool:
     return run["declared_deterministic"] and not run["perturb"] and not run["bitwise_identical"]
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m nondet_jax.audit", description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    from nondet_jax.__main__ import prog_name
+
+    prog = prog or prog_name("nondet_jax.audit", "nondet-jax-audit")
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=5, help="training steps per run (default 5)")
     p.add_argument("--model", default="resnet8")
     p.add_argument("--dataset", default="digits")
@@ -128,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                 del child_args[i:i + 2]
             runs["determinism flags on (child process)"] = audit_in_child(child_args, DETERMINISM_ON)
     except UsageError as e:
-        print(f"python -m nondet_jax.audit: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     for title, run in runs.items():
         print(format_run(title, run))

@@ -15,9 +15,7 @@ from typing import Any
 
 import yaml
 
-
-class UsageError(ValueError):
-    """Bad input from the user: the message is one line naming the problem and the fix."""
+from nondet_jax.errors import UsageError  # re-exported: ``config.UsageError`` stays importable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +105,8 @@ class Config:
 
 
 STRATEGIES = ("auto", "vmap", "sequential", "sharded")
+CUSTOM = "custom"  # optim.name of a study whose optimiser the user passed (nondet_jax.run_study)
+ARRAYS_PREFIX = "arrays-"  # data.name of arrays passed to nondet_jax.run_study: arrays-<sha256 prefix>
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("constant", "step", "cosine", "snapshot")
 AUGMENT = ("auto", "on", "off")
@@ -222,12 +222,11 @@ def from_dict(d: dict[str, Any]) -> Config:
     return from_flat(flat)
 
 
-def arm_config(config: Config, arm: str) -> Config:
-    """The configuration an arm trains under: ``config`` itself, or with the snapshot schedule of K
-    cycles for an ``arm@snapshotK`` variant (same epochs, so the same training cost)."""
-    from nondet_jax.sources import split_variant
-
-    k = split_variant(arm)[1]
+def arm_config(config: Config, arm) -> Config:
+    """The configuration an arm (a :class:`nondet_jax.sources.Arm`) trains under: ``config`` itself,
+    or with the snapshot schedule of K cycles for an ``arm@snapshotK`` variant (same epochs, so the
+    same training cost)."""
+    k = arm.cycles
     if not k:
         return config
     optim = dataclasses.replace(config.optim, schedule="snapshot", cycles=k)
@@ -235,7 +234,7 @@ def arm_config(config: Config, arm: str) -> Config:
     try:
         validate(dataclasses.replace(variant, study=dataclasses.replace(config.study, arms=("control",))))
     except UsageError as e:
-        raise UsageError(f"arm '{arm}': {e}") from None
+        raise UsageError(f"arm '{arm.name}': {e}") from None
     return variant
 
 
@@ -245,16 +244,18 @@ def validate(config: Config) -> None:
     from nondet_jax import models, sources
 
     m, d, o, t, s = config.model, config.data, config.optim, config.train, config.study
-    if m.name not in models.MODELS:
-        raise UsageError(f"unknown model '{m.name}'; choose one of: {', '.join(models.MODELS)}")
+    if m.name not in models.MODELS and ":" not in m.name:
+        raise UsageError(f"unknown model '{m.name}'; choose one of: {', '.join(models.MODELS)}, or your own as "
+                         "PACKAGE.MODULE:ATTR")
     if m.width <= 0:
         raise UsageError(f"model width must be > 0, got {m.width}; use e.g. --set model.width=1")
     if not 0 <= m.dropout < 1:
         raise UsageError(f"dropout rate must be in [0, 1), got {m.dropout}; fix --set model.dropout")
     from nondet_jax.data import DATASETS
 
-    if d.name not in DATASETS:
-        raise UsageError(f"unknown dataset '{d.name}'; choose one of: {', '.join(DATASETS)}")
+    if d.name not in DATASETS and not d.name.endswith(".npz") and not d.name.startswith(ARRAYS_PREFIX):
+        raise UsageError(f"unknown dataset '{d.name}'; choose one of: {', '.join(DATASETS)}, or your own arrays as "
+                         "PATH.npz")
     if d.augment not in AUGMENT:
         raise UsageError(f"data.augment must be one of {', '.join(AUGMENT)}, got '{d.augment}'")
     if d.flip not in AUGMENT:
@@ -271,7 +272,7 @@ def validate(config: Config) -> None:
     if d.name in NEEDS_TRAIN_CAP and d.max_train_examples == 0:
         raise UsageError(f"{d.name}'s training split does not fit in memory; set a subset size with "
                          "--set data.max_train_examples=50000 (say)")
-    if o.name not in OPTIMIZERS:
+    if o.name not in OPTIMIZERS and o.name != CUSTOM:
         raise UsageError(f"unknown optimizer '{o.name}'; choose one of: {', '.join(OPTIMIZERS)}")
     if o.schedule not in SCHEDULES:
         raise UsageError(f"unknown schedule '{o.schedule}'; choose one of: {', '.join(SCHEDULES)}")
@@ -318,9 +319,9 @@ def validate(config: Config) -> None:
     if len(set(s.arms)) != len(s.arms):
         raise UsageError(f"arm listed twice in {','.join(s.arms)}; list each arm once")
     for arm in s.arms:
-        sources.arm_sources(arm)  # raises UsageError for unknown names
-        if sources.split_variant(arm)[1]:
-            arm_config(config, arm)  # the variant's schedule must fit, e.g. epochs divisible by K
+        parsed = sources.parse_arm(arm)  # raises UsageError for unknown names
+        if parsed.cycles:
+            arm_config(config, parsed)  # the variant's schedule must fit, e.g. epochs divisible by K
     _validate_instruments(config)
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from nondet_jax.config import UsageError
+from nondet_jax.errors import UsageError
 
 # Checked against the installed jaxlib by check_flags (all four are known to jaxlib 0.10.2).
 DETERMINISM_ON = (

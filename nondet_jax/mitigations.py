@@ -35,7 +35,7 @@ def snapshot_epochs(epochs: int, cycles: int) -> tuple[int, ...]:
 
     ``snapshot_epochs(12, 3) == (4, 8, 12)``; raises UsageError unless ``cycles`` divides ``epochs``.
     """
-    from nondet_jax.config import UsageError
+    from nondet_jax.errors import UsageError
 
     if cycles < 1 or epochs % cycles:
         raise UsageError(f"the snapshot schedule needs train.epochs divisible by optim.cycles, got {epochs} epochs "
@@ -50,7 +50,7 @@ def snapshot_ensemble(snapshot_logits) -> np.ndarray:
     """
     x = np.asarray(snapshot_logits)
     if x.ndim != 4:
-        from nondet_jax.config import UsageError
+        from nondet_jax.errors import UsageError
 
         raise UsageError(f"snapshot logits must be (replicas, snapshots, examples, classes), got shape {x.shape}; "
                          "stack each replica's cycle-end logits on axis 1")
@@ -81,7 +81,7 @@ def variant_metrics(logits, labels) -> dict:
 
 
 def _check(variants: dict, labels) -> None:
-    from nondet_jax.config import UsageError
+    from nondet_jax.errors import UsageError
 
     if not variants:
         raise UsageError("no variants given; pass e.g. {'single': logits, 'tta': tta_logits}")

@@ -41,7 +41,7 @@ class Processes(NamedTuple):
 def initialize(coordinator: str | None, num_processes: int | None, process_id: int | None,
                auto: bool = False) -> Processes:
     """Join the distributed runtime when asked to; returns this process's place in it."""
-    from nondet_jax.config import UsageError
+    from nondet_jax.errors import UsageError
 
     given = [v is not None for v in (coordinator, num_processes, process_id)]
     if not auto and not any(given):

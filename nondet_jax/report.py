@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from nondet_jax.config import UsageError
+from nondet_jax.errors import UsageError
+from nondet_jax.store import RunPaths
 
 LINESTYLES = ("-", "--", ":", "-.")  # arms with equal curves (init and all, say) stay visible
 
@@ -31,13 +32,14 @@ def _ci(ci, digits=4, scale=1.0) -> str:
 
 def load_records(run: Path) -> tuple[dict, dict[str, dict]]:
     """The run's config and the records of its finished arms, in the config's arm order."""
-    cfg_path = run / "config.json"
+    paths = RunPaths(run)
+    cfg_path = paths.config
     if not run.is_dir() or not cfg_path.exists():
         raise UsageError(f"{run} is not a nondet_jax run folder (no config.json); pass the --out folder of a sweep")
     try:
         config = json.loads(cfg_path.read_text())
-        records = {a: json.loads((run / "arms" / f"{a}.json").read_text()) for a in config["study"]["arms"]
-                   if (run / "arms" / f"{a}.json").exists()}
+        records = {a: json.loads(paths.arm_file("arms", a).read_text()) for a in config["study"]["arms"]
+                   if paths.arm_file("arms", a).exists()}
     except (OSError, json.JSONDecodeError, KeyError) as e:
         raise UsageError(f"{run} holds a corrupt result file ({e}); rerun the sweep into a new --out") from None
     from nondet_jax.store import verify_arm_files
@@ -54,7 +56,7 @@ def build_summary(run: Path) -> tuple[dict, dict[str, dict]]:
     from nondet_jax.analysis import compare_arms
 
     config, records = load_records(run)
-    env_path = run / "environment.json"
+    env_path = RunPaths(run).environment
     env = json.loads(env_path.read_text()) if env_path.exists() else {}
     return {
         "study": str(run),
@@ -83,9 +85,10 @@ def mitigation_results(run: Path, records: dict[str, dict]) -> dict[str, dict]:
     from nondet_jax.mitigations import mitigation_metrics, snapshot_ensemble
     from nondet_jax.sources import split_variant
 
-    if not (run / "test_labels.npy").exists():
+    paths = RunPaths(run)
+    if not paths.test_labels.exists():
         return {}
-    labels = np.load(run / "test_labels.npy", allow_pickle=False)
+    labels = np.load(paths.test_labels, allow_pickle=False)
     out = {}
     for arm, rec in records.items():
         if split_variant(arm)[1]:
@@ -93,14 +96,14 @@ def mitigation_results(run: Path, records: dict[str, dict]) -> dict[str, dict]:
         snaps = {other: split_variant(other)[1] for other in records
                  if split_variant(other)[0] == arm and split_variant(other)[1]}
         keep = sorted(_healthy(rec).intersection(*(_healthy(records[o]) for o in snaps)))
-        variants = {"single": np.load(run / "logits" / f"{arm}.npy", allow_pickle=False)[keep]}
-        if (run / "tta" / f"{arm}.npz").exists():
-            with np.load(run / "tta" / f"{arm}.npz", allow_pickle=False) as f:
+        variants = {"single": np.load(paths.arm_file("logits", arm), allow_pickle=False)[keep]}
+        if paths.arm_file("tta", arm).exists():
+            with np.load(paths.arm_file("tta", arm), allow_pickle=False) as f:
                 variants.update({f"tta:{name}": f[name][keep] for name in f.files})
         for other, k in snaps.items():
-            variants[f"snapshot{k}"] = snapshot_ensemble(np.load(run / "snapshots" / f"{other}.npy",
+            variants[f"snapshot{k}"] = snapshot_ensemble(np.load(paths.arm_file("snapshots", other),
                                                                  allow_pickle=False)[keep])
-            variants[f"snapshot{k} last"] = np.load(run / "logits" / f"{other}.npy", allow_pickle=False)[keep]
+            variants[f"snapshot{k} last"] = np.load(paths.arm_file("logits", other), allow_pickle=False)[keep]
         if len(variants) > 1 and len(keep):
             out[arm] = mitigation_metrics(variants, labels)
     return out
@@ -177,7 +180,7 @@ def format_table(summary: dict) -> str:
 def _stored(run: Path, arms: list[str], folder: str, key: str):
     """(index, arm, arrays) for each arm whose ``folder/<arm>.npz`` holds ``key``."""
     for i, arm in enumerate(arms):
-        path = run / folder / f"{arm}.npz"
+        path = RunPaths(run).arm_file(folder, arm, ".npz")
         if path.exists():
             with np.load(path) as f:
                 if key in f.files:
@@ -191,7 +194,7 @@ def make_figures(run: Path, summary: dict, records: dict[str, dict]) -> list[str
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figdir = run / "figures"
+    figdir = RunPaths(run).figures
     figdir.mkdir(exist_ok=True)
     arms = list(summary["arms"])
     x = np.arange(len(arms))
@@ -311,7 +314,7 @@ def make_figures(run: Path, summary: dict, records: dict[str, dict]) -> list[str
     else:
         plt.close(fig)
     for arm in records:  # Cockpit-style dashboards of the arms trained with instruments
-        path = run / "instruments" / f"{arm}.npz"
+        path = RunPaths(run).arm_file("instruments", arm)
         if path.exists():
             from nondet_jax.instruments.dashboard import dashboard
 
@@ -399,12 +402,13 @@ def write_report(run: str | Path, command: str | None = None) -> dict:
     from nondet_jax.store import atomic_write_bytes, atomic_write_json
 
     run = Path(run)
+    paths = RunPaths(run)
     summary, records = build_summary(run)
-    atomic_write_json(run / "summary.json", summary)
-    _write_csv(run / "arms.csv", arm_rows(summary))
+    atomic_write_json(paths.summary, summary)
+    _write_csv(paths.arms_csv, arm_rows(summary))
     figures = make_figures(run, summary, records)
-    if command is None and (run / "command.txt").exists():
-        command = (run / "command.txt").read_text().strip()
+    if command is None and paths.command.exists():
+        command = paths.command.read_text().strip()
     md = [f"# Variability study: {summary['model']} on {summary['dataset']}", ""]
     if command:
         md += ["Made by:", "", "```", command, "```", ""]
@@ -431,14 +435,17 @@ def write_report(run: str | Path, command: str | None = None) -> dict:
            "explains (Jordan 2023).",
            "- Ratio vs all: std(arm)/std(all) with an F-distribution CI, two-sided F-test and Brown–Forsythe "
            "p-values, and the replicas per arm the F-test needs for 80% power at the observed ratio.", ""]
-    atomic_write_bytes(run / "report.md", "\n".join(md).encode())
+    atomic_write_bytes(paths.report, "\n".join(md).encode())
     return summary
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    from nondet_jax.__main__ import prog_name
+
+    prog = prog or prog_name("nondet_jax.report", "nondet-jax-report")
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m nondet_jax.report",
+    p = argparse.ArgumentParser(prog=prog,
                                 description="Rebuild the report of a run folder from its stored results.")
     p.add_argument("run_dir")
     p.add_argument("--tensorboard", action="store_true",
@@ -452,10 +459,10 @@ def main(argv: list[str] | None = None) -> int:
 
             print(f"tensorboard: {export_run(args.run_dir, list(summary['arms']))}")
     except UsageError as e:
-        print(f"python -m nondet_jax.report: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     print(format_table(summary))
-    print(f"report: {Path(args.run_dir) / 'report.md'}")
+    print(f"report: {RunPaths(args.run_dir).report}")
     return 0
 
 

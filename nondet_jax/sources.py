@@ -17,7 +17,7 @@ Two kinds of source:
   that varies neither trains exactly the unperturbed model.
 
 ``hardware`` (the backend's own nondeterminism) has no key: an arm that varies it runs in a
-child process with XLA's determinism flags off (``sweep.run``), all its seeds as the other
+child process with XLA's determinism flags off (``study.run``), all its seeds as the other
 sources of the arm say. ``all`` varies every *seeded* source; add ``+hardware`` to include it.
 
 Example::
@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
-from nondet_jax.config import UsageError
+from nondet_jax.errors import UsageError
 
 # Stable small integers: never reorder or reuse, or every stored study changes meaning.
 SOURCE_ID = {
@@ -75,39 +75,58 @@ def perturbations(varied: frozenset[str]) -> Perturbations:
     return Perturbations(*(jnp.asarray(s in varied) for s in PERTURBATIONS))
 
 
-def split_variant(arm: str) -> tuple[str, int]:
-    """``'init@snapshot3'`` -> ``('init', 3)``: an arm trained with the snapshot schedule of K cycles
-    (a mitigation, compared with the plain arm at equal training cost); plain arms give K = 0."""
-    base, _, variant = arm.partition("@")
-    if not variant:
-        return arm, 0
-    k = variant.removeprefix("snapshot")
-    if not variant.startswith("snapshot") or not k.isdigit() or int(k) < 2:
-        raise UsageError(f"unknown arm variant '@{variant}' in '{arm}'; the one variant is @snapshotK with K >= 2 "
-                         "cycles, e.g. init@snapshot3")
-    return base, int(k)
+class Arm(NamedTuple):
+    """An arm parsed once: its name as the user wrote it, the sources it varies, and the snapshot
+    cycles of an ``arm@snapshotK`` variant (0 for a plain arm)."""
+
+    name: str
+    varied: frozenset[str]
+    cycles: int = 0
+
+    @property
+    def base(self) -> str:
+        """The plain arm this one is a variant of (itself when plain): ``'init@snapshot3'`` -> ``'init'``."""
+        return self.name.partition("@")[0]
 
 
-def arm_sources(arm: str) -> frozenset[str]:
-    """The sources an arm varies.
+def parse_arm(name: str) -> Arm:
+    """Parse an arm name into an :class:`Arm`; UsageError naming the fix for unknown names.
 
     ``control`` varies nothing, ``all`` every seeded source (not ``hardware``), a source name only
     that source, and ``a+b`` the union of its parts (``all+hardware`` for everything). A variant
-    suffix (``@snapshot3``, see :func:`split_variant`) changes the schedule, not the sources.
+    suffix ``@snapshotK`` (K >= 2) trains the same arm under the snapshot schedule of K cycles (a
+    mitigation, compared with the plain arm at equal training cost); it changes no source.
     """
-    arm = split_variant(arm)[0]
-    if arm == "control":
-        return frozenset()
+    base, _, variant = name.partition("@")
+    cycles = 0
+    if variant:
+        k = variant.removeprefix("snapshot")
+        if not variant.startswith("snapshot") or not k.isdigit() or int(k) < 2:
+            raise UsageError(f"unknown arm variant '@{variant}' in '{name}'; the one variant is @snapshotK with K >= 2 "
+                             "cycles, e.g. init@snapshot3")
+        cycles = int(k)
     varied: set[str] = set()
-    for p in arm.split("+"):
-        if p == "all":
-            varied.update(IMPLEMENTED)
-        elif p in SOURCES:
-            varied.add(p)
-        else:
-            raise UsageError(f"unknown arm or source '{p}'; use control, all, one of "
-                             f"{', '.join(SOURCES)}, or a '+'-joined combination")
-    return frozenset(varied)
+    if base != "control":
+        for p in base.split("+"):
+            if p == "all":
+                varied.update(IMPLEMENTED)
+            elif p in SOURCES:
+                varied.add(p)
+            else:
+                raise UsageError(f"unknown arm or source '{p}'; use control, all, one of "
+                                 f"{', '.join(SOURCES)}, or a '+'-joined combination")
+    return Arm(name, frozenset(varied), cycles)
+
+
+def split_variant(arm: str) -> tuple[str, int]:
+    """``'init@snapshot3'`` -> ``('init', 3)``; plain arms give K = 0 (see :func:`parse_arm`)."""
+    a = parse_arm(arm)
+    return a.base, a.cycles
+
+
+def arm_sources(arm: str) -> frozenset[str]:
+    """The sources an arm varies (see :func:`parse_arm`)."""
+    return parse_arm(arm).varied
 
 
 def stream(seed: int, source: str) -> jax.Array:

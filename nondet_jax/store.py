@@ -33,13 +33,54 @@ from typing import Any
 import numpy as np
 from flax import traverse_util
 
-from nondet_jax.config import Config, UsageError, to_dict
+from nondet_jax.config import Config, to_dict
+from nondet_jax.errors import UsageError
 
 LOCK = ".lock"
 # Keys a folder's results do not depend on: arms may be added (each arm is stored on its own), and
 # the checkpoint interval only decides how much a crash costs.
 RESULT_NEUTRAL = {("study", "arms"), ("train", "checkpoint_every")}
 ARM_FILES = ("arms/{}.json", "logits/{}.npy", "features/{}.npy", "history/{}.npz", "weights/{}.npz", "pairs/{}.npz")
+
+
+class RunPaths:
+    """Where each file of a run folder lives: the one place these paths are spelled (the sweep
+    writes through :class:`RunStore`, the report reads through this)."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self.config = self.root / "config.json"
+        self.environment = self.root / "environment.json"
+        self.model = self.root / "model.json"  # what was imported and its parameter-shape fingerprint
+        self.test_labels = self.root / "test_labels.npy"
+        self.command = self.root / "command.txt"
+        self.replicas_csv = self.root / "replicas.csv"
+        self.summary = self.root / "summary.json"
+        self.arms_csv = self.root / "arms.csv"
+        self.report = self.root / "report.md"
+        self.figures = self.root / "figures"
+
+    @staticmethod
+    def rel(kind: str, arm: str, ext: str | None = None) -> str:
+        """``'logits', 'init'`` -> ``'logits/init.npy'``: the path of an arm's file inside the folder."""
+        return f"{kind}/{arm}{ext or ARM_EXT[kind]}"
+
+    def arm_file(self, kind: str, arm: str, ext: str | None = None) -> Path:
+        """An arm's file of ``kind`` (``arms``, ``logits``, ``pairs``, ``tta``, ...; see :data:`ARM_EXT`)."""
+        return self.root / self.rel(kind, arm, ext)
+
+    def checkpoints(self, arm: str) -> Path:
+        return self.root / "checkpoints" / arm
+
+    def parts(self, arm: str | None = None) -> Path:
+        """Per-process results of a multi-process run, before process 0 merges them."""
+        return self.root / "parts" if arm is None else self.root / "parts" / arm
+
+
+# The extension of each kind of per-arm file.
+ARM_EXT = {"arms": ".json", "logits": ".npy", "features": ".npy", "history": ".npz", "weights": ".npz",
+           "pairs": ".npz", "dynamics": ".npz", "environments": ".json", "instruments": ".npz", "tta": ".npz",
+           "snapshots": ".npy"}
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -111,6 +152,8 @@ class RunStore:
     def __init__(self, out: str | Path, config: Config, locked_by_parent: bool = False,
                  recompute: tuple[str, ...] = ()):
         self.root = Path(out)
+        self.paths = RunPaths(out)
+        self.arms: list[str] = list(config.study.arms)  # after open: every arm of the folder, earlier ones first
         self.recompute = recompute  # arms about to be deleted: not verified on open
         self.config = config
         self.locked_by_parent = locked_by_parent  # a child process writing under its parent's lock
@@ -164,6 +207,7 @@ class RunStore:
                     raise UsageError(f"--out {root} holds results of a different config ({'; '.join(diff[:3])}); "
                                      "choose another --out or rerun with the same settings")
                 new["study"]["arms"] = list(dict.fromkeys(old["study"]["arms"] + new["study"]["arms"]))
+                self.arms = new["study"]["arms"]
                 for arm in old["study"]["arms"]:  # damaged results stop the run before anything is written
                     if self.arm_done(arm) and arm not in self.recompute:
                         self.verify_arm(arm)
@@ -189,10 +233,10 @@ class RunStore:
     # --- arms -------------------------------------------------------------------------------
     def arm_done(self, arm: str) -> bool:
         """True when the arm's JSON record, written last, is present (see :meth:`verify_arm`)."""
-        return (self.root / f"arms/{arm}.json").exists()
+        return self.paths.arm_file("arms", arm).exists()
 
     def load_arm(self, arm: str) -> dict:
-        path = self.root / f"arms/{arm}.json"
+        path = self.paths.arm_file("arms", arm)
         try:
             return json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):

@@ -31,10 +31,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from nondet_jax.config import Config, OptimConfig, StudyConfig, UsageError
+from nondet_jax.config import Config, OptimConfig, StudyConfig
+from nondet_jax.errors import UsageError
 from nondet_jax.data import AUGMENT_BY_DEFAULT, FLIP_BY_DEFAULT
 from nondet_jax.data.pipeline import augment, batch_permutation, default_crop_padding, epoch_indices
-from nondet_jax.models import make_model
+from nondet_jax.models import MODELS
+from nondet_jax.parts import Parts, model_fns
 from nondet_jax.sources import Perturbations, ReplicaKeys, bitflip
 
 # XLA:CPU runs convolutions inside a while-loop body on a much slower path than straight-line
@@ -108,6 +110,8 @@ class TrainFns(NamedTuple):
     instruments: Any = None  # the nondet_jax.instruments.Instruments (quantities, value names, edges) when on
     spec: Any = None  # the DataSpec the functions were made for
     loss_fn: Callable | None = None  # (params, batch_stats, x, y, dropout_keys) -> (loss, (logits, batch_stats))
+    parts: Any = None  # the nondet_jax.parts.Parts the functions were made with
+    model: Any = None  # the nondet_jax.parts.ModelFns of the model
 
 
 def epoch_metrics(out) -> dict:
@@ -186,68 +190,74 @@ def scan_unroll(setting: int, steps: int, backend: str | None = None) -> int:
     return steps if backend == "cpu" and steps <= CPU_UNROLL_MAX_STEPS else 1
 
 
-def make_train(config: Config, spec: DataSpec) -> TrainFns:
+def make_train(config: Config, spec: DataSpec, parts: Parts = Parts()) -> TrainFns:
     """Pure single-replica init / train-epoch / evaluate functions.
 
     The arm enters only through the keys and :class:`Perturbations` passed at call time, so one
     compiled program serves every arm of a study (the study section of ``config`` is ignored).
+    ``parts`` are the user's own model, optimiser, loss and augmentation; each one left ``None``
+    is the one ``config`` names (the catalogue's models go through the same :func:`model_fns`).
     """
-    return _make_train(dataclasses.replace(config, study=StudyConfig()), spec)
+    return _make_train(dataclasses.replace(config, study=StudyConfig()), spec, parts)
 
 
 @functools.lru_cache(maxsize=16)
-def _make_train(config: Config, spec: DataSpec) -> TrainFns:
-    model = make_model(config.model.name, spec.num_classes, config.model.width, config.model.dropout)
+def _make_train(config: Config, spec: DataSpec, parts: Parts) -> TrainFns:
+    if parts.model is None:
+        m = config.model
+        model = model_fns(MODELS[m.name], spec.num_classes, {"width": m.width, "dropout": m.dropout}, parts.features)
+    else:
+        model = model_fns(parts.model, spec.num_classes, features=parts.features)
+    example_loss = parts.loss or optax.softmax_cross_entropy_with_integer_labels
     b = config.train.batch_size
     steps = spec.n_train // b
     if steps < 1:
         raise UsageError(f"batch size {b} is larger than the {spec.n_train} training examples; use a batch size of "
                          f"{spec.n_train} or less")
-    tx = make_optimizer(config.optim, make_schedule(config.optim, config.train.epochs, steps))
-    do_augment, flip, padding = augmentation_settings(config, spec.name, spec.image_shape[0])
-    use_dropout = config.model.dropout > 0
+    tx = parts.optimizer or make_optimizer(config.optim, make_schedule(config.optim, config.train.epochs, steps))
+    augment_fn = parts.augment
+    if augment_fn is None:
+        do_augment, flip, padding = augmentation_settings(config, spec.name, spec.image_shape[0])
+        if do_augment:
+            augment_fn = lambda key, x: augment(x, key, padding, flip)  # noqa: E731
     unroll = scan_unroll(config.train.unroll, steps)
     inst = None
     if config.instruments.config != "none":  # Cockpit's quantities, computed only at tracked steps
         from nondet_jax.instruments.trainer import for_model
 
-        inst = for_model(config.instruments, model, lambda *a: loss_fn(*a), lambda *a: recompute_batch_stats(*a),
+        if parts != Parts() or not model.per_example_dropout:
+            raise UsageError("instruments need a catalogue model, optimiser and loss (their per-example loss assumes "
+                             "them); drop --instruments / instruments.config for your own parts")
+        inst = for_model(config.instruments, model.module, lambda *a: loss_fn(*a), lambda *a: recompute_batch_stats(*a),
                          steps * config.train.epochs)
         lr_at = make_schedule(config.optim, config.train.epochs, steps)
 
-    def variables(state_or_params, batch_stats):
-        v = {"params": state_or_params}
-        if batch_stats:
-            v["batch_stats"] = batch_stats
-        return v
+    def variables(params, batch_stats):
+        return {"params": params, "batch_stats": batch_stats}
 
     def init(keys: ReplicaKeys, perturb: Perturbations, x_sample: jax.Array) -> TrainState:
-        v = model.init(keys.init, x_sample[:1], train=False)
+        v = model.init(keys.init, x_sample[:1])
         flipped = bitflip(v["params"], keys.bitflip)
         params = jax.tree.map(lambda a, b: jnp.where(perturb.bitflip, a, b), flipped, v["params"])
-        return TrainState(params, v.get("batch_stats", {}), tx.init(params), healthy(),
+        return TrainState(params, v["batch_stats"], tx.init(params), healthy(),
                           None if inst is None else inst.init(params))
 
-    def loss_fn(params, batch_stats, x, y, dropout_keys):
-        logits, updates = model.apply(variables(params, batch_stats), x, train=True,
-                                      dropout_keys=dropout_keys, mutable=["batch_stats"])
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-        return loss, (logits, updates.get("batch_stats", {}))
+    def loss_fn(params, batch_stats, x, y, dropout):
+        logits, new_stats = model.train_apply(variables(params, batch_stats), x, dropout)
+        loss = example_loss(logits, y).mean()
+        return loss, (logits, new_stats)
 
     def train_step(state: TrainState, x_train, y_train, keys: ReplicaKeys, perturb: Perturbations, epoch, i,
                    batch_idx):
         """Step ``i`` of ``epoch`` on the examples ``batch_idx``: returns (state, (loss, accuracy))."""
         g = epoch * steps + i  # global step: the per-step key index
         x, y = x_train[batch_idx], y_train[batch_idx]
-        if do_augment:
-            x = augment(x, jax.random.fold_in(keys.augmentation, g), padding, flip)
-        dkeys = None
-        if use_dropout:
-            dkeys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(jax.random.fold_in(keys.dropout, g), jnp.arange(b))
+        if augment_fn is not None:
+            x = augment_fn(jax.random.fold_in(keys.augmentation, g), x)
         # Off, the identity gather: bitwise the natural order, and no recompile per arm.
         p = jnp.where(perturb.batch_order, batch_permutation(keys.batch_order, g, b), jnp.arange(b))
         x, y = x[p], y[p]
-        dkeys = None if dkeys is None else dkeys[p]
+        dkeys = model.dropout_input(jax.random.fold_in(keys.dropout, g), b, p)
         (loss, (logits, bs)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
             state.params, state.batch_stats, x, y, dkeys)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -281,23 +291,16 @@ def _make_train(config: Config, spec: DataSpec) -> TrainFns:
         chunk = min(eval_b, n)
         nb = -(-n // chunk)
         xp = jnp.pad(x, ((0, nb * chunk - n),) + ((0, 0),) * (x.ndim - 1)).reshape((nb, chunk) + x.shape[1:])
-        f = lambda xb: model.apply(variables(state.params, state.batch_stats), xb, train=False,  # noqa: E731
-                                   return_features=True)
+        f = lambda xb: model.evaluate(variables(state.params, state.batch_stats), xb)  # noqa: E731
         if nb == 1:  # no loop at all: a 1-trip loop is XLA:CPU's slow convolution path too
             logits, feats = jax.tree.map(lambda a: a[None], f(xp[0]))
         else:
             _, (logits, feats) = jax.lax.scan(lambda c, xb: (c, f(xb)), None, xp, unroll=scan_unroll(0, nb))
         return logits.reshape((nb * chunk,) + logits.shape[2:])[:n], feats.reshape((nb * chunk,) + feats.shape[2:])[:n]
 
-    # BatchNorm statistics of given weights, recomputed on data (for interpolated weights):
-    # momentum 0 stores the exact statistics of the one batch passed; dropout plays no part.
-    bn_model = model.clone(bn_momentum=0.0, dropout=0.0) if "bn_momentum" in model.__dataclass_fields__ else None
-
     def recompute_batch_stats(params, batch_stats, x):
-        if bn_model is None or not batch_stats:
-            return batch_stats
-        _, updates = bn_model.apply(variables(params, batch_stats), x, train=True, mutable=["batch_stats"])
-        return updates["batch_stats"]
+        """BatchNorm statistics of given weights, recomputed on data (for interpolated weights)."""
+        return model.recompute_batch_stats(variables(params, batch_stats), x)
 
     return TrainFns(init, train_step, train_epoch, evaluate, recompute_batch_stats, b, steps, unroll, inst, spec,
-                    loss_fn)
+                    loss_fn, parts, model)

@@ -42,7 +42,7 @@ def view_grid(name: str, padding: int) -> np.ndarray:
     Returns:
       Rows in a fixed order: unflipped before flipped, then dy, then dx ascending.
     """
-    from nondet_jax.config import UsageError
+    from nondet_jax.errors import UsageError
 
     m = _PATTERN.match(name.strip())
     if not m:

@@ -57,6 +57,16 @@ CASES: list[tuple[str, str]] = [
     ("CLI", "--resume <tmp>/nothing"),
     ("CLI", "--resume <run> --epochs 3"),
     ("CLI", "--out <run> --recompute nosuch"),
+    ("CLI", "--model nosuchpkg.nets:Net"),
+    ("CLI", "--model json:NoSuchNet"),
+    ("CLI", "--model json:dumps"),
+    ("CLI", "--model nets"),
+    ("CLI", "--dataset <tmp>/missing.npz"),
+    ("CLI", "--dataset <tmp>/names.npz  (arrays x, y)"),
+    ("CLI", "--dataset <tmp>/shapes.npz  (x_train 20x8x8x1, x_test 10x64)"),
+    ("CLI", "--dataset <tmp>/labels.npz  (a label -1 in y_train)"),
+    ("CLI", "--dataset <tmp>/length.npz  (19 labels for 20 training examples)"),
+    ("CLI", "--dataset <tmp>/features.npz --augment on  ((N, features) arrays)"),
     ("config file", "--config <tmp>/missing.yaml"),
     ("config file", "--config <tmp>/broken.yaml  (contains `train: [1, 2`)"),
     ("config file", "--config <tmp>/list.yaml  (contains `- 1`)"),
@@ -76,6 +86,20 @@ CASES: list[tuple[str, str]] = [
     ("API", "data.load_dataset('nosuch')"),
     ("API", "train.make_train(from_flat({'train.batch_size': 5000}), digits_spec)"),
 ]
+
+
+def _npz_arrays(name: str) -> dict:
+    """The arrays of the --dataset files the cases write (see CASES)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(20, 8, 8, 1)).astype(np.float32), np.arange(20) % 3
+    good = {"x_train": x, "y_train": y, "x_test": x[:10], "y_test": y[:10]}
+    return {"names.npz": {"x": x, "y": y},
+            "shapes.npz": {**good, "x_test": x[:10].reshape(10, 64)},
+            "labels.npz": {**good, "y_train": np.where(np.arange(20) == 3, -1, y)},
+            "length.npz": {**good, "y_train": y[:19]},
+            "features.npz": {**good, "x_train": x.reshape(20, 64), "x_test": x[:10].reshape(10, 64)}}[name]
 
 
 def _normalize(message: str, tmp: Path) -> str:
@@ -136,6 +160,12 @@ def run_case(where: str, text: str, ctx: Context, capsys) -> tuple[str, int, boo
         path = Path(args[args.index("--config") + 1])
         if content:
             path.write_text(content.group(1))
+    if "--dataset" in args and Path(args[args.index("--dataset") + 1]).name != "missing.npz" and \
+            args[args.index("--dataset") + 1].endswith(".npz"):
+        import numpy as np
+
+        path = Path(args[args.index("--dataset") + 1])
+        np.savez(path, **_npz_arrays(path.name))
     if note.startswith("a file"):
         Path(args[args.index("--out") + 1]).write_text("x")
     if note.startswith("a folder holding"):

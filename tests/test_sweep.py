@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nondet_jax import sweep
+from nondet_jax import study, sweep
 from nondet_jax.config import UsageError, from_flat
 from nondet_jax.store import RunStore
 
@@ -145,15 +145,15 @@ def test_corrupt_config_is_refused(tmp_path):
 def test_foreign_folder_is_refused(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(UsageError, match="not a nondet_jax run folder"):
-        sweep.run(from_flat({"model.name": "mlp", "train.epochs": 1}), tmp_path, progress=False, log=quiet)
+        study.run(from_flat({"model.name": "mlp", "train.epochs": 1}), tmp_path, progress=False, log=quiet)
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
 def test_same_config_twice_gives_bitwise_identical_results(tmp_path):
     config = from_flat({"model.name": "mlp", "train.epochs": 2, "study.replicas": 2, "train.batch_size": 128,
                         "study.arms": "all", "model.dropout": 0.1, "data.augment": "on"})
-    sweep.run(config, tmp_path / "a", progress=False, log=quiet)
-    sweep.run(config, tmp_path / "b", progress=False, log=quiet)
+    study.run(config, tmp_path / "a", progress=False, log=quiet)
+    study.run(config, tmp_path / "b", progress=False, log=quiet)
     for name in ("logits/all.npy", "features/all.npy", "weights/all.npz", "replicas.csv"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
 
@@ -173,7 +173,7 @@ def test_default_out_depends_on_settings_not_arms():
     a = from_flat({"study.arms": "control"})
     b = from_flat({"study.arms": "init"})
     c = from_flat({"train.epochs": 3})
-    assert sweep.default_out(a) == sweep.default_out(b) != sweep.default_out(c)
+    assert study.default_out(a) == study.default_out(b) != study.default_out(c)
 
 
 @pytest.mark.parametrize("preset", ["sources", "morin", "bitflip"])
@@ -248,7 +248,7 @@ def test_unknown_xla_flag_is_a_clear_error(tmp_path):
 def test_dynamics_are_traced_stored_and_reported(tmp_path):
     config = from_flat({"model.name": "mlp", "train.epochs": 2, "study.replicas": 2, "train.batch_size": 128,
                         "study.arms": "control,bitflip", "study.dynamics_every": 3})
-    summary = sweep.run(config, tmp_path, progress=False, log=quiet)
+    summary = study.run(config, tmp_path, progress=False, log=quiet)
     assert "dynamics" not in summary["arms"]["control"]
     dyn = summary["arms"]["bitflip"]["dynamics"]
     assert dyn["every"] == 3 and np.isfinite(dyn["rate_per_step"])

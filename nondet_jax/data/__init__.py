@@ -37,6 +37,61 @@ def standardize(x_train: np.ndarray, x_test: np.ndarray) -> tuple[np.ndarray, np
     return f(x_train), f(x_test)
 
 
+ARRAY_NAMES = ("x_train", "y_train", "x_test", "y_test")
+
+
+def from_arrays(name: str, x_train, y_train, x_test, y_test, num_classes: int | None = None) -> Dataset:
+    """A :class:`Dataset` of the user's own arrays, checked: images (N, H, W, C) or any (N, features)
+    array, integer labels in [0, classes); UsageError naming the problem otherwise. Arrays are used
+    as given (cast to float32 / int32), not standardised."""
+    from nondet_jax.errors import UsageError
+
+    arrays = {k: np.asarray(v) for k, v in zip(ARRAY_NAMES, (x_train, y_train, x_test, y_test))}
+    for split in ("train", "test"):
+        x, y = arrays[f"x_{split}"], arrays[f"y_{split}"]
+        if x.ndim < 2 or len(x) == 0:
+            raise UsageError(f"{name}: x_{split} has shape {x.shape}; it must be (N, features) or (N, H, W, C) images "
+                             "with N >= 1")
+        if y.ndim != 1 or len(y) != len(x):
+            raise UsageError(f"{name}: y_{split} has shape {y.shape} for {len(x)} examples in x_{split}; it must be "
+                             f"({len(x)},) integer class labels")
+        if not (np.issubdtype(y.dtype, np.integer) or (np.issubdtype(y.dtype, np.floating)
+                                                       and np.all(np.isfinite(y)) and np.all(y == np.round(y)))):
+            raise UsageError(f"{name}: y_{split} holds {y.dtype} values that are not whole numbers; labels must be "
+                             "integer class indices 0 .. classes-1")
+        if not np.issubdtype(x.dtype, np.number) or not np.all(np.isfinite(x)):
+            raise UsageError(f"{name}: x_{split} must be finite numbers; got dtype {x.dtype} or NaN/inf values")
+    if arrays["x_train"].shape[1:] != arrays["x_test"].shape[1:]:
+        raise UsageError(f"{name}: x_train examples have shape {arrays['x_train'].shape[1:]} but x_test examples "
+                         f"{arrays['x_test'].shape[1:]}; both splits must have the same example shape")
+    labels = np.concatenate([arrays["y_train"], arrays["y_test"]]).astype(np.int64)
+    classes = int(labels.max()) + 1 if num_classes is None else num_classes
+    if labels.min() < 0 or labels.max() >= classes or classes < 2:
+        raise UsageError(f"{name}: labels range over {labels.min()} .. {labels.max()}, but must be class indices "
+                         f"0 .. {classes - 1} with at least 2 classes; relabel them 0 .. classes-1")
+    return Dataset(name, arrays["x_train"].astype(np.float32), arrays["y_train"].astype(np.int32),
+                   arrays["x_test"].astype(np.float32), arrays["y_test"].astype(np.int32), classes)
+
+
+def load_npz(path: str) -> Dataset:
+    """A ``.npz`` file holding ``x_train, y_train, x_test, y_test`` (see :func:`from_arrays`)."""
+    from nondet_jax.errors import UsageError
+
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            missing = [k for k in ARRAY_NAMES if k not in f.files]
+            if missing:
+                raise UsageError(f"--dataset {path} lacks array(s) {', '.join(missing)} (it has {', '.join(f.files)}); "
+                                 "save it with np.savez(path, x_train=..., y_train=..., x_test=..., y_test=...)")
+            arrays = [f[k] for k in ARRAY_NAMES]
+    except UsageError:
+        raise
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--dataset {path} cannot be read as a .npz file ({str(e).splitlines()[0]}); pass a file "
+                         "written by np.savez") from None
+    return from_arrays(str(path), *arrays)
+
+
 def load_dataset(name: str, data_dir: str | None = None, *, image_size: int = 0, max_train_examples: int = 0,
                  max_test_examples: int = 0) -> Dataset:
     """Load a data set by name; raises UsageError when it is unknown, not prepared or too big.
@@ -49,7 +104,7 @@ def load_dataset(name: str, data_dir: str | None = None, *, image_size: int = 0,
       max_train_examples, max_test_examples: keep a fixed random subset of at most this many
         examples of the split (0 = all); TFDS sets only, required for imagenet2012's training split.
     """
-    from nondet_jax.config import UsageError
+    from nondet_jax.errors import UsageError
 
     if name == "digits":
         if image_size not in (0, 8) or max_train_examples or max_test_examples:
@@ -58,6 +113,11 @@ def load_dataset(name: str, data_dir: str | None = None, *, image_size: int = 0,
         from nondet_jax.data.digits import load_digits
 
         return load_digits()
+    if name.endswith(".npz"):
+        if image_size or max_train_examples or max_test_examples:
+            raise UsageError("data.image_size and data.max_*_examples apply to TFDS data sets, not a .npz file; "
+                             "leave them at 0")
+        return load_npz(name)
     if name in DATASETS:
         from nondet_jax.data.tfds_source import load_tfds
 

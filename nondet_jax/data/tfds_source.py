@@ -150,7 +150,7 @@ def standardize_uint8(x_train: np.ndarray, x_test: np.ndarray, chunk: int = 1024
 
 
 def _check_memory(name: str, n_train: int, n_test: int, shape: tuple[int, int, int], cap_hint: str) -> None:
-    from nondet_jax.config import UsageError
+    from nondet_jax.errors import UsageError
 
     need = (n_train + n_test) * int(np.prod(shape)) * 5  # uint8 while reading + float32 after
     try:
@@ -178,7 +178,7 @@ def load_tfds(name: str, data_dir: str | None = None, *, image_size: int = 0, ma
     """
     import tensorflow_datasets as tfds
 
-    from nondet_jax.config import UsageError
+    from nondet_jax.errors import UsageError
 
     if name in NEEDS_TRAIN_CAP and max_train_examples <= 0:
         raise UsageError(f"{name}'s training split does not fit in memory; set a subset size with "

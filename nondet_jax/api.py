@@ -1,0 +1,271 @@
+"""The public API's first two levels (the third is :mod:`nondet_jax.metrics` and :mod:`nondet_jax.stats`).
+
+* :func:`run_study`: a whole study on your own model, data, optimiser, loss and augmentation,
+  through the same study core, run folder, resume and report as ``python -m nondet_jax sweep``.
+* :func:`replicate`: your own single-replica ``init(keys)`` and ``step(state, batch, keys)``;
+  nondet_jax hands each replica its per-source keys by the key rule of :mod:`nondet_jax.sources`
+  and adds the replica axis.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from nondet_jax import config as cfg
+from nondet_jax.errors import UsageError
+
+DEFAULT_ARMS = ("control", "init", "all")
+
+
+class StudyResult:
+    """What :func:`run_study` made, read back from its run folder.
+
+    Attributes:
+      out: the run folder.
+      summary: the study's summary (also ``summary.json``).
+      report: path of ``report.md``.
+      logits: ``logits[arm]``, (R, n_test, classes) test logits in replica order (loaded on access).
+      table: one row (a dict) per arm, the columns of ``arms.csv``; ``pandas.DataFrame(result.table)``.
+      rows: one row per arm and replica (``replicas.csv``).
+    """
+
+    def __init__(self, out: Path, summary: dict):
+        from nondet_jax.report import arm_rows
+        from nondet_jax.store import RunPaths
+
+        self.out = Path(out)
+        self._paths = RunPaths(out)
+        self.summary = summary
+        self.report = self._paths.report
+        self.table = arm_rows(summary)
+        self.rows = [row for a in summary["arms"].values() for row in self._record(a["arm"])["rows"]]
+        self.logits = _LazyArrays(lambda arm: np.load(self._paths.arm_file("logits", arm), allow_pickle=False),
+                                  list(summary["arms"]))
+
+    def _record(self, arm: str) -> dict:
+        import json
+
+        return json.loads(self._paths.arm_file("arms", arm).read_text())
+
+    def __repr__(self) -> str:
+        return f"StudyResult(out={str(self.out)!r}, arms={list(self.summary['arms'])})"
+
+
+class _LazyArrays(dict):
+    def __init__(self, load: Callable[[str], np.ndarray], keys: list[str]):
+        super().__init__()
+        self._load, self._keys = load, keys
+
+    def __missing__(self, key):
+        if key not in self._keys:
+            raise KeyError(f"no arm '{key}' in this study; arms: {', '.join(self._keys)}")
+        self[key] = value = self._load(key)
+        return value
+
+    def keys(self):
+        return list(self._keys)
+
+    def __iter__(self):
+        return iter(self._keys)
+
+    def __len__(self):
+        return len(self._keys)
+
+    def __contains__(self, key):
+        return key in self._keys
+
+    def items(self):
+        return [(k, self[k]) for k in self._keys]
+
+
+def _dataset(data) -> tuple[Any, str | None]:
+    """(Dataset or None, data.name): arrays, a Dataset, a catalogue name or a .npz path."""
+    from nondet_jax.data import ARRAY_NAMES, Dataset, from_arrays
+
+    if data is None:
+        return None, None
+    if isinstance(data, (str, Path)):
+        return None, str(data)
+    if isinstance(data, Dataset):
+        return data, data.name if data.name in _catalogue_data() else _arrays_name(data[1:5])
+    if isinstance(data, dict):
+        missing = [k for k in ARRAY_NAMES if k not in data]
+        if missing:
+            raise UsageError(f"data is missing {', '.join(missing)}; pass x_train, y_train, x_test, y_test")
+        data = tuple(data[k] for k in ARRAY_NAMES)
+    if not isinstance(data, (tuple, list)) or len(data) != 4:
+        raise UsageError("data must be (x_train, y_train, x_test, y_test), a dict of those four arrays, a "
+                         "nondet_jax.data.Dataset, a catalogue data set name or a PATH.npz")
+    name = _arrays_name(data)
+    return from_arrays(name, *data), name
+
+
+def _catalogue_data() -> tuple[str, ...]:
+    from nondet_jax.data import DATASETS
+
+    return DATASETS
+
+
+def _arrays_name(arrays) -> str:
+    """``arrays-<sha256 prefix>``: the data's identity in config.json, so that a resume with other
+    arrays is refused like any other change of config."""
+    h = hashlib.sha256()
+    for a in arrays:
+        a = np.ascontiguousarray(a)
+        h.update(str((a.shape, a.dtype.str)).encode())
+        h.update(a.tobytes())
+    return cfg.ARRAYS_PREFIX + h.hexdigest()[:12]
+
+
+def study_config(*, model=None, data_name: str | None = None, optimizer=None, epochs: int | None = None,
+                 batch_size: int | None = None, arms: Sequence[str] | str = DEFAULT_ARMS, replicas: int = 4,
+                 seed: int = 0, strategy: str = "auto", settings: dict | None = None,
+                 base: cfg.Config | None = None) -> cfg.Config:
+    """The :class:`~nondet_jax.config.Config` a :func:`run_study` call stands for."""
+    from nondet_jax.parts import label_of
+
+    flat: dict[str, Any] = {"study.arms": arms, "study.replicas": replicas, "study.seed": seed,
+                            "study.strategy": strategy}
+    if isinstance(model, str):
+        flat["model.name"] = model
+    elif model is not None:
+        flat["model.name"] = label_of(model)
+    if data_name is not None:
+        flat["data.name"] = data_name
+    if optimizer is not None:
+        flat["optim.name"] = cfg.CUSTOM
+    if epochs is not None:
+        flat["train.epochs"] = epochs
+    if batch_size is not None:
+        flat["train.batch_size"] = batch_size
+    flat.update(settings or {})
+    return cfg.from_flat(flat, base)
+
+
+def run_study(model=None, data=None, optimizer=None, loss: Callable | None = None, augment: Callable | None = None,
+              *, epochs: int | None = None, batch_size: int | None = None, arms: Sequence[str] | str = DEFAULT_ARMS,
+              replicas: int = 4, seed: int = 0, out: str | Path | None = None, strategy: str = "auto",
+              features: str | None = None, settings: dict | None = None, config: cfg.Config | None = None,
+              progress: bool = False, log: Callable = print) -> StudyResult:
+    """Train ``replicas`` replicas per arm of your own parts and write a run folder and report.
+
+    Args:
+      model: a Flax Linen module (``__call__(x, train)``; BatchNorm through ``batch_stats`` and
+        dropout through the ``dropout`` rng, both optional), a Linen class or factory called with
+        ``num_classes=``, a Flax NNX module class or factory (called with ``num_classes=`` and
+        ``rngs=``), ``"package.module:Attr"``, or a catalogue name (``"resnet8"``). Default: the config's.
+      data: ``(x_train, y_train, x_test, y_test)`` (images NHWC or (N, features), integer labels),
+        a dict of those names, a :class:`nondet_jax.data.Dataset`, ``"PATH.npz"`` or a catalogue
+        name (``"digits"``). Default: the config's (digits).
+      optimizer: any ``optax.GradientTransformation``. Default: the config's (SGD, cosine schedule).
+      loss: per-example ``(logits, labels) -> loss``. Default: softmax cross-entropy, integer labels.
+      augment: ``(key, x_batch) -> x_batch``, drawn from the ``augmentation`` source. Default: the
+        config's crop/flip for images when ``data.augment`` is on, else none.
+      epochs, batch_size, arms, replicas, seed, strategy: the study (``arms`` a list or ``"a,b"``).
+      out: run folder (default ``runs/<data>-<model>-<hash>``). An existing folder of the same study
+        is resumed: finished arms are reused; another model's folder is refused.
+      features: submodule whose output CKA uses when the model has no ``return_features`` (default:
+        the logits).
+      settings: further config keys, dotted (``{"optim.lr": 0.1, "metrics.lmc_pairs": 0}``).
+      config: a base :class:`~nondet_jax.config.Config` the above apply on top of.
+      progress, log: a progress bar; where messages go (``log=lambda *a: None`` for silence).
+
+    Returns:
+      A :class:`StudyResult`: ``result.logits[arm]`` (R, n_test, classes), ``result.table`` (one row
+      per arm), ``result.rows`` (one per replica), ``result.report`` (path of ``report.md``).
+
+    Example::
+
+        result = nj.run_study(model=MyCNN, data=(x_tr, y_tr, x_te, y_te), optimizer=optax.adam(1e-3),
+                              epochs=3, batch_size=64, arms="control,init,all", replicas=3, out="runs/mine")
+    """
+    from nondet_jax import study
+    from nondet_jax.parts import Parts
+
+    dataset, data_name = _dataset(data)
+    config = study_config(model=model, data_name=data_name, optimizer=optimizer, epochs=epochs,
+                          batch_size=batch_size, arms=arms, replicas=replicas, seed=seed, strategy=strategy,
+                          settings=settings, base=config)
+    parts = Parts(model=None if model is None or isinstance(model, str) else model, optimizer=optimizer,
+                  loss=loss, augment=augment, features=features)
+    out = Path(out) if out is not None else study.default_out(config)
+    summary = study.run(config, out, progress=progress, log=log, parts=parts, data=dataset,
+                        command=f"nondet_jax.run_study(model={config.model.name}, data={config.data.name}, ...)")
+    return StudyResult(out, summary)
+
+
+def replicate(init: Callable, step: Callable, batches=None, *, steps: int | None = None,
+              arms: Sequence[str] | str = ("control", "init"), replicas: int = 4, seed: int = 0,
+              strategy: str = "auto") -> dict[str, Any]:
+    """Run your own single-replica functions for R replicas per arm.
+
+    You write one replica's ``init(keys) -> state`` and ``step(state, batch, keys) -> state``;
+    ``keys`` is a :class:`nondet_jax.sources.ReplicaKeys` (``keys.init``, ``keys.data_order``,
+    ``keys.augmentation``, ``keys.dropout``, ``keys.bitflip``, ``keys.batch_order``), each the
+    replica's own key where the arm varies that source and one key shared by every replica
+    otherwise. ``step`` gets them folded with the step index (the per-step rule of
+    :mod:`nondet_jax.sources`), so ``jax.random.permutation(keys.data_order, n)`` is a fresh
+    draw per step. Both functions must be jittable.
+
+    Args:
+      init, step: the single-replica functions.
+      batches: a pytree whose leaves have a leading step axis T, the same for every replica
+        (``step`` gets one slice); None passes ``batch=None`` and needs ``steps``.
+      steps: number of steps (default: T).
+      arms, replicas, seed: as in :func:`run_study`.
+      strategy: ``vmap`` (one program over the replica axis), ``sequential`` (one replica's program,
+        compiled once, in a loop: replica r's result does not depend on R), or ``auto``.
+
+    Returns:
+      ``{arm: state}``, every leaf with a leading replica axis R.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from nondet_jax.replicas import resolve_strategy
+    from nondet_jax.sources import arm_keys, parse_arm, replica_slice
+
+    arm_list = [a.strip() for a in arms.split(",") if a.strip()] if isinstance(arms, str) else list(arms)
+    parsed = [parse_arm(a) for a in arm_list]
+    for a in parsed:
+        if "hardware" in a.varied or a.cycles:
+            raise UsageError(f"arm '{a.name}' needs the study runner (a child process or a schedule); replicate takes "
+                             "arms of seeded sources: control, all, init, data_order, ... or their + combinations")
+    if replicas < 1:
+        raise UsageError(f"replicas must be >= 1, got {replicas}")
+    if batches is None and steps is None:
+        raise UsageError("replicate needs batches (leading axis = steps) or steps=")
+    if steps is None:
+        steps = jax.tree.leaves(batches)[0].shape[0]
+    chosen, _ = resolve_strategy(strategy, replicas)
+    if chosen not in ("vmap", "sequential"):
+        raise UsageError(f"replicate runs strategy vmap or sequential, not '{chosen}'")
+
+    def one(keys):
+        state = init(keys)
+
+        def body(state, xs):
+            t, batch = xs
+            return step(state, batch, jax.tree.map(lambda k: jax.random.fold_in(k, t), keys)), None
+
+        xs = (jnp.arange(steps), batches if batches is not None else jnp.zeros(steps))
+        if batches is None:
+            return jax.lax.scan(lambda s, x: body(s, (x[0], None)), state, xs)[0]
+        return jax.lax.scan(body, state, xs)[0]
+
+    out = {}
+    if chosen == "vmap":
+        run = jax.jit(jax.vmap(one))
+    else:
+        single = jax.jit(one)
+
+        def run(keys):
+            states = [single(replica_slice(keys, r)) for r in range(replicas)]
+            return jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+    for a in parsed:
+        out[a.name] = run(arm_keys(seed, a.varied, replicas))
+    return out

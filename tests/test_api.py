@@ -1,0 +1,199 @@
+"""The public API on the user's own parts: run_study, the CLI's --model/--dataset, replicate, examples."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import flax.linen as nn
+import numpy as np
+import optax
+import pytest
+
+import nondet_jax as nj
+from nondet_jax.errors import UsageError
+
+ROOT = Path(__file__).resolve().parent.parent
+QUIET = {"log": lambda *a, **k: None}
+
+
+class OwnNet(nn.Module):
+    """A user's module: BatchNorm, dropout through the 'dropout' rng, no return_features."""
+
+    num_classes: int = 3
+    hidden: int = 16
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        x = nn.relu(nn.Dense(self.hidden)(x.reshape(x.shape[0], -1)))
+        x = nn.BatchNorm(use_running_average=not train)(x)
+        x = nn.Dropout(0.2, deterministic=not train)(x)
+        return nn.Dense(self.num_classes)(x)
+
+
+def own_arrays():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(160, 6)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64) + (x[:, 1] > 0.5)
+    return x[:128], y[:128], x[128:], y[128:]
+
+
+def test_run_study_on_own_module_optimizer_and_arrays(tmp_path):
+    result = nj.run_study(model=OwnNet, data=own_arrays(), optimizer=optax.adam(1e-2), epochs=2, batch_size=32,
+                          arms="control,init,all", replicas=3, out=tmp_path / "run", **QUIET)
+    control, init = result.logits["control"], result.logits["init"]
+    assert control.shape == (3, 32, 3)
+    assert all(np.array_equal(control[0], c) for c in control)  # nothing varies: bitwise identical
+    assert not np.array_equal(init[0], init[1])
+    assert result.report.exists() and {r["arm"] for r in result.table} == {"control", "init", "all"}
+    assert len(result.rows) == 9
+    model = (tmp_path / "run" / "model.json").read_text()
+    assert "OwnNet" in model and '"features": "logits"' in model  # the CKA fallback is recorded
+    # The same study again: every arm reused; a changed model is refused before anything is written.
+    nj.run_study(model=OwnNet, data=own_arrays(), optimizer=optax.adam(1e-2), epochs=2, batch_size=32,
+                 arms="control,init,all", replicas=3, out=tmp_path / "run", **QUIET)
+    before = sorted(p.name for p in (tmp_path / "run").rglob("*"))
+    with pytest.raises(UsageError, match=r"another model \(BatchNorm_0/bias: \(16,\) float32 -> \(32,\) float32"):
+        nj.run_study(model=OwnNet(num_classes=3, hidden=32), data=own_arrays(), optimizer=optax.adam(1e-2),
+                     epochs=2, batch_size=32, arms="control,init,all", replicas=3, out=tmp_path / "run", **QUIET)
+    assert sorted(p.name for p in (tmp_path / "run").rglob("*")) == before
+
+
+def test_features_from_model_named_intermediate_or_logits(digits):
+    from conftest import spec_of, tiny_config
+    from nondet_jax.parts import Parts
+    from nondet_jax.sources import arm_keys, perturbations, replica_slice
+    from nondet_jax.train import make_train
+
+    config, spec = tiny_config(), spec_of(digits)
+    keys, perturb = replica_slice(arm_keys(0, frozenset(), 1), 0), perturbations(frozenset())
+    for parts, width in [(Parts(), 64), (Parts(model=OwnNet), 10), (Parts(model=OwnNet, features="Dense_0"), 16)]:
+        fns = make_train(config, spec, parts)
+        state = fns.init(keys, perturb, digits.x_train[:1])
+        logits, feats = fns.evaluate(state, digits.x_test[:5])
+        assert logits.shape == (5, 10) and feats.shape == (5, width)
+
+
+def test_custom_loss_and_augment_are_used(tmp_path):
+    calls = []
+
+    def loss(logits, labels):
+        calls.append("loss")
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+
+    def augment(key, x):
+        calls.append("augment")
+        return x + 0.01 * jax_normal(key, x.shape)
+
+    result = nj.run_study(model=OwnNet, data=own_arrays(), optimizer=optax.sgd(0.05), loss=loss, augment=augment,
+                          epochs=1, batch_size=64, arms="control,augmentation", replicas=2,
+                          settings={"metrics.lmc_pairs": 0}, out=tmp_path / "run", **QUIET)
+    assert {"loss", "augment"} <= set(calls)
+    aug = result.logits["augmentation"]
+    assert not np.array_equal(aug[0], aug[1])  # the augmentation source reaches the user's function
+
+
+def jax_normal(key, shape):
+    import jax
+
+    return jax.random.normal(key, shape)
+
+
+def test_replicate_hands_each_replica_its_keys():
+    import jax
+    import jax.numpy as jnp
+
+    def init(keys):
+        return {"w": jax.random.normal(keys.init, (4,)), "seen": jnp.zeros(())}
+
+    def step(state, batch, keys):
+        return {"w": state["w"] - 0.1 * batch * jax.random.normal(keys.data_order, (4,)), "seen": state["seen"] + batch}
+
+    batches = jnp.ones(5)
+    out = nj.replicate(init, step, batches, arms="control,init,data_order", replicas=3, strategy="sequential")
+    assert out["control"]["w"].shape == (3, 4) and float(out["control"]["seen"][0]) == 5
+    assert all(np.array_equal(out["control"]["w"][0], w) for w in out["control"]["w"])
+    assert not np.array_equal(out["init"]["w"][0], out["init"]["w"][1])
+    assert not np.array_equal(out["data_order"]["w"][0], out["data_order"]["w"][1])
+    fewer = nj.replicate(init, step, batches, arms="init", replicas=2, strategy="sequential")
+    assert np.array_equal(fewer["init"]["w"], out["init"]["w"][:2])  # replica r does not depend on R
+    vm = nj.replicate(init, step, batches, arms="init", replicas=3, strategy="vmap")
+    np.testing.assert_allclose(vm["init"]["w"], out["init"]["w"], rtol=1e-6)
+    with pytest.raises(UsageError, match="arm 'hardware'"):
+        nj.replicate(init, step, batches, arms="hardware")
+
+
+NET_MODULE = '''
+import flax.linen as nn
+
+
+class Net(nn.Module):
+    num_classes: int
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        return nn.Dense(self.num_classes)(nn.relu(nn.Dense(16)(x.reshape(x.shape[0], -1))))
+'''
+
+
+@pytest.mark.slow
+def test_cli_takes_model_and_dataset(tmp_path):
+    (tmp_path / "mynets.py").write_text(NET_MODULE)
+    np.savez(tmp_path / "mine.npz", **dict(zip(("x_train", "y_train", "x_test", "y_test"), own_arrays())))
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    cmd = [sys.executable, "-m", "nondet_jax", "sweep", "--model", "mynets:Net", "--dataset",
+           str(tmp_path / "mine.npz"), "--arms", "control,init,all", "--replicas", "3", "--epochs", "2",
+           "--batch-size", "32", "--augment", "off", "--no-progress", "--out", str(tmp_path / "run")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    control = np.load(tmp_path / "run" / "logits" / "control.npy")
+    init = np.load(tmp_path / "run" / "logits" / "init.npy")
+    assert all(np.array_equal(control[0], c) for c in control) and not np.array_equal(init[0], init[1])
+    assert (tmp_path / "run" / "report.md").exists()
+    assert '"model": "mynets:Net"' in (tmp_path / "run" / "model.json").read_text()
+    # The module changes under the same name: the resume is refused with the diff, exit 2.
+    (tmp_path / "mynets.py").write_text(NET_MODULE.replace("Dense(16)", "Dense(8)"))
+    proc = subprocess.run([sys.executable, "-m", "nondet_jax", "sweep", "--resume", str(tmp_path / "run"),
+                           "--no-progress"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert proc.returncode == 2 and "another model (" in proc.stderr and "(6, 16) float32 -> (6, 8) float32" in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["digits_cnn.py", "wine_mlp.py", "own_step.py"])
+def test_examples_run(script, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / script), str(tmp_path / "run")],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "control" in proc.stdout
+
+
+def test_python_m_nondet_jax_lists_its_commands():
+    proc = subprocess.run([sys.executable, "-m", "nondet_jax", "--help"], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0 and "sweep" in proc.stdout and "report" in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "nondet_jax", "nosuch"], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2 and "unknown command 'nosuch'" in proc.stderr
+
+
+def test_nnx_module_through_split_and_merge(tmp_path):
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, num_classes, rngs):
+            self.l1, self.bn = nnx.Linear(6, 16, rngs=rngs), nnx.BatchNorm(16, rngs=rngs)
+            self.do, self.l2 = nnx.Dropout(0.2, rngs=rngs), nnx.Linear(16, num_classes, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l2(self.do(self.bn(nnx.relu(self.l1(x)))))
+
+    r = nj.run_study(model=Net, data=own_arrays(), optimizer=optax.adam(1e-2), epochs=1, batch_size=32,
+                     arms="control,init,dropout", replicas=2, settings={"metrics.lmc_pairs": 0},
+                     out=tmp_path / "run", **QUIET)
+    control = r.logits["control"]
+    assert np.array_equal(control[0], control[1])
+    assert not np.array_equal(r.logits["init"][0], r.logits["init"][1])
+    assert not np.array_equal(r.logits["dropout"][0], r.logits["dropout"][1])  # the dropout source reaches NNX
