@@ -322,21 +322,24 @@ def replicas_for_difference(difference: float, sd: float, power: float = 0.8, al
     return _smallest_n(lambda n: t_test_power(difference / sd, n, alpha) >= power, max_n)
 
 
-def compare_means(a, b, level: float = LEVEL) -> dict:
-    """Is method B better than method A? Per-seed scores of each (higher = better), e.g. accuracies.
+def compare_means(a, b, level: float = LEVEL, higher_is_better: bool = True) -> dict:
+    """Is method B better than method A? Per-seed scores of each, e.g. test accuracies.
 
     Returns n_a, n_b, both means and stds, the difference mean(B) − mean(A) with its Welch interval
-    and p-value, the probability of improvement P(B > A) with its interval, and the replicas per
+    and p-value, the probability of improvement (that one run of B scores better than one run of
+    A: higher, or lower when ``higher_is_better`` is False) with its interval, and the replicas per
     method a two-sample t-test needs to detect the observed difference with 80% power given the
     pooled run-to-run std.
     """
     a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
     if min(len(a), len(b)) < 2 or not (np.isfinite(a).all() and np.isfinite(b).all()):
         raise ValueError(f"need at least 2 finite scores per method; got {len(a)} and {len(b)}")
-    w, poi = welch(a, b, level), probability_of_improvement(a, b, level)
+    sign = 1.0 if higher_is_better else -1.0
+    w, poi = welch(a, b, level), probability_of_improvement(sign * a, sign * b, level)
     pooled = math.sqrt(((len(a) - 1) * std(a) ** 2 + (len(b) - 1) * std(b) ** 2) / (len(a) + len(b) - 2))
     return {"n_a": len(a), "n_b": len(b), "mean_a": float(a.mean()), "mean_b": float(b.mean()),
             "std_a": std(a), "std_b": std(b), "difference": w["difference"], "difference_ci": w["ci"],
             "welch_df": w["df"], "p": w["p"], "probability_of_improvement": poi["probability"],
             "probability_of_improvement_ci": poi["ci"], "pooled_std": pooled,
-            "replicas_for_80pct_power": replicas_for_difference(w["difference"], pooled), "level": level}
+            "replicas_for_80pct_power": replicas_for_difference(w["difference"], pooled), "level": level,
+            "higher_is_better": higher_is_better}
