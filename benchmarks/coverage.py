@@ -1,4 +1,4 @@
-"""Simulated coverage of every interval nondet_jax prints, at R=8 and R=12 (nominal 95%).
+"""Simulated coverage of every interval nondet_jax prints, at R=4, 8 and 12 (nominal 95%).
 
 For each case of :data:`nondet_jax.coverage.CASES` (an interval, its method and a data model with a
 known true value), draws ``--trials`` seeded simulated studies per replica count and prints the
@@ -24,7 +24,7 @@ from nondet_jax.store import atomic_write_json  # noqa: E402
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trials", type=int, default=4000)
-    p.add_argument("--replicas", type=int, nargs="+", default=[8, 12])
+    p.add_argument("--replicas", type=int, nargs="+", default=[4, 8, 12])
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "coverage.json")
     args = p.parse_args(argv)
     rows = []

@@ -110,7 +110,7 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    panels = (("disagreement", 100, "pairwise disagreement on test (%)", False),
+    panels = (("disagreement", 100, "pairwise disagreement on test (%)", True),
               ("cka", 1, "linear CKA of features (1 = same)", False),
               ("weight_distance", 1, "||θa − θb|| / ||θa||", True))
     for i, (arm, a) in enumerate(result["arms"].items()):
@@ -118,7 +118,7 @@ def plot(result: dict, path: Path) -> None:
         for ax, (key, scale, label, log) in zip(axes, panels):
             v = np.asarray(a[key], dtype=float) * scale  # (epochs + 1, pairs)
             lo, mid, hi = v.min(1), v.mean(1), v.max(1)
-            if log:  # exact zeros (bitflip at epoch 0 has a one-ulp distance; nothing else is 0) are not drawn
+            if log:  # exact zeros (identical predictions or weights) have no place on a log axis: not drawn
                 lo, mid, hi = (np.where(x > 0, x, np.nan) for x in (lo, mid, hi))
             ax.plot(ep, mid, color=f"C{i}", label=f"{arm} (mean over pairs)")
             ax.fill_between(ep, lo, hi, color=f"C{i}", alpha=0.2, lw=0)

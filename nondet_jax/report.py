@@ -52,6 +52,7 @@ def load_records(run: Path) -> tuple[dict, dict[str, dict]]:
 def build_summary(run: Path) -> tuple[dict, dict[str, dict]]:
     """Per-arm metrics plus each arm's spread relative to the ``all`` arm; and the arm records."""
     from nondet_jax.analysis import compare_arms
+    from nondet_jax.stats import METHODS
 
     config, records = load_records(run)
     env_path = run / "environment.json"
@@ -61,7 +62,7 @@ def build_summary(run: Path) -> tuple[dict, dict[str, dict]]:
         "dataset": config["data"]["name"], "model": config["model"]["name"],
         "epochs": config["train"]["epochs"], "seed": config["study"]["seed"],
         "backend": env.get("backend"), "device_kind": env.get("device_kind"),
-        "std_ddof": 1, "ci_level": 0.95,
+        "std_ddof": 1, "ci_level": 0.95, "ci_methods": METHODS,
         "arms": {a: {k: v for k, v in rec.items() if k != "rows"} for a, rec in records.items()},
         "vs_all": compare_arms(records),
         "mitigations": mitigation_results(run, records),
