@@ -143,7 +143,7 @@ def _f_p(f: float, d1: int, d2: int) -> float:
 
 def f_test(a, b) -> float:
     """Two-sided F-test p-value for equal variances of two normal samples."""
-    return compare_spread_from_summary(std(a), len(a), std(b), len(b))["f_test_p"]
+    return _f_comparison(std(a), len(a), std(b), len(b))["f_test_p"]
 
 
 def brown_forsythe(a, b) -> float:
@@ -222,6 +222,15 @@ def compare_spread_from_summary(std_a: float, n_a: int, std_b: float, n_b: int, 
     Example: Morin & Willetts' accuracy spreads, ``compare_spread_from_summary(0.00302, 50, 0.00346, 50,
     ddof=0)`` gives ratio 0.87 and p = 0.34.
     """
+    out = _f_comparison(std_a, n_a, std_b, n_b, ddof, level)
+    ratio = out["ratio"]
+    finite = bool(np.isfinite(ratio) and ratio > 0)
+    return {**out, "power": f_test_power(ratio, n_a, n_b=n_b) if finite else float("nan"),
+            "replicas_for_80pct_power": replicas_for_power(ratio) if finite else None}
+
+
+def _f_comparison(std_a: float, n_a: int, std_b: float, n_b: int, ddof: int = 1, level: float = LEVEL) -> dict:
+    """Ratio, its F interval and the two-sided F-test p of two stds (see compare_spread_from_summary)."""
     if min(n_a, n_b) < 2 or min(n_a, n_b) <= ddof or min(std_a, std_b) < 0:
         raise ValueError(f"need two non-negative stds from at least 2 values each (and more than ddof={ddof}); "
                          f"got std {std_a} of {n_a} and std {std_b} of {n_b}")
@@ -232,10 +241,7 @@ def compare_spread_from_summary(std_a: float, n_a: int, std_b: float, n_b: int, 
         p, ratio = (1.0 if va == 0 else 0.0), float("nan")
     else:
         ratio, p = math.sqrt(va / vb), (0.0 if va == 0 else _f_p(va / vb, d1, d2))
-    finite = bool(np.isfinite(ratio) and ratio > 0)
-    return {"ratio": ratio, "ratio_ci": list(ci), "f_test_p": p,
-            "power": f_test_power(ratio, n_a, n_b=n_b) if finite else float("nan"),
-            "replicas_for_80pct_power": replicas_for_power(ratio) if finite else None}
+    return {"ratio": ratio, "ratio_ci": list(ci), "f_test_p": p}
 
 
 def compare_spread(x, reference) -> dict:
