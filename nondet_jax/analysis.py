@@ -19,11 +19,6 @@ PAIRWISE = ("disagreement", "pearson", "spearman", "ensemble_gain_accuracy", "en
             "cka", "weight_distance")
 
 
-def _spread(x: np.ndarray) -> dict:
-    return {"mean": float(x.mean()), "mean_ci": list(S.bootstrap_mean_ci(x)),
-            "std": S.std(x), "std_ci": list(S.bootstrap_std_ci(x))}
-
-
 def lmc_pairs(replicas: int, count: int) -> list[tuple[int, int]]:
     """Disjoint pairs (0, 1), (2, 3), ... : independent barrier estimates, at most ``count``."""
     return [(2 * i, 2 * i + 1) for i in range(min(count, replicas // 2))]
@@ -45,14 +40,15 @@ def interpolation_error_fn(fns: TrainFns, batch_stats, x_bn, x_test, y_test):
 def arm_metrics(result, data, fns: TrainFns, cfg: MetricsConfig) -> tuple[dict, dict[str, np.ndarray]]:
     """Metrics of one trained arm: a JSON-ready dict and the per-pair arrays to store.
 
-    Accuracy and cross-entropy: mean and std (ddof=1) with seeded bootstrap 95% CIs. Pairwise
-    metrics (when ``cfg.pairwise``): mean over the R(R-1)/2 pairs with a replica-bootstrap CI.
+    Accuracy and cross-entropy: mean and std (ddof=1) with t and chi-square 95% CIs. Pairwise
+    metrics (when ``cfg.pairwise``): mean over the R(R-1)/2 pairs with a replica-jackknife CI
+    (methods: ``stats.METHODS``).
     LMC: barrier on up to ``cfg.lmc_pairs`` disjoint pairs, BatchNorm recomputed at each point.
     """
     labels = np.asarray(data.y_test)
     acc, ce = M.accuracy(result.logits, labels), M.cross_entropy(result.logits, labels)
     r = len(acc)
-    out = {"accuracy": _spread(acc), "cross_entropy": _spread(ce),
+    out = {"accuracy": S.spread(acc), "cross_entropy": S.spread(ce),
            "independent_errors_std": M.independent_errors_std(result.logits, labels)}
     arrays: dict[str, np.ndarray] = {"accuracy": acc, "cross_entropy": ce}
     if not cfg.pairwise or r < 2:
@@ -68,7 +64,7 @@ def arm_metrics(result, data, fns: TrainFns, cfg: MetricsConfig) -> tuple[dict, 
         "weight_distance": result.weight_distance[-1],
     })
     for name in PAIRWISE:
-        out[name] = {"mean": float(arrays[name].mean()), "ci": list(S.bootstrap_pairwise_mean_ci(arrays[name], r))}
+        out[name] = {"mean": float(arrays[name].mean()), "ci": list(S.pairwise_mean_ci(arrays[name], r))}
     pairs = lmc_pairs(r, cfg.lmc_pairs)
     if pairs:
         x_bn = np.asarray(data.x_train[: cfg.bn_examples])

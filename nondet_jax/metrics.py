@@ -146,11 +146,17 @@ def weight_distance(weights) -> np.ndarray:
 def independent_errors_std(logits, labels) -> float:
     """The accuracy std that test-set sampling alone explains (Jordan 2023).
 
-    ``sqrt(sum_i p_i (1 - p_i)) / n`` with p_i example i's error rate over the replicas.
+    ``sqrt(sum_i p_i (1 - p_i) * R / (R - 1)) / n`` with p_i example i's error rate over the R
+    replicas. Estimated from R replicas, p_i(1 − p_i) is low by the factor (R − 1)/R on average
+    (the sample variance of a Bernoulli with ddof=0); R/(R − 1) makes the variance unbiased
+    (tests/test_metrics.py simulates it). NaN below 2 replicas.
     """
     wrong = np.asarray(logits).argmax(-1) != np.asarray(labels)  # (R, n)
+    r = wrong.shape[0]
+    if r < 2:
+        return float("nan")
     p = wrong.mean(0)
-    return float(np.sqrt((p * (1 - p)).sum()) / wrong.shape[1])
+    return float(np.sqrt((p * (1 - p)).sum() * r / (r - 1)) / wrong.shape[1])
 
 
 def interpolation_curve(error_fn: Callable, theta_a, theta_b, alphas) -> np.ndarray:

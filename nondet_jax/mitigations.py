@@ -7,9 +7,9 @@ For each arm, the replicas' test logits come in *variants*, each (R, N, C):
 * ``snapshot``: each replica's snapshot ensemble, the mean of its K cycle-end logits under the
   ``snapshot`` schedule (:func:`snapshot_ensemble`).
 
-Per variant: accuracy and cross-entropy mean and std with seeded bootstrap 95% CIs, the std
+Per variant: accuracy and cross-entropy mean and std with 95% CIs (t, chi-square), the std
 ratio to ``single`` (F-test), and over replica pairs the mean disagreement and logit correlation
-with replica-bootstrap CIs. Everything reuses :mod:`nondet_jax.metrics` and :mod:`nondet_jax.stats`.
+with replica-jackknife CIs (``stats.METHODS``). Everything reuses :mod:`nondet_jax.metrics` and :mod:`nondet_jax.stats`.
 
 Example::
 
@@ -57,26 +57,21 @@ def snapshot_ensemble(snapshot_logits) -> np.ndarray:
     return x.mean(axis=1, dtype=np.float64).astype(np.float32)
 
 
-def _spread(x: np.ndarray) -> dict:
-    return {"mean": float(x.mean()), "mean_ci": list(S.bootstrap_mean_ci(x)), "std": S.std(x),
-            "std_ci": list(S.bootstrap_std_ci(x))}
-
-
 def variant_metrics(logits, labels) -> dict:
     """Metrics of one variant's (R, N, C) logits against (N,) labels (std with ddof=1).
 
     Returns ``accuracy`` and ``cross_entropy`` (mean, mean_ci, std, std_ci), ``replicas``,
     ``independent_errors_std`` and, with R >= 2, ``disagreement`` and ``pearson`` (mean over
-    pairs, replica-bootstrap ``ci``; NaN CI below 3 replicas).
+    pairs, replica-jackknife ``ci``; NaN CI below 3 replicas). Interval methods: ``stats.METHODS``.
     """
     logits, labels = np.asarray(logits), np.asarray(labels)
     acc, ce = M.accuracy(logits, labels), M.cross_entropy(logits, labels)
     r = len(acc)
-    out = {"replicas": r, "accuracy": _spread(acc), "cross_entropy": _spread(ce),
+    out = {"replicas": r, "accuracy": S.spread(acc), "cross_entropy": S.spread(ce),
            "independent_errors_std": M.independent_errors_std(logits, labels)}
     if r >= 2:
         for name, values in (("disagreement", M.disagreement(logits)), ("pearson", M.pearson(logits))):
-            out[name] = {"mean": float(values.mean()), "ci": list(S.bootstrap_pairwise_mean_ci(values, r))}
+            out[name] = {"mean": float(values.mean()), "ci": list(S.pairwise_mean_ci(values, r))}
     return out
 
 
@@ -128,18 +123,15 @@ def _num(x, digits: int, scale: float = 1.0) -> str:
     return "–" if x is None or not math.isfinite(x) else f"{x * scale:.{digits}f}"
 
 
-def _ci(ci, digits: int, scale: float = 1.0) -> str:
-    if not ci or any(c is None or not math.isfinite(c) for c in ci):
-        return ""
-    return f" [{ci[0] * scale:.{digits}f}, {ci[1] * scale:.{digits}f}]"
+_ci = S.format_ci
 
 
 def mitigation_table(results: dict[str, dict[str, dict]]) -> str:
     """A Markdown table, one row per arm x variant, from ``{arm: mitigation_metrics(...)}``.
 
-    Accuracy in %, its std (ddof=1) in percentage points, both with 95% bootstrap CIs; the std
-    ratio to the reference variant with its F-test p; mean pairwise disagreement (%) and logit
-    correlation with replica-bootstrap CIs; cross-entropy mean and std.
+    Accuracy in %, its std (ddof=1) in percentage points, both with 95% CIs (t, chi-square); the
+    std ratio to the reference variant with its F-test p; mean pairwise disagreement (%) and logit
+    correlation with replica-jackknife CIs ("n/a" below 3 replicas); cross-entropy mean and std.
     """
     lines = ["| arm | variant | R | accuracy % [95% CI] | acc std (pp) [95% CI] | std ratio vs single (p F) "
              "| disagreement % [95% CI] | correlation [95% CI] | cross-entropy mean | CE std |",

@@ -25,9 +25,9 @@ def _fmt(x, digits=4) -> str:
 
 
 def _ci(ci, digits=4, scale=1.0) -> str:
-    if not ci or any(c is None or not np.isfinite(c) for c in ci):
-        return ""
-    return f" [{ci[0] * scale:.{digits}f}, {ci[1] * scale:.{digits}f}]"
+    from nondet_jax.stats import format_ci
+
+    return format_ci(ci, digits, scale)
 
 
 def load_records(run: Path) -> tuple[dict, dict[str, dict]]:
@@ -54,6 +54,7 @@ def load_records(run: Path) -> tuple[dict, dict[str, dict]]:
 def build_summary(run: Path) -> tuple[dict, dict[str, dict]]:
     """Per-arm metrics plus each arm's spread relative to the ``all`` arm; and the arm records."""
     from nondet_jax.analysis import compare_arms
+    from nondet_jax.stats import METHODS
 
     config, records = load_records(run)
     env_path = RunPaths(run).environment
@@ -63,7 +64,7 @@ def build_summary(run: Path) -> tuple[dict, dict[str, dict]]:
         "dataset": config["data"]["name"], "model": config["model"]["name"],
         "epochs": config["train"]["epochs"], "seed": config["study"]["seed"],
         "backend": env.get("backend"), "device_kind": env.get("device_kind"),
-        "std_ddof": 1, "ci_level": 0.95,
+        "std_ddof": 1, "ci_level": 0.95, "ci_methods": METHODS,
         "arms": {a: {k: v for k, v in rec.items() if k != "rows"} for a, rec in records.items()},
         "vs_all": compare_arms(records),
         "mitigations": mitigation_results(run, records),
@@ -134,9 +135,28 @@ def arm_rows(summary: dict) -> list[dict]:
         for name in ("disagreement", "pearson", "spearman", "ensemble_gain_accuracy", "ensemble_gain_cross_entropy",
                      "cka", "weight_distance", "lmc_barrier"):
             row[name] = m[name]["mean"] if name in m else None
+            if name != "lmc_barrier":  # same units as the mean; empty where "n/a" (R < 3)
+                ci = (m.get(name) or {}).get("ci") or [None, None]
+                row[f"{name}_ci_low"], row[f"{name}_ci_high"] = (_finite(c) for c in ci)
         row.update({"strategy": a["strategy"], "seconds": a["seconds"]})
         rows.append(row)
     return rows
+
+
+def _finite(x):
+    """x, or None where it is NaN or infinite (strict JSON has no NaN; CSV shows an empty cell)."""
+    return None if isinstance(x, float) and not np.isfinite(x) else x
+
+
+def strict_json(obj):
+    """``obj`` with every non-finite float replaced by None, so ``json.dumps(allow_nan=False)`` holds."""
+    if isinstance(obj, dict):
+        return {k: strict_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict_json(v) for v in obj]
+    if isinstance(obj, (np.floating, np.integer)):
+        obj = obj.item()
+    return _finite(obj)
 
 
 def _write_csv(path: Path, rows: list[dict]) -> None:
@@ -167,8 +187,8 @@ def format_table(summary: dict) -> str:
             f"{_fmt(vs.get('f_test_p'), 3):>6} {ce['std']:>7.4f}{_ci(ce['std_ci']):<17} "
             f"{_fmt(m.get('disagreement', {}).get('mean'), 4):>8} {_fmt(m.get('cka', {}).get('mean'), 3):>6} "
             f"{_fmt(m.get('lmc_barrier', {}).get('mean'), 4):>8}")
-    lines.append("std: sample std over replicas (ddof=1), seeded bootstrap CIs; ratio: accuracy std / the all arm's, "
-                 "two-sided F-test p")
+    lines.append("std: sample std over replicas (ddof=1), chi-square 95% CI (normal data; n/a below R=2); ratio: "
+                 "accuracy std / the all arm's, two-sided F-test p")
     diverged = {arm: a["diverged"] for arm, a in summary["arms"].items() if a.get("diverged")}
     if diverged:
         lines.append("diverged (left out of every metric; R counts the rest): " + "; ".join(
@@ -231,14 +251,14 @@ def make_figures(run: Path, summary: dict, records: dict[str, dict]) -> list[str
         s = np.array([summary["arms"][a]["metrics"][q]["std"] for a in arms]) * scale
         ci = np.array([summary["arms"][a]["metrics"][q]["std_ci"] for a in arms], dtype=float) * scale
         err = np.clip(np.abs(np.stack([s - ci[:, 0], ci[:, 1] - s])), 0, None)
-        ax.bar(x, s, yerr=np.nan_to_num(err), capsize=4, color="C1")
+        ax.bar(x, s, yerr=err, capsize=4, color="C1")  # no bar where the CI is n/a (NaN), never a 0-width one
         if q == "accuracy":
             base = np.array([summary["arms"][a]["metrics"]["independent_errors_std"] for a in arms]) * scale
             ax.scatter(x, base, marker="_", s=300, color="k", label="test-set sampling alone", zorder=3)
             ax.legend(fontsize=8)
         ax.set_xticks(x, arms, rotation=30, ha="right")
         ax.set_ylabel(label)
-    fig.suptitle("Spread across replicas, with 95% bootstrap CIs")
+    fig.suptitle("Spread across replicas, with 95% chi-square CIs")
     save(fig, "spread")
 
     # 3. pairwise diversity per arm
@@ -250,11 +270,11 @@ def make_figures(run: Path, summary: dict, records: dict[str, dict]) -> list[str
             vals = np.array([summary["arms"][a]["metrics"].get(key, {}).get("mean", np.nan) for a in arms])
             ci = np.array([summary["arms"][a]["metrics"].get(key, {}).get("ci", [np.nan, np.nan]) for a in arms],
                           dtype=float)
-            err = np.nan_to_num(np.clip(np.abs(np.stack([vals - ci[:, 0], ci[:, 1] - vals])), 0, None))
+            err = np.clip(np.abs(np.stack([vals - ci[:, 0], ci[:, 1] - vals])), 0, None)  # NaN (n/a): no bar
             ax.bar(x, vals, yerr=err, capsize=4, color="C2")
             ax.set_xticks(x, arms, rotation=30, ha="right")
             ax.set_title(label, fontsize=10)
-        fig.suptitle("Diversity between replicas (mean over pairs, replica-bootstrap 95% CI)")
+        fig.suptitle("Diversity between replicas (mean over pairs, replica-jackknife 95% CI)")
         save(fig, "diversity")
 
     # 4. weight divergence over training
@@ -401,11 +421,13 @@ def write_report(run: str | Path, command: str | None = None) -> dict:
     """Rebuild ``summary.json``, ``arms.csv``, figures and ``report.md`` from stored results."""
     from nondet_jax.store import atomic_write_bytes, atomic_write_json
 
+    from nondet_jax.stats import METHODS
+
     run = Path(run)
     paths = RunPaths(run)
     summary, records = build_summary(run)
-    atomic_write_json(paths.summary, summary)
-    _write_csv(paths.arms_csv, arm_rows(summary))
+    atomic_write_json(paths.summary, strict_json(summary))
+    _write_csv(paths.arms_csv, [strict_json(row) for row in arm_rows(summary)])
     figures = make_figures(run, summary, records)
     if command is None and paths.command.exists():
         command = paths.command.read_text().strip()
@@ -424,15 +446,16 @@ def write_report(run: str | Path, command: str | None = None) -> dict:
            "## Figures", ""]
     md += [f"![{Path(f).stem}]({f})" for f in figures]
     md += ["", "## Definitions", "",
-           "- std: sample standard deviation over replicas (ddof=1); 95% CIs by seeded percentile bootstrap "
-           "(10,000 resamples of replicas).",
+           "- std: sample standard deviation over replicas (ddof=1); 95% CI: " + METHODS["std"] + "; mean: "
+           + METHODS["mean"] + ". Both n/a below R=2.",
            "- Pairwise metrics (disagreement, Pearson/Spearman of flattened logits, 2-model ensemble gain, linear CKA "
-           "of penultimate features, weight distance ||θa−θb||/||θa||): mean over the R(R−1)/2 pairs; CI by "
-           "bootstrap over replicas.",
+           "of penultimate features, weight distance ||θa−θb||/||θa||): mean over the R(R−1)/2 pairs; 95% CI: "
+           + METHODS["pairwise"] + "; n/a below R=3.",
            "- LMC barrier: max over α of test error at θb+α(θa−θb), BatchNorm statistics recomputed on training "
            "data at each point, minus the mean endpoint error; on disjoint pairs (0,1), (2,3), ...",
-           "- Independent-errors baseline: sqrt(Σ p_i(1−p_i))/n, the accuracy std that test-set sampling alone "
-           "explains (Jordan 2023).",
+           "- Independent-errors baseline: sqrt(Σ p_i(1−p_i)·R/(R−1))/n, the accuracy std that test-set sampling "
+           "alone explains (Jordan 2023), p_i example i's error rate over the R replicas (R/(R−1) makes the "
+           "variance unbiased).",
            "- Ratio vs all: std(arm)/std(all) with an F-distribution CI, two-sided F-test and Brown–Forsythe "
            "p-values, and the replicas per arm the F-test needs for 80% power at the observed ratio.", ""]
     atomic_write_bytes(paths.report, "\n".join(md).encode())

@@ -128,7 +128,26 @@ def test_interpolation_curve_and_barrier():
 def test_independent_errors_std(labels, logits):
     wrong = logits.argmax(-1) != labels
     p = wrong.mean(0)
-    assert metrics.independent_errors_std(logits, labels) == pytest.approx(np.sqrt(sum(p * (1 - p))) / N)
+    r = len(logits)
+    assert metrics.independent_errors_std(logits, labels) == pytest.approx(np.sqrt(sum(p * (1 - p)) * r / (r - 1)) / N)
+    assert np.isnan(metrics.independent_errors_std(logits[:1], labels))
+
+
+def test_independent_errors_baseline_is_unbiased_at_small_r():
+    """Replicas whose errors are independent Bernoulli(q_i): the baseline's variance must average the true
+    sum q(1-q)/n^2 at R=8 (the uncorrected p(1-p) was low by (R-1)/R, its std by 6.5%)."""
+    rng = np.random.default_rng(0)
+    n, r, trials = 300, 8, 400
+    q = rng.beta(0.5, 4.0, n)
+    truth = (q * (1 - q)).sum() / n ** 2
+    wrong = rng.random((trials, r, n)) < q  # (trials, R, n)
+    labels = np.zeros(n, int)
+    logits = np.stack([wrong, ~wrong], -1).astype(np.float32)  # argmax 1 (wrong) where wrong
+    est = np.array([metrics.independent_errors_std(lg, labels) ** 2 for lg in logits])
+    assert abs(est.mean() / truth - 1) < 0.02  # unbiased variance
+    p = wrong.mean(1)
+    old = ((p * (1 - p)).sum(-1) / n ** 2).mean()
+    assert old / truth == pytest.approx((r - 1) / r, abs=0.02)
 
 
 def test_metrics_accept_jax_arrays(logits, labels):

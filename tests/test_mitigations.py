@@ -59,8 +59,8 @@ def test_hand_computed_accuracy_spread_and_disagreement():
     assert m["accuracy"]["mean"] == pytest.approx(0.75)
     assert m["accuracy"]["std"] == pytest.approx(0.25)  # std(1, .75, .5), ddof=1
     assert m["disagreement"]["mean"] == pytest.approx((1 / 4 + 2 / 4 + 1 / 4) / 3)
-    lo, hi = m["accuracy"]["mean_ci"]
-    assert 0.5 <= lo <= 0.75 <= hi <= 1.0
+    lo, hi = m["accuracy"]["mean_ci"]  # t interval with 2 degrees of freedom: 0.75 ± 4.303 * 0.25 / sqrt(3)
+    assert (lo, hi) == pytest.approx((0.75 - 4.3027 * 0.25 / np.sqrt(3), 0.75 + 4.3027 * 0.25 / np.sqrt(3)), abs=1e-4)
     # cross-entropy of a right answer with margin 2: log(1 + e^-2); of a wrong one: log(1 + e^2)
     right, wrong = np.log1p(np.exp(-2.0)), np.log1p(np.exp(2.0))
     assert m["cross_entropy"]["mean"] == pytest.approx((9 * right + 3 * wrong) / 12)
@@ -103,7 +103,7 @@ def test_table_has_one_row_per_arm_and_variant():
                                                 [" all ", " tta "]]
     assert "| 75.00 [" in rows[0] and "| 25.00 [" in rows[0] and "| 33.33 [" in rows[0]
     assert "| 1.00 (1.000) |" in rows[1]  # identical spread: ratio 1, F-test p 1
-    assert "| 87.50 |" not in table and "| 87.50 " in rows[2]  # R=2: mean 87.5, no bootstrap-able pairs CI
+    assert "| 87.50 [" in rows[2] and "| 25.00 n/a |" in rows[2]  # R=2: a t interval, but no pairwise CI
     assert table.count("\n") == 6
 
 

@@ -1,4 +1,5 @@
-"""Bootstrap CIs, variance-ratio tests and power against references and simulation."""
+"""Intervals, variance-ratio tests, power and comparisons against textbook formulas, scipy, published
+figures and simulation (coverage: tests/test_coverage.py)."""
 
 import numpy as np
 import pytest
@@ -7,32 +8,36 @@ from scipy import stats as sps
 from nondet_jax import stats
 
 
-def test_bootstrap_is_seeded_and_brackets_the_estimate():
+def test_std_ci_is_the_chi_square_interval():
     x = np.random.default_rng(1).normal(size=12)
-    lo, hi = stats.bootstrap_std_ci(x)
-    assert (lo, hi) == stats.bootstrap_std_ci(x)
-    assert lo < x.std(ddof=1) < hi
-    assert np.isnan(stats.bootstrap_std_ci([1.0])[0])
+    lo, hi = stats.std_ci(x)
+    s = x.std(ddof=1)
+    assert lo == pytest.approx(s * np.sqrt(11 / sps.chi2.ppf(0.975, 11)))
+    assert hi == pytest.approx(s * np.sqrt(11 / sps.chi2.ppf(0.025, 11)))
+    assert lo < s < hi
+    assert all(np.isnan(stats.std_ci([1.0])))
 
 
-def test_bootstrap_std_ci_covers_true_std_near_nominal_rate():
-    """Percentile bootstrap of a std under-covers at small n; at n=30 it is close to nominal."""
-    rng = np.random.default_rng(2)
-    hits = 0
-    trials = 300
-    for t in range(trials):
-        x = rng.normal(0, 2.0, size=30)
-        lo, hi = stats.bootstrap_std_ci(x, samples=1000, seed=t)
-        hits += lo <= 2.0 <= hi
-    rate = hits / trials
-    assert 0.85 <= rate <= 0.99, rate
+def test_mean_ci_is_the_t_interval():
+    x = np.random.default_rng(3).normal(1.0, 2.0, 8)
+    half = sps.t.ppf(0.975, 7) * x.std(ddof=1) / np.sqrt(8)
+    assert stats.mean_ci(x) == pytest.approx((x.mean() - half, x.mean() + half))
+    assert all(np.isnan(stats.mean_ci([0.5])))
 
 
-def test_mean_ci_coverage():
-    rng = np.random.default_rng(3)
-    hits = sum(lo <= 1.0 <= hi for lo, hi in (stats.bootstrap_mean_ci(rng.normal(1.0, 1.0, 25), samples=1000, seed=t)
-                                           for t in range(200)))
-    assert 0.88 <= hits / 200 <= 0.99
+def test_intervals_take_batches_of_studies():
+    x = np.random.default_rng(2).normal(size=(5, 8))
+    lo, hi = stats.std_ci(x)
+    assert lo.shape == (5,) and lo[3] == pytest.approx(stats.std_ci(x[3])[0])
+    lo, hi = stats.mean_ci(x)
+    assert hi[1] == pytest.approx(stats.mean_ci(x[1])[1])
+
+
+def test_na_reason_and_format():
+    assert stats.na_reason("pairwise", 2).startswith("n/a: R=2 < 3")
+    assert stats.na_reason("std", 8) is None
+    assert stats.format_ci([float("nan"), float("nan")]) == " n/a" == stats.format_ci([None, None])
+    assert stats.format_ci([0.1, 0.25], 2, 100) == " [10.00, 25.00]"
 
 
 def test_f_test_matches_scipy_reference():
@@ -92,7 +97,7 @@ def test_compare_spread_fields():
     assert out["ratio_ci"][0] < out["ratio"] < out["ratio_ci"][1]
 
 
-def test_pairwise_mean_ci_resamples_replicas():
+def test_pairwise_mean_ci_is_the_replica_jackknife():
     from nondet_jax.metrics import pair_indices
 
     rng = np.random.default_rng(10)
@@ -100,14 +105,90 @@ def test_pairwise_mean_ci_resamples_replicas():
     a, b = pair_indices(r)
     x = rng.normal(size=r)
     values = np.abs(x[a] - x[b])
-    lo, hi = stats.bootstrap_pairwise_mean_ci(values, r)
-    assert lo < values.mean() < hi and (lo, hi) == stats.bootstrap_pairwise_mean_ci(values, r)
-    assert stats.bootstrap_pairwise_mean_ci(np.full(len(a), 0.25), r) == (0.25, 0.25)
-    assert np.isnan(stats.bootstrap_pairwise_mean_ci([0.1], 2)[0])
+    # by hand: leave replica i (and its pairs) out
+    loo = np.array([values[(a != i) & (b != i)].mean() for i in range(r)])
+    se = np.sqrt((r - 1) / r * ((loo - loo.mean()) ** 2).sum())
+    half = sps.t.ppf(0.975, r - 1) * se
+    assert stats.pairwise_mean_ci(values, r) == pytest.approx((values.mean() - half, values.mean() + half))
+    assert stats.pairwise_mean_ci(np.full(len(a), 0.25), r) == (0.25, 0.25)
+    assert all(np.isnan(stats.pairwise_mean_ci([0.1], 2)))
+    with pytest.raises(ValueError, match="pair values"):
+        stats.pairwise_mean_ci(values[:-1], r)
+
+
+def test_compare_spread_from_summary_reproduces_morin_willetts():
+    """Their Table: accuracy stds 0.00302 vs 0.00346 and loss stds 0.01995 vs 0.02699, 50 runs each, ddof=0."""
+    acc = stats.compare_spread_from_summary(0.00302, 50, 0.00346, 50, ddof=0)
+    assert acc["f_test_p"] == pytest.approx(0.34, abs=0.005)
+    assert acc["ratio"] == pytest.approx(0.873, abs=0.001) and acc["ratio_ci"][0] < 1 < acc["ratio_ci"][1]
+    loss = stats.compare_spread_from_summary(0.01995, 50, 0.02699, 50, ddof=0)
+    assert loss["f_test_p"] == pytest.approx(0.037, abs=0.002)
+    assert loss["ratio_ci"][1] < 1
+    assert loss["power"] == pytest.approx(stats.f_test_power(loss["ratio"], 50))
+    assert loss["replicas_for_80pct_power"] == stats.replicas_for_power(loss["ratio"]) > 50
+
+
+def test_compare_spread_from_summary_agrees_with_raw_data():
+    rng = np.random.default_rng(11)
+    a, b = rng.normal(0, 1, 9), rng.normal(0, 2, 14)
+    raw = stats.compare_spread(a, b)
+    for ddof in (0, 1):
+        s = stats.compare_spread_from_summary(a.std(ddof=ddof), 9, b.std(ddof=ddof), 14, ddof=ddof)
+        assert s["f_test_p"] == pytest.approx(raw["f_test_p"]) and s["ratio"] == pytest.approx(raw["ratio"])
+        assert s["ratio_ci"] == pytest.approx(raw["ratio_ci"])
+    with pytest.raises(ValueError, match="at least 2"):
+        stats.compare_spread_from_summary(0.1, 1, 0.2, 5)
+
+
+def test_unequal_counts_power_matches_simulation():
+    rng = np.random.default_rng(12)
+    sim = np.mean([stats.f_test(rng.normal(0, 1.8, 10), rng.normal(0, 1, 25)) < 0.05 for _ in range(2000)])
+    assert stats.f_test_power(1.8, 10, n_b=25) == pytest.approx(sim, abs=0.04)
+
+
+def test_welch_matches_scipy():
+    rng = np.random.default_rng(13)
+    a, b = rng.normal(0, 1, 8), rng.normal(1, 2, 11)
+    w = stats.welch(a, b)
+    ref = sps.ttest_ind(b, a, equal_var=False)
+    assert w["p"] == pytest.approx(ref.pvalue) and w["difference"] == pytest.approx(b.mean() - a.mean())
+    ci = ref.confidence_interval(0.95)
+    assert w["ci"] == pytest.approx([ci.low, ci.high])
+
+
+def test_probability_of_improvement_is_rliables():
+    a, b = np.array([1.0, 2.0, 3.0]), np.array([2.0, 4.0, 0.0])
+    # pairs (b, a): 2>1, 2=2 (half), 2<3, 4>all, 0<all -> (1 + 0.5 + 3) / 9
+    poi = stats.probability_of_improvement(a, b)
+    assert poi["probability"] == pytest.approx(4.5 / 9)
+    lo, hi = poi["ci"]
+    assert 0 <= lo < 0.5 < hi <= 1
+    sure = stats.probability_of_improvement(np.zeros(8), np.ones(8))
+    assert sure["probability"] == 1.0 and 0.5 < sure["ci"][0] < 1.0 and sure["ci"][1] == 1.0  # not degenerate
+
+
+def test_replicas_for_difference_matches_simulated_power():
+    n = stats.replicas_for_difference(0.5, 1.0)
+    assert stats.t_test_power(0.5, n) >= 0.8 > stats.t_test_power(0.5, n - 1)
+    assert n == 64  # the textbook figure for d = 0.5
+    rng = np.random.default_rng(14)
+    sim = np.mean([sps.ttest_ind(rng.normal(0.5, 1, n), rng.normal(0, 1, n)).pvalue < 0.05 for _ in range(1000)])
+    assert sim == pytest.approx(0.8, abs=0.04)
+    assert stats.replicas_for_difference(0.0, 1.0) is None
+
+
+def test_compare_means_fields():
+    rng = np.random.default_rng(15)
+    out = stats.compare_means(rng.normal(0.90, 0.01, 8), rng.normal(0.91, 0.01, 8))
+    assert out["difference_ci"][0] < out["difference"] < out["difference_ci"][1]
+    assert 0 <= out["probability_of_improvement_ci"][0] <= out["probability_of_improvement"]
+    assert out["replicas_for_80pct_power"] >= 2
+    with pytest.raises(ValueError, match="at least 2"):
+        stats.compare_means([0.9], [0.8, 0.7])
 
 
 def test_identical_values_have_exactly_zero_spread():
     x = np.full(12, 0.9833333333333333)
-    assert stats.std(x) == 0.0 and stats.bootstrap_std_ci(x) == (0.0, 0.0)
+    assert stats.std(x) == 0.0 and stats.std_ci(x) == (0.0, 0.0)
     out = stats.compare_spread(x, np.random.default_rng(0).normal(0.98, 0.006, 12))
     assert out["ratio"] == 0.0 and out["replicas_for_80pct_power"] is None

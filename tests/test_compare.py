@@ -1,0 +1,114 @@
+"""``python -m nondet_jax.compare`` on real run folders and on CSV files, its one-line errors, and the
+run folder's strict summary.json and arms.csv intervals."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from nondet_jax import stats
+from nondet_jax.compare import compare, main
+
+FAST = ["--model", "mlp", "--epochs", "1", "--replicas", "3", "--batch-size", "128", "--no-progress"]
+ENV = {**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1", "JAX_PLATFORMS": "cpu"}
+
+
+def sweep(*args):
+    proc = subprocess.run([sys.executable, "-m", "nondet_jax.sweep", *FAST, *args], capture_output=True, text=True,
+                          env=ENV, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("compare")
+    sweep("--arms", "init,all", "--out", str(root / "a"))
+    sweep("--arms", "all", "--seed", "1", "--lr", "0.05", "--out", str(root / "b"))
+    return root / "a", root / "b"
+
+
+def scores(run, arm):
+    return [r["test_accuracy"] for r in json.loads((run / "arms" / f"{arm}.json").read_text())["rows"]]
+
+
+def test_two_run_folders(runs, capsys):
+    a, b = runs
+    assert main([str(a), str(b)]) == 0
+    out = capsys.readouterr().out
+    assert "difference of means B − A" in out and "probability of improvement P(B > A)" in out
+    r = compare(a, b)
+    ref = stats.compare_means(scores(a, "all"), scores(b, "all"))
+    assert r["difference"] == pytest.approx(ref["difference"]) and r["p"] == pytest.approx(ref["p"])
+    assert r["n_a"] == r["n_b"] == 3 and r["a"]["arm"] == "all"
+    assert compare(a, a, arm="init", arm_b="all")["b"]["arm"] == "all"
+
+
+def test_loss_is_lower_is_better(runs):
+    a, b = runs
+    r = compare(a, b, metric="test_loss")
+    assert r["higher_is_better"] is False
+    la = [x["test_loss"] for x in json.loads((a / "arms" / "all.json").read_text())["rows"]]
+    lb = [x["test_loss"] for x in json.loads((b / "arms" / "all.json").read_text())["rows"]]
+    assert r["probability_of_improvement"] == pytest.approx(np.mean(np.array(lb)[:, None] < np.array(la)[None]))
+
+
+def test_two_csv_files_and_json_output(tmp_path, capsys):
+    (tmp_path / "a.csv").write_text("seed,acc\n0,0.981\n1,0.975\n2,0.979\n3,0.983\n")
+    (tmp_path / "b.csv").write_text("0.985\n0.982\n0.986\n0.981\n0.987\n")  # no header, one column
+    assert main([str(tmp_path / "a.csv"), str(tmp_path / "b.csv"), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"bare {c} in JSON"))
+    ref = stats.compare_means([0.981, 0.975, 0.979, 0.983], [0.985, 0.982, 0.986, 0.981, 0.987])
+    assert r["difference"] == pytest.approx(ref["difference"]) and r["n_b"] == 5
+    assert r["a"]["column"] == "acc"
+
+
+@pytest.mark.parametrize("make,args,message", [
+    (lambda d: None, ["{d}/a.csv", "{d}/run"], "cannot compare a CSV file"),
+    (lambda d: None, ["{d}/a.csv", "{d}/missing.csv"], "does not exist"),
+    (lambda d: (d / "c.csv").write_text("x,y\n1,2\n3,4\n"), ["{d}/a.csv", "{d}/c.csv"], "2 numeric columns"),
+    (lambda d: None, ["{d}/a.csv", "{d}/a.csv", "--column", "nope"], "no column 'nope'"),
+    (lambda d: (d / "c.csv").write_text("acc\n0.9\n"), ["{d}/a.csv", "{d}/c.csv"], "at least 2"),
+    (lambda d: (d / "c.csv").write_text("acc\n0.9\nnan\n"), ["{d}/a.csv", "{d}/c.csv"], "non-finite"),
+    (lambda d: (d / "c.csv").write_text("acc\n0.9\nbad\n"), ["{d}/a.csv", "{d}/c.csv", "--column", "acc"],
+     "not numbers"),
+    (lambda d: None, ["{d}/a.csv", "{d}/a.csv", "--arm", "init"], "--arm, --arm-b and --metric are for run folders"),
+    (lambda d: None, ["{d}/run", "{d}/run"], "not a nondet_jax run folder"),
+])
+def test_mismatched_inputs_exit_2_with_one_line(tmp_path, capsys, make, args, message):
+    (tmp_path / "a.csv").write_text("acc\n0.98\n0.97\n0.99\n")
+    (tmp_path / "run").mkdir()
+    make(tmp_path)
+    assert main([x.format(d=tmp_path) for x in args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
+
+
+def test_run_folder_errors(runs, capsys):
+    a, b = runs
+    assert main([str(a), str(b), "--arm", "init"]) == 2  # b has no init arm
+    assert "arm 'init' has no finished results" in capsys.readouterr().err
+    assert main([str(a), str(b), "--metric", "f1"]) == 2
+    assert "unknown --metric 'f1'" in capsys.readouterr().err
+
+
+def test_summary_json_is_strict_and_arms_csv_has_pairwise_cis(runs):
+    a, _ = runs
+    summary = json.loads((a / "summary.json").read_text(), parse_constant=lambda c: pytest.fail(f"bare {c}"))
+    m = summary["arms"]["init"]["metrics"]
+    assert len(m["disagreement"]["ci"]) == 2 and m["accuracy"]["std_ci"][0] <= m["accuracy"]["std"]
+    row = next(r for r in csv.DictReader((a / "arms.csv").open()) if r["arm"] == "init")
+    for name in ("disagreement", "cka", "pearson", "weight_distance"):
+        lo, hi = float(row[f"{name}_ci_low"]), float(row[f"{name}_ci_high"])
+        assert lo <= float(row[name]) <= hi, name
+        assert (lo, hi) == pytest.approx(tuple(m[name]["ci"]))  # the report's units: as the mean column
+
+
+def test_strict_json_replaces_non_finite_values():
+    from nondet_jax.report import strict_json
+
+    out = strict_json({"a": [float("nan"), 1.0, np.float64("inf")], "b": (np.float32(2.5), None), "c": "x"})
+    assert json.loads(json.dumps(out, allow_nan=False)) == {"a": [None, 1.0, None], "b": [2.5, None], "c": "x"}

@@ -1,0 +1,46 @@
+"""The hardware arm with one fresh process per replica (nondet_jax.hardware): on CPU the replicas
+really come from distinct processes, without compilation caches, and are still bitwise identical."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from nondet_jax import config as cfg
+from nondet_jax.determinism import DETERMINISM_OFF
+from nondet_jax.hardware import train_arm_per_process
+from nondet_jax.store import RunStore
+from nondet_jax.sweep import prepare
+
+ENV = {**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1", "JAX_PLATFORMS": "cpu"}
+
+
+@pytest.mark.slow
+def test_one_process_per_replica_on_cpu(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "nondet_jax.sweep", "--model", "mlp", "--epochs", "1", "--replicas",
+                           "2", "--batch-size", "128", "--no-progress", "--arms", "control,hardware", "--out", str(out)],
+                          capture_output=True, text=True, env=ENV, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    one_child = np.load(out / "logits" / "hardware.npy")  # today's way: the whole arm in one child process
+    for key, value in ENV.items():
+        monkeypatch.setenv(key, value)
+    config = cfg.from_dict(json.loads((out / "config.json").read_text()))
+    data, fns = prepare(config)
+    with RunStore(out, config, recompute=("hardware",)) as store:
+        store.remove_arm("hardware")
+        record = train_arm_per_process(config, data, fns, store, "hardware", DETERMINISM_OFF, log=lambda *a: None)
+    info = json.loads((out / "environments" / "hardware.processes.json").read_text())
+    pids = [p["pid"] for p in info["processes"]]
+    assert len(set(pids)) == 2 and info["parent_pid"] not in pids  # distinct fresh processes
+    assert [p["replica"] for p in info["processes"]] == [0, 1]
+    for p in info["processes"]:
+        assert p["compilation_cache"] is False and "--xla_gpu_deterministic_ops=false" in p["xla_flags"]
+    assert record["replicas_bitwise_identical"] and record["strategy_reason"] == "one fresh process per replica"
+    logits = np.load(out / "logits" / "hardware.npy")
+    np.testing.assert_array_equal(logits, one_child)  # CPU: same bits as one process for the arm
+    np.testing.assert_array_equal(logits[0], np.load(out / "logits" / "control.npy")[0])
+    assert not (out / "parts").exists()
