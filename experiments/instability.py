@@ -1,7 +1,7 @@
 """The instability experiment: how far do one-ulp (``bitflip``) and reduction-order (``batch_order``)
 replicas diverge, epoch by epoch, compared with a new initialisation (``init``)?
 
-Reads the preset ``experiments/instability.yaml`` (ResNet-8 on the embedded digits, 60 epochs, R
+Reads the preset ``nondet_jax/presets/instability.yaml`` (ResNet-8 on the embedded digits, 60 epochs, R
 replicas per arm), trains each arm with the library's own strategy and keys, and after every epoch
 (and at the initial weights) evaluates every replica on the test set: pairwise disagreement, linear
 CKA of penultimate features and relative weight distance, each as the mean over the R(R-1)/2 pairs
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-PRESET = ROOT / "experiments" / "instability.yaml"
+PRESET = ROOT / "nondet_jax" / "presets" / "instability.yaml"
 OUT = ROOT / "experiments" / "results" / "instability.json"
 FIGURE = ROOT / "docs" / "instability.png"
 sys.path.insert(0, str(ROOT))
