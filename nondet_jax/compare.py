@@ -37,7 +37,7 @@ def _is_run(path: Path) -> bool:
 
 def run_scores(run: str | Path, arm: str, metric: str = "test_accuracy") -> tuple[np.ndarray, dict]:
     """Per-replica ``metric`` of ``arm`` in a run folder (replicas that diverged left out), and where it came from."""
-    from nondet_jax.store import RunStore
+    from nondet_jax.store import RunPaths, verify_arm_files
 
     run = Path(run)
     if not (run / "config.json").is_file():
@@ -45,12 +45,17 @@ def run_scores(run: str | Path, arm: str, metric: str = "test_accuracy") -> tupl
                          "or a CSV file of per-seed scores")
     if metric not in RUN_METRICS:
         raise UsageError(f"unknown --metric '{metric}' for a run folder; use one of {', '.join(RUN_METRICS)}")
-    store = RunStore(run, config=None)  # read only: the folder's lock is taken by open(), never called here
-    if not store.arm_done(arm):
+    record_path = RunPaths(run).arm_file("arms", arm)  # read only: no lock, nothing written
+    if not record_path.exists():
         finished = sorted(p.stem for p in (run / "arms").glob("*.json")) if (run / "arms").is_dir() else []
         raise UsageError(f"arm '{arm}' has no finished results in {run} (finished: {', '.join(finished) or 'none'}); "
                          "pick one with --arm")
-    record = store.verify_arm(arm)
+    try:
+        record = json.loads(record_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        raise UsageError(f"result file {record_path} is unreadable or corrupt; rerun its study with --recompute {arm} "
+                         "or pick another --arm") from None
+    record = verify_arm_files(run, arm, record)
     rows = [r for r in record["rows"] if r.get("diverged_at_step", -1) < 0]
     config = json.loads((run / "config.json").read_text())
     where = {"source": str(run), "kind": "run", "arm": arm, "metric": metric, "dataset": config["data"]["name"],
