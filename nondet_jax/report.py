@@ -93,6 +93,8 @@ def mitigation_results(run: Path, records: dict[str, dict]) -> dict[str, dict]:
         snaps = {other: split_variant(other)[1] for other in records
                  if split_variant(other)[0] == arm and split_variant(other)[1]}
         keep = sorted(_healthy(rec).intersection(*(_healthy(records[o]) for o in snaps)))
+        if not keep:
+            continue
         variants = {"single": np.load(run / "logits" / f"{arm}.npy", allow_pickle=False)[keep]}
         if (run / "tta" / f"{arm}.npz").exists():
             with np.load(run / "tta" / f"{arm}.npz", allow_pickle=False) as f:
@@ -101,7 +103,7 @@ def mitigation_results(run: Path, records: dict[str, dict]) -> dict[str, dict]:
             variants[f"snapshot{k}"] = snapshot_ensemble(np.load(run / "snapshots" / f"{other}.npy",
                                                                  allow_pickle=False)[keep])
             variants[f"snapshot{k} last"] = np.load(run / "logits" / f"{other}.npy", allow_pickle=False)[keep]
-        if len(variants) > 1 and len(keep):
+        if len(variants) > 1:
             out[arm] = mitigation_metrics(variants, labels)
     return out
 
@@ -110,17 +112,18 @@ def arm_rows(summary: dict) -> list[dict]:
     """One flat row per arm (the ``arms.csv`` table)."""
     rows = []
     for arm, a in summary["arms"].items():
-        m = a["metrics"]
-        if not m:
-            continue
+        m = a["metrics"]  # empty when every replica diverged: the row says so, its numbers are empty (n/a)
+        acc, ce = m.get("accuracy", {}), m.get("cross_entropy", {})
         row = {"arm": arm, "varied": "+".join(a["varied"]) or "none", "replicas": a["replicas"],
                "diverged": len(a.get("diverged", [])),
-               "accuracy_mean": m["accuracy"]["mean"], "accuracy_std": m["accuracy"]["std"],
-               "accuracy_std_ci_low": m["accuracy"]["std_ci"][0], "accuracy_std_ci_high": m["accuracy"]["std_ci"][1],
-               "cross_entropy_mean": m["cross_entropy"]["mean"], "cross_entropy_std": m["cross_entropy"]["std"],
-               "cross_entropy_std_ci_low": m["cross_entropy"]["std_ci"][0],
-               "cross_entropy_std_ci_high": m["cross_entropy"]["std_ci"][1],
-               "independent_errors_std": m["independent_errors_std"]}
+               "diverged_at_steps": " ".join(f"{d['replica']}@{d['step']}" for d in a.get("diverged", [])),
+               "accuracy_mean": acc.get("mean"), "accuracy_std": acc.get("std"),
+               "accuracy_std_ci_low": (acc.get("std_ci") or [None])[0],
+               "accuracy_std_ci_high": (acc.get("std_ci") or [None, None])[1],
+               "cross_entropy_mean": ce.get("mean"), "cross_entropy_std": ce.get("std"),
+               "cross_entropy_std_ci_low": (ce.get("std_ci") or [None])[0],
+               "cross_entropy_std_ci_high": (ce.get("std_ci") or [None, None])[1],
+               "independent_errors_std": m.get("independent_errors_std")}
         vs = summary["vs_all"].get(arm)
         for q in ("accuracy", "cross_entropy"):
             c = vs[q] if vs else {}
@@ -155,7 +158,7 @@ def format_table(summary: dict) -> str:
         m = a["metrics"]
         vs = summary["vs_all"].get(arm, {}).get("accuracy", {})
         if not m:
-            lines.append(f"{arm:<13}{0:>3}  every replica diverged (see report.md)")
+            lines.append(f"{arm:<13}{0:>3} {'n/a':>10}  every replica diverged, nothing left to measure (see below)")
             continue
         acc, ce = m["accuracy"], m["cross_entropy"]
         lines.append(
@@ -170,7 +173,8 @@ def format_table(summary: dict) -> str:
     if diverged:
         lines.append("diverged (left out of every metric; R counts the rest): " + "; ".join(
             f"{arm} {len(d)} of {summary['arms'][arm]['replicas']} (replica "
-            + ", ".join(f"{x['replica']} at step {x['step']}" for x in d) + ")" for arm, d in diverged.items()))
+            + ", ".join(f"{x['replica']} at step {x['step']}" + (" with non-finite outputs" if x.get("cause") == "outputs"
+                        else "") for x in d) + ")" for arm, d in diverged.items()))
     return "\n".join(lines)
 
 
@@ -209,13 +213,27 @@ def make_figures(run: Path, summary: dict, records: dict[str, dict]) -> list[str
 
     # 1. accuracy of every replica, per arm (strip + violin)
     fig, ax = plt.subplots(figsize=(1.3 * len(arms) + 2, 4))
-    accs = [np.array([r["test_accuracy"] for r in records[a]["rows"]]) * 100 for a in arms]
+    healthy = [sorted(_healthy(records[a])) for a in arms]
+    accs = [np.array([r["test_accuracy"] for r in records[a]["rows"] if r["replica"] in h], float) * 100
+            for a, h in zip(arms, healthy)]
     if all(len(v) > 1 and np.ptp(v) > 0 for v in accs):
         ax.violinplot(accs, positions=x, showextrema=False)
     rng = np.random.default_rng(0)
-    for i, v in enumerate(accs):
+    low = min([v.min() for v in accs if len(v)], default=0.0)
+    marked = False
+    for i, (a, v) in enumerate(zip(arms, accs)):
         ax.scatter(i + rng.uniform(-0.12, 0.12, len(v)), v, s=14, alpha=0.8, color="C0")
-        ax.hlines(v.mean(), i - 0.25, i + 0.25, color="k", lw=1.5)
+        if len(v):
+            ax.hlines(v.mean(), i - 0.25, i + 0.25, color="k", lw=1.5)
+        gone = summary["arms"][a].get("diverged", [])
+        if gone:  # diverged replicas: a red x under the arm, labelled with replica@step
+            ax.scatter([i] * len(gone), [low] * len(gone), marker="x", color="C3", s=30, zorder=3,
+                       label=None if marked else "diverged (replica@step), left out")
+            ax.annotate(", ".join(f"{d['replica']}@{d['step']}" for d in gone)[:40], (i, low), fontsize=7,
+                        color="C3", ha="center", va="top", xytext=(0, -6), textcoords="offset points")
+            marked = True
+    if marked:
+        ax.legend(fontsize=8)
     ax.set_xticks(x, arms, rotation=30, ha="right")
     ax.set_ylabel("test accuracy (%)")
     ax.set_title("Test accuracy of each replica (line: mean)")
@@ -225,12 +243,16 @@ def make_figures(run: Path, summary: dict, records: dict[str, dict]) -> list[str
     fig, axes = plt.subplots(1, 2, figsize=(2 * (0.8 * len(arms) + 2), 4))
     for ax, q, scale, label in ((axes[0], "accuracy", 100, "std of test accuracy (%)"),
                                 (axes[1], "cross_entropy", 1, "std of test cross-entropy")):
-        s = np.array([summary["arms"][a]["metrics"][q]["std"] for a in arms]) * scale
-        ci = np.array([summary["arms"][a]["metrics"][q]["std_ci"] for a in arms], dtype=float) * scale
+        spread = [summary["arms"][a]["metrics"].get(q, {}) for a in arms]  # {} for an arm that fully diverged
+        s = np.array([m.get("std", np.nan) for m in spread], dtype=float) * scale
+        ci = np.array([m.get("std_ci", [np.nan, np.nan]) for m in spread], dtype=float) * scale
         err = np.clip(np.abs(np.stack([s - ci[:, 0], ci[:, 1] - s])), 0, None)
         ax.bar(x, s, yerr=np.nan_to_num(err), capsize=4, color="C1")
         if q == "accuracy":
-            base = np.array([summary["arms"][a]["metrics"]["independent_errors_std"] for a in arms]) * scale
+            base = np.array([summary["arms"][a]["metrics"].get("independent_errors_std", np.nan) for a in arms],
+                            dtype=float) * scale
+            for i in np.flatnonzero(np.isnan(s)):
+                ax.text(i, 0, "n/a", ha="center", va="bottom", fontsize=8, color="C3")
             ax.scatter(x, base, marker="_", s=300, color="k", label="test-set sampling alone", zorder=3)
             ax.legend(fontsize=8)
         ax.set_xticks(x, arms, rotation=30, ha="right")

@@ -185,3 +185,85 @@ def test_recompute_repairs_a_corrupt_arm_and_resume_reuses_the_folder(tmp_path, 
     assert {k: v for k, v in digests(out).items() if not k.startswith("arms/")} == \
         {k: v for k, v in good.items() if not k.startswith("arms/")}
     assert sweep.main(["--resume", str(out)]) == 0  # nothing to do: both arms reused
+
+
+FAST = ["--model", "mlp", "--epochs", "2", "--batch-size", "256", "--no-progress"]
+
+
+@pytest.fixture
+def in_process(monkeypatch):
+    """sweep.main in this process, with the divergence helpers of nondet_jax.health wired in where the
+    study core calls them (``healthy_subset``; a no-op once the core imports it from health)."""
+    from nondet_jax import health, sweep
+
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+    monkeypatch.setattr(sweep, "healthy_subset", health.healthy_subset, raising=False)
+    return sweep
+
+
+def _diverged_study_checks(out: Path, capsys, arms: dict[str, int]):
+    """Exit 0, every arm stored with its diverged count, table/CSV/figures say so, rerun reuses."""
+    import csv
+
+    for arm, n in arms.items():
+        record = json.loads((out / "arms" / f"{arm}.json").read_text())
+        assert len(record["diverged"]) == n and record["replicas_used"] == record["replicas"] - n
+        assert (record["metrics"] == {}) == (n == record["replicas"])
+    rows = {r["arm"]: r for r in csv.DictReader((out / "arms.csv").open())}
+    assert {a: int(rows[a]["diverged"]) for a in arms} == arms
+    report = (out / "report.md").read_text()
+    assert "diverged (left out of every metric" in report and (out / "figures" / "accuracy.png").exists()
+    if any(n == json.loads((out / "arms" / f"{a}.json").read_text())["replicas"] for a, n in arms.items()):
+        assert "n/a" in report
+    before = digests(out)
+    capsys.readouterr()
+    assert sweep_main_resume(out) == 0
+    printed = capsys.readouterr().out
+    assert all(f"arm {a}: already finished" in printed for a in arms) and "diverged at step" not in printed
+    assert digests(out) == before
+
+
+def sweep_main_resume(out: Path) -> int:
+    from nondet_jax import sweep
+
+    return sweep.main(["--resume", str(out), "--no-progress"])
+
+
+def test_every_replica_diverged_is_a_stored_result(in_process, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert in_process.main([*FAST, "--replicas", "2", "--lr", "1e4", "--arms", "control,init", "--out", str(out)]) == 0
+    _diverged_study_checks(out, capsys, {"control": 2, "init": 2})
+    assert ",2," in (out / "arms.csv").read_text()
+
+
+def test_one_replica_arm_fully_diverged_next_to_a_healthy_one(in_process, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("NONDET_JAX_INJECT_FAULT", "control:0:1")
+    out = tmp_path / "run"
+    assert in_process.main([*FAST, "--replicas", "1", "--set", "metrics.pairwise=false", "--arms", "control,init",
+                            "--out", str(out)]) == 0
+    _diverged_study_checks(out, capsys, {"control": 1, "init": 0})
+
+
+def test_non_finite_outputs_with_finite_losses_count_as_divergence(in_process, tmp_path, capsys, monkeypatch):
+    from nondet_jax import replicas
+
+    real = replicas.make_strategy
+
+    def poisoned(fns, name):  # replica 1's test logits overflow although every training loss was finite
+        s = real(fns, name)
+
+        def evaluate_poisoned(state, x):
+            logits, feats = s.evaluate(state, x)
+            logits = np.array(logits)
+            logits[1, 0, 0] = np.inf
+            return logits, feats
+
+        return s._replace(evaluate=evaluate_poisoned)
+
+    monkeypatch.setattr(replicas, "make_strategy", poisoned)
+    out = tmp_path / "run"
+    assert in_process.main([*FAST, "--replicas", "3", "--arms", "init", "--out", str(out)]) == 0
+    record = json.loads((out / "arms" / "init.json").read_text())
+    assert [d["replica"] for d in record["diverged"]] == [1] and record["diverged"][0]["step"] == 9  # the last of 2 x 5 steps
+    assert record["replicas_used"] == 2 and np.isfinite(record["metrics"]["accuracy"]["std"])
+    _diverged_study_checks(out, capsys, {"init": 1})
