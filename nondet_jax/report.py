@@ -31,19 +31,20 @@ def _ci(ci, digits=4, scale=1.0) -> str:
 
 def load_records(run: Path) -> tuple[dict, dict[str, dict]]:
     """The run's config and the records of its finished arms, in the config's arm order."""
+    from nondet_jax.store import check_no_links, read_arm_record, verify_arm_files
+
     cfg_path = run / "config.json"
     if not run.is_dir() or not cfg_path.exists():
         raise UsageError(f"{run} is not a nondet_jax run folder (no config.json); pass the --out folder of a sweep")
+    check_no_links(run)
     try:
         config = json.loads(cfg_path.read_text())
-        records = {a: json.loads((run / "arms" / f"{a}.json").read_text()) for a in config["study"]["arms"]
-                   if (run / "arms" / f"{a}.json").exists()}
-    except (OSError, json.JSONDecodeError, KeyError) as e:
-        raise UsageError(f"{run} holds a corrupt result file ({e}); rerun the sweep into a new --out") from None
-    from nondet_jax.store import verify_arm_files
-
-    for arm, record in records.items():
-        verify_arm_files(run, arm, record)
+        arms = config["study"]["arms"]
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise UsageError(f"{cfg_path} is unreadable or corrupt ({type(e).__name__}); rerun the sweep into a new "
+                         "--out") from None
+    records = {a: verify_arm_files(run, a, read_arm_record(run, a)) for a in arms
+               if (run / "arms" / f"{a}.json").exists()}
     if not records:
         raise UsageError(f"{run} has no finished arms yet; run the sweep to completion first")
     return config, records
@@ -55,7 +56,13 @@ def build_summary(run: Path) -> tuple[dict, dict[str, dict]]:
 
     config, records = load_records(run)
     env_path = run / "environment.json"
-    env = json.loads(env_path.read_text()) if env_path.exists() else {}
+    try:
+        env = json.loads(env_path.read_text()) if env_path.exists() else {}
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        env = None
+    if not isinstance(env, dict):
+        raise UsageError(f"{env_path} is unreadable or not a JSON object; rerun the sweep on the same --out, which "
+                         "writes it again")
     return {
         "study": str(run),
         "dataset": config["data"]["name"], "model": config["model"]["name"],
@@ -72,6 +79,15 @@ def _healthy(record: dict) -> set[int]:
     return {row["replica"] for row in record["rows"] if row.get("diverged_at_step", -1) < 0}
 
 
+def _load(path: Path) -> np.ndarray:
+    """A stored array (never unpickled); UsageError naming the file when it is not a plain .npy array."""
+    try:
+        return np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{path} is not a readable array file ({str(e).splitlines()[0][:80]}); rerun the sweep on "
+                         "the same --out to write it again") from None
+
+
 def mitigation_results(run: Path, records: dict[str, dict]) -> dict[str, dict]:
     """Per plain arm with a mitigation stored: its variants' metrics (nondet_jax.mitigations).
 
@@ -85,7 +101,7 @@ def mitigation_results(run: Path, records: dict[str, dict]) -> dict[str, dict]:
 
     if not (run / "test_labels.npy").exists():
         return {}
-    labels = np.load(run / "test_labels.npy", allow_pickle=False)
+    labels = _load(run / "test_labels.npy")
     out = {}
     for arm, rec in records.items():
         if split_variant(arm)[1]:
@@ -95,14 +111,13 @@ def mitigation_results(run: Path, records: dict[str, dict]) -> dict[str, dict]:
         keep = sorted(_healthy(rec).intersection(*(_healthy(records[o]) for o in snaps)))
         if not keep:
             continue
-        variants = {"single": np.load(run / "logits" / f"{arm}.npy", allow_pickle=False)[keep]}
+        variants = {"single": _load(run / "logits" / f"{arm}.npy")[keep]}
         if (run / "tta" / f"{arm}.npz").exists():
             with np.load(run / "tta" / f"{arm}.npz", allow_pickle=False) as f:
                 variants.update({f"tta:{name}": f[name][keep] for name in f.files})
         for other, k in snaps.items():
-            variants[f"snapshot{k}"] = snapshot_ensemble(np.load(run / "snapshots" / f"{other}.npy",
-                                                                 allow_pickle=False)[keep])
-            variants[f"snapshot{k} last"] = np.load(run / "logits" / f"{other}.npy", allow_pickle=False)[keep]
+            variants[f"snapshot{k}"] = snapshot_ensemble(_load(run / "snapshots" / f"{other}.npy")[keep])
+            variants[f"snapshot{k} last"] = _load(run / "logits" / f"{other}.npy")[keep]
         if len(variants) > 1:
             out[arm] = mitigation_metrics(variants, labels)
     return out
@@ -422,6 +437,9 @@ def write_report(run: str | Path, command: str | None = None) -> dict:
 
     run = Path(run)
     summary, records = build_summary(run)
+    if (run / "figures").exists() and not (run / "figures").is_dir():
+        raise UsageError(f"{run / 'figures'} is a file, but the report writes its figures into a folder of that name; "
+                         "move the file away and rebuild the report")
     atomic_write_json(run / "summary.json", summary)
     _write_csv(run / "arms.csv", arm_rows(summary))
     figures = make_figures(run, summary, records)

@@ -82,7 +82,7 @@ def split_variant(arm: str) -> tuple[str, int]:
     if not variant:
         return arm, 0
     k = variant.removeprefix("snapshot")
-    if not variant.startswith("snapshot") or not k.isdigit() or int(k) < 2:
+    if not variant.startswith("snapshot") or not (k.isascii() and k.isdigit()) or int(k) < 2:
         raise UsageError(f"unknown arm variant '@{variant}' in '{arm}'; the one variant is @snapshotK with K >= 2 "
                          "cycles, e.g. init@snapshot3")
     return base, int(k)
