@@ -194,7 +194,7 @@ def load_file(path: str | Path) -> dict[str, Any]:
     except OSError as e:
         raise UsageError(f"cannot read config file {path}: {e.strerror}; check the path") from None
     if len(raw) > MAX_CONFIG_BYTES:
-        raise UsageError(f"config file {path} is larger than {MAX_CONFIG_BYTES // 1024} KiB, too large for a config; "
+        raise UsageError(f"config file {path} is larger than {MAX_CONFIG_BYTES // 2**20} MiB, too large for a config; "
                          "pass a file of config keys")
     try:
         text = raw.decode("utf-8")

@@ -39,7 +39,7 @@ def digests(folder: Path) -> dict[str, str]:
 
 
 def without_timing(record: dict) -> dict:
-    return {k: v for k, v in record.items() if k not in ("seconds", "files")}
+    return {k: v for k, v in record.items() if k not in ("seconds", "files", "record_sha256")}
 
 
 @pytest.fixture(scope="module")
@@ -267,3 +267,137 @@ def test_non_finite_outputs_with_finite_losses_count_as_divergence(in_process, t
     assert [d["replica"] for d in record["diverged"]] == [1] and record["diverged"][0]["step"] == 9  # the last of 2 x 5 steps
     assert record["replicas_used"] == 2 and np.isfinite(record["metrics"]["accuracy"]["std"])
     _diverged_study_checks(out, capsys, {"init": 1})
+
+
+# sweep.main with the signal handling of nondet_jax.signals installed first, as the CLI's main does
+SWEEP_WITH_SIGNALS = ("import sys; from nondet_jax import signals, sweep; signals.install(); "
+                      "sys.exit(sweep.main(sys.argv[1:]))")
+COMPILE_FOREVER = """
+import sys
+from nondet_jax import signals
+signals.install()
+import jax, jax.numpy as jnp
+def f(x):
+    for i in range(3000):  # minutes of XLA compilation: a Ctrl-C must not wait for it
+        x = jnp.sin(x) * (i + 1) + jnp.cos(x @ x.T)
+    return x
+print("compiling", flush=True)
+jax.jit(f).lower(jnp.ones((64, 64))).compile()
+print("compiled", flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig,status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_during_compilation_exits_at_once_with_one_line(sig, status):
+    from nondet_jax.signals import MESSAGE
+
+    p = subprocess.Popen([sys.executable, "-c", COMPILE_FOREVER], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=ENV, text=True)
+    assert p.stdout.readline().strip() == "compiling"
+    time.sleep(2.0)
+    t0 = time.perf_counter()
+    p.send_signal(sig)
+    try:
+        out, err = p.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise AssertionError("the process did not leave within 30 s of the signal")
+    assert p.returncode == status and time.perf_counter() - t0 < 10
+    assert "compiled" not in out and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == MESSAGE and err.count(MESSAGE) == 1
+
+
+@pytest.mark.slow
+def test_sigint_and_sigterm_at_any_moment_then_resume_gives_bitwise_the_uninterrupted_study(tmp_path):
+    from nondet_jax.signals import MESSAGE
+
+    clean = tmp_path / "clean"
+    assert sweep(*STUDY, "--out", str(clean)).returncode == 0
+    out = tmp_path / "interrupted"
+    rng = random.Random(11)
+    plan = [(signal.SIGINT, 0), (signal.SIGTERM, 1), (signal.SIGINT, 2), (None, 0)]  # (signal, marks before it)
+    for sig, target in plan:
+        p = subprocess.Popen([sys.executable, "-c", SWEEP_WITH_SIGNALS, *STUDY, "--out", str(out)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV, text=True)
+        seen = marks(out)
+        if sig is not None:
+            if target == 0:
+                time.sleep(rng.uniform(1.0, 3.0))  # imports, data, first compilation
+            else:
+                while p.poll() is None and len(marks(out) - seen) < target:
+                    time.sleep(0.02)
+                time.sleep(rng.uniform(0.0, 0.3))
+            p.send_signal(sig)
+        stdout, stderr = p.communicate(timeout=600)
+        if sig is not None and p.returncode != 0:
+            assert p.returncode == {signal.SIGINT: 130, signal.SIGTERM: 143}[sig], stderr
+            assert "Traceback" not in stderr and stderr.strip().splitlines()[-1] == MESSAGE, stderr
+        else:
+            assert p.returncode == 0, stderr
+    assert digests(out).keys() == digests(clean).keys()
+    for name, digest in digests(clean).items():
+        if name.startswith("arms/"):
+            a, b = json.loads((clean / name).read_text()), json.loads((out / name).read_text())
+            assert without_timing(a) == without_timing(b), name
+        else:
+            assert digests(out)[name] == digest, name
+    assert not any((out / "checkpoints").iterdir())
+
+
+@pytest.mark.slow
+def test_compiled_programs_are_released_between_studies(tmp_path, monkeypatch):
+    """A loop of studies with different settings in one process: with memory.release_compiled after
+    each (the study core's call), the process's memory mappings stay bounded."""
+    from nondet_jax import memory
+    from nondet_jax.config import from_flat
+    from nondet_jax.sweep import run
+
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+    counts = []
+    for i in range(5):
+        config = from_flat({"model.name": "mlp", "train.epochs": 1, "train.batch_size": 256, "study.replicas": 2,
+                            "study.arms": "init", "optim.lr": 0.01 * (i + 1), "model.width": 1 + 0.25 * i})
+        run(config, tmp_path / f"s{i}", progress=False, log=lambda *a, **k: None)
+        memory.release_compiled()
+        counts.append(memory.map_count())
+    assert counts[0] > 0
+    assert max(counts[2:]) <= counts[1] + 200, counts  # no growth per study once warm
+
+
+def test_write_refusals_are_recognised_behind_orbax_errors():
+    import errno
+
+    from nondet_jax.checkpoint import write_refusal
+
+    assert write_refusal(ValueError("Error writing local file: No space left on device")).errno == errno.ENOSPC
+    try:
+        try:
+            raise OSError(errno.EROFS, "Read-only file system")
+        except OSError as inner:
+            raise RuntimeError("save failed") from inner
+    except RuntimeError as e:
+        assert write_refusal(e).errno == errno.EROFS
+    assert write_refusal(ValueError("shape mismatch")) is None
+
+
+def test_healthy_subset_of_one_replica_and_of_none():
+    from nondet_jax.health import bitwise_identical, flag_nonfinite_outputs, healthy_subset
+    from nondet_jax.replicas import ArmResult
+    from nondet_jax.train import Health, TrainState
+
+    def result(diverged, r, logits=None):
+        state = TrainState({"w": np.zeros((r, 3))}, {}, None, Health(np.asarray(diverged, np.int32), np.zeros(r)))
+        return ArmResult(state, np.zeros((r, 2)), np.zeros((r, 2)), np.zeros((r, 4, 3)) if logits is None else logits,
+                         np.zeros((r, 4, 5)), np.zeros((3, r * (r - 1) // 2)), "sequential", 0.0,
+                         {"loss": np.zeros((r, 10))}, np.zeros((r, 0, 4, 3)))
+
+    one = healthy_subset(result([4], 1))
+    assert one.logits.shape == (0, 4, 3) and one.weight_distance.shape == (3, 0)
+    three = healthy_subset(result([-1, 3, -1], 3))
+    assert three.logits.shape[0] == 2 and three.weight_distance.shape == (3, 1)
+    logits = np.zeros((3, 4, 3))
+    logits[2, 1, 0] = np.nan
+    flagged = flag_nonfinite_outputs(result([-1, 3, -1], 3, logits))
+    assert flagged.diverged_at.tolist() == [-1, 3, 9]  # replica 2 at the last step, replica 1 keeps its step
+    assert bitwise_identical(logits, flagged.diverged_at) and not bitwise_identical(logits, [-1, -1, -1])
