@@ -401,3 +401,27 @@ def test_healthy_subset_of_one_replica_and_of_none():
     flagged = flag_nonfinite_outputs(result([-1, 3, -1], 3, logits))
     assert flagged.diverged_at.tolist() == [-1, 3, 9]  # replica 2 at the last step, replica 1 keeps its step
     assert bitwise_identical(logits, flagged.diverged_at) and not bitwise_identical(logits, [-1, -1, -1])
+
+
+@pytest.mark.parametrize("mask,mode", [(0o022, 0o644), (0o027, 0o640), (0o077, 0o600)])
+def test_result_files_get_the_umasks_permissions(tmp_path, mask, mode):
+    from nondet_jax.store import atomic_write_bytes
+
+    old = os.umask(mask)
+    try:
+        atomic_write_bytes(tmp_path / "sub" / "f.json", b"{}")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "sub" / "f.json").stat().st_mode & 0o777 == mode
+
+
+def test_orphaned_checkpoints_of_a_finished_arm_are_removed_on_the_next_run(in_process, tmp_path):
+    out = tmp_path / "run"
+    args = ["--model", "mlp", "--epochs", "1", "--replicas", "2", "--batch-size", "256", "--no-progress",
+            "--arms", "init", "--out", str(out)]
+    assert in_process.main(args) == 0
+    orphan = out / "checkpoints" / "init" / "orbax" / "1"  # as if killed between the record and the cleanup
+    orphan.mkdir(parents=True)
+    (orphan / "data").write_bytes(b"x")
+    assert in_process.main(args) == 0
+    assert not (out / "checkpoints" / "init").exists()
