@@ -118,6 +118,9 @@ ALIAS_BOMB = "".join(f"{b}: &{b} [{','.join([f'*{a}'] * 9) if a else ','.join(['
                      for a, b in zip(["", *"abcdefgh"], "abcdefghi"))
 
 
+PROSE = "<!-- generated table ends; the rest is written by hand -->"
+
+
 def _normalize(message: str, tmp: Path) -> str:
     message = message.replace(str(tmp), "<tmp>")
     message = re.sub(r"/[0-9a-f]{32}\b", "/<hash>", message)  # orbax's data file names
@@ -383,7 +386,8 @@ def main() -> None:
         finally:
             sys.stdout, sys.stderr = real
     DOC.parent.mkdir(exist_ok=True)
-    DOC.write_text("\n".join(lines) + "\n")
+    kept = DOC.read_text().partition(PROSE)[2] if DOC.exists() else ""  # the hand-written part after the table
+    DOC.write_text("\n".join(lines) + "\n\n" + PROSE + kept)
     print(f"wrote {DOC} ({len(CASES)} rows)")
 
 
