@@ -493,4 +493,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from nondet_jax import signals
+
+    # one line, exit 130 / 143, at any moment (also inside XLA compilation)
+    signals.install("interrupted: rerun the same command to rebuild the report")
     sys.exit(main())

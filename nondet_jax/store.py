@@ -166,6 +166,8 @@ def read_arm_record(root: Path, arm: str) -> dict:
     if not isinstance(record, dict) or not isinstance(record.get("rows"), list) or \
             not isinstance(record.get("files"), dict) or not isinstance(record.get("metrics"), dict):
         raise UsageError(f"result file {path} is not an arm record (it needs rows, files and metrics); {fix}")
+    if "record_sha256" not in record:
+        raise UsageError(f"result file {path} carries no checksum (written by an older nondet_jax, or edited); {fix}")
     if record.get("record_sha256") != record_digest(record):
         raise UsageError(f"result file {path} was changed after it was written (its sha256 does not match); {fix}")
     return record
