@@ -23,13 +23,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 
 import jax
 import numpy as np
 
-from nondet_jax.store import atomic_write_json
+from nondet_jax.store import atomic_write_json, write_error
 
 logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every save at INFO
 
@@ -71,6 +72,23 @@ def verify_latest(root: Path) -> None:
                    and (Path(root) / "orbax" / p.stem).is_dir())
     if steps:
         verify_step(root, steps[-1])
+
+
+def write_refusal(e: BaseException) -> OSError | None:
+    """The file system's refusal behind ``e`` (disk full, read-only, not permitted), if that is what
+    it is: an OSError in its chain, or tensorstore's message for one."""
+    from nondet_jax.store import DENIED, FULL
+
+    seen = e
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in FULL + DENIED:
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    text = str(e)
+    for code in FULL + DENIED:
+        if os.strerror(code) in text:
+            return OSError(code, os.strerror(code))
+    return None
 
 
 class ArmCheckpoints:
@@ -122,11 +140,17 @@ class ArmCheckpoints:
         history = {"steps": progress.steps, "weight_distance": progress.weight_distance}
         if progress.snapshots is not None:
             history["snapshots"] = progress.snapshots
-        self._mgr().save(progress.epoch, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(jax.device_get(progress.state)),  # host arrays: any process layout
-            history=ocp.args.StandardSave(_nonempty(history)),
-            meta=ocp.args.JsonSave({**meta, "epoch": progress.epoch})))
-        self._mgr().wait_until_finished()
+        try:
+            self._mgr().save(progress.epoch, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(jax.device_get(progress.state)),  # host arrays: any process layout
+                history=ocp.args.StandardSave(_nonempty(history)),
+                meta=ocp.args.JsonSave({**meta, "epoch": progress.epoch})))
+            self._mgr().wait_until_finished()
+        except Exception as e:  # orbax reports a full disk as a ValueError (from tensorstore) or an OSError
+            refused = write_refusal(e)
+            if refused is None:
+                raise
+            raise write_error(self.root / "orbax" / str(progress.epoch), refused) from None
         atomic_write_json(self._sha(progress.epoch), _manifest(self.root / "orbax" / str(progress.epoch)))
         for old in self._sha(0).parent.glob("*.json"):  # manifests of steps orbax has pruned
             if not (self.root / "orbax" / old.stem).exists():

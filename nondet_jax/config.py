@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +108,10 @@ class Config:
 STRATEGIES = ("auto", "vmap", "sequential", "sharded")
 CUSTOM = "custom"  # optim.name of a study whose optimiser the user passed (nondet_jax.run_study)
 ARRAYS_PREFIX = "arrays-"  # data.name of arrays passed to nondet_jax.run_study: arrays-<sha256 prefix>
+SEED_RANGE = (0, 2**32 - 1)  # jax.random.key keeps the low 32 bits of a seed (without jax_enable_x64)
+INT_MAX = 2**31 - 1  # steps, epochs and sizes are int32 inside the compiled programs
+MAX_CONFIG_BYTES = 1 << 20  # a config file is a few hundred bytes; refuse anything near a megabyte
+MAX_YAML_NODES = 100_000  # YAML nodes after expanding aliases (a 400-byte alias bomb expands to ~10^8)
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("constant", "step", "cosine", "snapshot")
 AUGMENT = ("auto", "on", "off")
@@ -137,7 +142,12 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
                 raise ValueError
             return int(value)
         if isinstance(default, float):
-            return float(value)
+            if isinstance(value, bool):
+                raise ValueError
+            number = float(value)
+            if not math.isfinite(number):  # nan, inf, 1e400: never a meaningful setting
+                raise UsageError(f"config key '{key}' got {value!r}, which is not a finite number; fix the value")
+            return number
         if isinstance(default, tuple):
             if isinstance(value, str):
                 return tuple(v.strip() for v in value.split(",") if v.strip())
@@ -146,9 +156,12 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
             if value is None or (isinstance(value, str) and value.lower() in ("", "none", "null")):
                 return None if default is None else value
             return str(value)
-    except (TypeError, ValueError):
+    except UsageError:
+        raise
+    except (TypeError, ValueError, OverflowError):
         pass
-    raise UsageError(f"config key '{key}' got {value!r}, which is not a {type(default).__name__}; fix the value")
+    shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+    raise UsageError(f"config key '{key}' got {shown}, which is not a {type(default).__name__}; fix the value")
 
 
 def from_flat(flat: dict[str, Any], base: Config | None = None) -> Config:
@@ -176,11 +189,24 @@ def load_file(path: str | Path) -> dict[str, Any]:
     """Read a YAML or JSON config file into dotted keys (nested sections are flattened)."""
     path = Path(path)
     try:
-        text = path.read_text()
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as e:
         raise UsageError(f"cannot read config file {path}: {e.strerror}; check the path") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise UsageError(f"config file {path} is larger than {MAX_CONFIG_BYTES // 2**20} MiB, too large for a config; "
+                         "pass a file of config keys")
     try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"config file {path} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
+                         "save it as UTF-8") from None
+    try:
+        if path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            _check_yaml_size(path, text)
+            data = yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as e:
         raise UsageError(f"config file {path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: "
                          f"{str(e).splitlines()[0]}; fix the file") from None
@@ -196,6 +222,36 @@ def load_file(path: str | Path) -> dict[str, Any]:
         else:
             flat[str(k)] = v
     return flat
+
+
+def _check_yaml_size(path: Path, text: str) -> None:
+    """Refuse a YAML document whose aliases expand to more than :data:`MAX_YAML_NODES` nodes (or
+    refer to themselves) before it is constructed: a few hundred bytes of nested aliases would
+    otherwise become gigabytes once the values are turned into strings."""
+    node = yaml.compose(text, Loader=yaml.SafeLoader)
+    sizes: dict[int, int] = {}
+
+    def size(n, depth=0) -> int:
+        if id(n) in sizes:
+            if sizes[id(n)] < 0:
+                raise UsageError(f"config file {path} holds a YAML alias that refers to itself; write the values out")
+            return sizes[id(n)]
+        if depth > 100:
+            raise UsageError(f"config file {path} nests deeper than 100 levels; fix the file")
+        sizes[id(n)] = -1
+        children = [c for pair in n.value for c in pair] if isinstance(n, yaml.MappingNode) else \
+            n.value if isinstance(n, yaml.SequenceNode) else []
+        total = 1
+        for c in children:
+            total += size(c, depth + 1)
+            if total > MAX_YAML_NODES:
+                break
+        sizes[id(n)] = min(total, MAX_YAML_NODES + 1)
+        return sizes[id(n)]
+
+    if node is not None and size(node) > MAX_YAML_NODES:
+        raise UsageError(f"config file {path} expands to more than {MAX_YAML_NODES:,} values through YAML aliases "
+                         "(&anchor / *alias); write the values out")
 
 
 def parse_overrides(items: list[str]) -> dict[str, str]:
@@ -244,6 +300,7 @@ def validate(config: Config) -> None:
     from nondet_jax import models, sources
 
     m, d, o, t, s = config.model, config.data, config.optim, config.train, config.study
+    _validate_numbers(config)
     if m.name not in models.MODELS and ":" not in m.name:
         raise UsageError(f"unknown model '{m.name}'; choose one of: {', '.join(models.MODELS)}, or your own as "
                          "PACKAGE.MODULE:ATTR")
@@ -282,6 +339,10 @@ def validate(config: Config) -> None:
         raise UsageError("weight_decay, warmup_epochs and step_every_epochs must be >= 0; fix the value")
     if o.bias_bn_lr_scale <= 0:
         raise UsageError(f"optim.bias_bn_lr_scale must be > 0, got {o.bias_bn_lr_scale}; use 1 for no scaling")
+    if not 0 <= o.momentum < 1:
+        raise UsageError(f"optim.momentum must be in [0, 1), got {o.momentum}; use e.g. --set optim.momentum=0.9")
+    if not 0 < o.step_factor <= 1:
+        raise UsageError(f"optim.step_factor must be in (0, 1], got {o.step_factor}; use e.g. --set optim.step_factor=0.1")
     if o.cycles < 1:
         raise UsageError(f"optim.cycles must be >= 1, got {o.cycles}; use e.g. --set optim.cycles=3")
     if o.cycles > 1 and o.schedule != "snapshot":
@@ -304,6 +365,9 @@ def validate(config: Config) -> None:
         raise UsageError(f"batch sizes must be >= 1, got {t.batch_size}; use e.g. --batch-size 128")
     if s.replicas < 1:
         raise UsageError(f"replicas must be >= 1, got {s.replicas}; use e.g. --replicas 8")
+    if not SEED_RANGE[0] <= s.seed <= SEED_RANGE[1]:
+        raise UsageError(f"study.seed must be in {SEED_RANGE[0]} .. {SEED_RANGE[1]} (jax.random.key keeps only a "
+                         f"seed's low 32 bits), got {s.seed}; use a seed in that range")
     if s.dynamics_every < 0:
         raise UsageError(f"study.dynamics_every must be >= 0 (0 = off), got {s.dynamics_every}")
     if s.strategy not in STRATEGIES:
@@ -323,6 +387,22 @@ def validate(config: Config) -> None:
         if parsed.cycles:
             arm_config(config, parsed)  # the variant's schedule must fit, e.g. epochs divisible by K
     _validate_instruments(config)
+
+
+def _validate_numbers(config: Config) -> None:
+    """Every numeric key finite (floats) and representable in int32 (ints): checked for configs
+    built from any source (flags, files, ``config.json``, the API's dataclasses)."""
+    for section in dataclasses.fields(config):
+        values = getattr(config, section.name)
+        for f in dataclasses.fields(values):
+            v, key = getattr(values, f.name), f"{section.name}.{f.name}"
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                continue
+            if isinstance(v, float) and not math.isfinite(v):
+                raise UsageError(f"config key '{key}' got {v!r}, which is not a finite number; fix the value")
+            if key != "study.seed" and abs(v) > INT_MAX:
+                raise UsageError(f"config key '{key}' got {v!r}, beyond the largest supported value {INT_MAX}; "
+                                 "fix the value")
 
 
 def _validate_instruments(config: Config) -> None:

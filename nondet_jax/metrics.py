@@ -46,13 +46,30 @@ def log_softmax(logits) -> np.ndarray:
     return z - np.log(np.exp(z).sum(-1, keepdims=True))
 
 
+def check_labels(logits, labels) -> tuple[np.ndarray, np.ndarray]:
+    """``(logits, labels)`` as arrays, UsageError unless logits are (R, n, classes) or (n, classes)
+    and labels n integer classes below ``classes``."""
+    from nondet_jax.config import UsageError
+
+    logits, labels = np.asarray(logits), np.asarray(labels)
+    if logits.ndim not in (2, 3) or labels.ndim != 1 or logits.shape[-2] != len(labels):
+        raise UsageError(f"logits of shape {logits.shape} do not match labels of shape {labels.shape}; pass logits "
+                         "as (replicas, examples, classes) and one integer label per example")
+    if labels.dtype.kind not in "iu" or (len(labels) and not 0 <= labels.min() <= labels.max() < logits.shape[-1]):
+        raise UsageError(f"labels must be integers in [0, {logits.shape[-1]}) for {logits.shape[-1]} classes of "
+                         f"logits, got dtype {labels.dtype}; pass class indices")
+    return logits, labels
+
+
 def accuracy(logits, labels) -> np.ndarray:
     """Per-replica accuracy, shape (R,) (or a scalar for one (n, classes) array)."""
-    return (np.asarray(logits).argmax(-1) == np.asarray(labels)).mean(-1)
+    logits, labels = check_labels(logits, labels)
+    return (logits.argmax(-1) == labels).mean(-1)
 
 
 def cross_entropy(logits, labels) -> np.ndarray:
     """Per-replica mean cross-entropy (float64), shape (R,)."""
+    logits, labels = check_labels(logits, labels)
     lp = log_softmax(logits)
     lab = np.broadcast_to(np.asarray(labels), lp.shape[:-1])
     return -np.take_along_axis(lp, lab[..., None], -1)[..., 0].mean(-1)

@@ -51,6 +51,11 @@ def initialize(coordinator: str | None, num_processes: int | None, process_id: i
                          "together (or --distributed auto where JAX detects the cluster)")
     if not auto and not 0 <= process_id < num_processes:
         raise UsageError(f"--process-id must be in [0, {num_processes}), got {process_id}")
+    if not auto:
+        host, _, port = coordinator.rpartition(":")
+        if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
+            raise UsageError(f"--coordinator must be HOST:PORT with a port in 1..65535, got '{coordinator}'; "
+                             "e.g. --coordinator node0:12345")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # barriers between CPU processes
     if auto:
         jax.distributed.initialize()

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nondet_jax.health import flag_nonfinite_outputs
 from nondet_jax.metrics import flatten_weights, weight_distance
 from nondet_jax.sources import Perturbations, ReplicaKeys, replica_slice
 from nondet_jax.train import TrainFns, TrainState
@@ -161,7 +162,8 @@ def train_replicas(strategy: Strategy, keys: ReplicaKeys, perturb: Perturbations
     ``start`` continues from a checkpoint instead of initialising; ``on_epoch`` sees the
     :class:`Progress` after every epoch (to checkpoint it); ``fault = (replica, epoch)`` makes that
     replica's weights NaN before that epoch; after each epoch count in ``eval_epochs`` the test logits
-    are kept (snapshot ensembles). The loop is epoch-major: all R states exist at every
+    are kept (snapshot ensembles); replicas whose test outputs are not finite are marked diverged
+    (:func:`nondet_jax.health.flag_nonfinite_outputs`). The loop is epoch-major: all R states exist at every
     epoch end (for the divergence curves), whatever the strategy.
     """
     t0 = time.perf_counter()
@@ -186,9 +188,9 @@ def train_replicas(strategy: Strategy, keys: ReplicaKeys, perturb: Perturbations
         on_epoch(Progress(e + 1, state, steps, np.concatenate(distances), stacked))
     logits, feats = strategy.evaluate(state, x_te)
     per_epoch = {k: np.asarray(steps[k]).reshape(r_count, epochs, -1).mean(-1) for k in ("loss", "accuracy")}
-    return ArmResult(state, per_epoch["loss"], per_epoch["accuracy"], np.asarray(logits), np.asarray(feats),
+    return flag_nonfinite_outputs(ArmResult(state, per_epoch["loss"], per_epoch["accuracy"], np.asarray(logits), np.asarray(feats),
                      np.concatenate(distances), strategy.name, time.perf_counter() - t0, steps,
-                     np.stack(snapshots, 1) if snapshots else np.zeros((r_count, 0) + np.shape(logits)[1:], np.float32))
+                     np.stack(snapshots, 1) if snapshots else np.zeros((r_count, 0) + np.shape(logits)[1:], np.float32)))
 
 
 STRATEGY_BUILDERS = {"vmap": vmap_strategy, "sequential": sequential_strategy}

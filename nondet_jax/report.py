@@ -32,20 +32,21 @@ def _ci(ci, digits=4, scale=1.0) -> str:
 
 def load_records(run: Path) -> tuple[dict, dict[str, dict]]:
     """The run's config and the records of its finished arms, in the config's arm order."""
+    from nondet_jax.store import check_no_links, read_arm_record, verify_arm_files
+
     paths = RunPaths(run)
     cfg_path = paths.config
     if not run.is_dir() or not cfg_path.exists():
         raise UsageError(f"{run} is not a nondet_jax run folder (no config.json); pass the --out folder of a sweep")
+    check_no_links(run)
     try:
         config = json.loads(cfg_path.read_text())
-        records = {a: json.loads(paths.arm_file("arms", a).read_text()) for a in config["study"]["arms"]
-                   if paths.arm_file("arms", a).exists()}
-    except (OSError, json.JSONDecodeError, KeyError) as e:
-        raise UsageError(f"{run} holds a corrupt result file ({e}); rerun the sweep into a new --out") from None
-    from nondet_jax.store import verify_arm_files
-
-    for arm, record in records.items():
-        verify_arm_files(run, arm, record)
+        arms = config["study"]["arms"]
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise UsageError(f"{cfg_path} is unreadable or corrupt ({type(e).__name__}); rerun the sweep into a new "
+                         "--out") from None
+    records = {a: verify_arm_files(run, a, read_arm_record(run, a)) for a in arms
+               if paths.arm_file("arms", a).exists()}
     if not records:
         raise UsageError(f"{run} has no finished arms yet; run the sweep to completion first")
     return config, records
@@ -58,7 +59,13 @@ def build_summary(run: Path) -> tuple[dict, dict[str, dict]]:
 
     config, records = load_records(run)
     env_path = RunPaths(run).environment
-    env = json.loads(env_path.read_text()) if env_path.exists() else {}
+    try:
+        env = json.loads(env_path.read_text()) if env_path.exists() else {}
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        env = None
+    if not isinstance(env, dict):
+        raise UsageError(f"{env_path} is unreadable or not a JSON object; rerun the sweep on the same --out, which "
+                         "writes it again")
     return {
         "study": str(run),
         "dataset": config["data"]["name"], "model": config["model"]["name"],
@@ -75,6 +82,15 @@ def _healthy(record: dict) -> set[int]:
     return {row["replica"] for row in record["rows"] if row.get("diverged_at_step", -1) < 0}
 
 
+def _load(path: Path) -> np.ndarray:
+    """A stored array (never unpickled); UsageError naming the file when it is not a plain .npy array."""
+    try:
+        return np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{path} is not a readable array file ({str(e).splitlines()[0][:80]}); rerun the sweep on "
+                         "the same --out to write it again") from None
+
+
 def mitigation_results(run: Path, records: dict[str, dict]) -> dict[str, dict]:
     """Per plain arm with a mitigation stored: its variants' metrics (nondet_jax.mitigations).
 
@@ -89,7 +105,7 @@ def mitigation_results(run: Path, records: dict[str, dict]) -> dict[str, dict]:
     paths = RunPaths(run)
     if not paths.test_labels.exists():
         return {}
-    labels = np.load(paths.test_labels, allow_pickle=False)
+    labels = _load(paths.test_labels)
     out = {}
     for arm, rec in records.items():
         if split_variant(arm)[1]:
@@ -97,15 +113,16 @@ def mitigation_results(run: Path, records: dict[str, dict]) -> dict[str, dict]:
         snaps = {other: split_variant(other)[1] for other in records
                  if split_variant(other)[0] == arm and split_variant(other)[1]}
         keep = sorted(_healthy(rec).intersection(*(_healthy(records[o]) for o in snaps)))
-        variants = {"single": np.load(paths.arm_file("logits", arm), allow_pickle=False)[keep]}
+        if not keep:
+            continue
+        variants = {"single": _load(paths.arm_file("logits", arm))[keep]}
         if paths.arm_file("tta", arm).exists():
             with np.load(paths.arm_file("tta", arm), allow_pickle=False) as f:
                 variants.update({f"tta:{name}": f[name][keep] for name in f.files})
         for other, k in snaps.items():
-            variants[f"snapshot{k}"] = snapshot_ensemble(np.load(paths.arm_file("snapshots", other),
-                                                                 allow_pickle=False)[keep])
-            variants[f"snapshot{k} last"] = np.load(paths.arm_file("logits", other), allow_pickle=False)[keep]
-        if len(variants) > 1 and len(keep):
+            variants[f"snapshot{k}"] = snapshot_ensemble(_load(paths.arm_file("snapshots", other))[keep])
+            variants[f"snapshot{k} last"] = _load(paths.arm_file("logits", other))[keep]
+        if len(variants) > 1:
             out[arm] = mitigation_metrics(variants, labels)
     return out
 
@@ -114,17 +131,18 @@ def arm_rows(summary: dict) -> list[dict]:
     """One flat row per arm (the ``arms.csv`` table)."""
     rows = []
     for arm, a in summary["arms"].items():
-        m = a["metrics"]
-        if not m:
-            continue
+        m = a["metrics"]  # empty when every replica diverged: the row says so, its numbers are empty (n/a)
+        acc, ce = m.get("accuracy", {}), m.get("cross_entropy", {})
         row = {"arm": arm, "varied": "+".join(a["varied"]) or "none", "replicas": a["replicas"],
                "diverged": len(a.get("diverged", [])),
-               "accuracy_mean": m["accuracy"]["mean"], "accuracy_std": m["accuracy"]["std"],
-               "accuracy_std_ci_low": m["accuracy"]["std_ci"][0], "accuracy_std_ci_high": m["accuracy"]["std_ci"][1],
-               "cross_entropy_mean": m["cross_entropy"]["mean"], "cross_entropy_std": m["cross_entropy"]["std"],
-               "cross_entropy_std_ci_low": m["cross_entropy"]["std_ci"][0],
-               "cross_entropy_std_ci_high": m["cross_entropy"]["std_ci"][1],
-               "independent_errors_std": m["independent_errors_std"]}
+               "diverged_at_steps": " ".join(f"{d['replica']}@{d['step']}" for d in a.get("diverged", [])),
+               "accuracy_mean": acc.get("mean"), "accuracy_std": acc.get("std"),
+               "accuracy_std_ci_low": (acc.get("std_ci") or [None])[0],
+               "accuracy_std_ci_high": (acc.get("std_ci") or [None, None])[1],
+               "cross_entropy_mean": ce.get("mean"), "cross_entropy_std": ce.get("std"),
+               "cross_entropy_std_ci_low": (ce.get("std_ci") or [None])[0],
+               "cross_entropy_std_ci_high": (ce.get("std_ci") or [None, None])[1],
+               "independent_errors_std": m.get("independent_errors_std")}
         vs = summary["vs_all"].get(arm)
         for q in ("accuracy", "cross_entropy"):
             c = vs[q] if vs else {}
@@ -178,7 +196,7 @@ def format_table(summary: dict) -> str:
         m = a["metrics"]
         vs = summary["vs_all"].get(arm, {}).get("accuracy", {})
         if not m:
-            lines.append(f"{arm:<13}{0:>3}  every replica diverged (see report.md)")
+            lines.append(f"{arm:<13}{0:>3} {'n/a':>10}  every replica diverged, nothing left to measure (see below)")
             continue
         acc, ce = m["accuracy"], m["cross_entropy"]
         lines.append(
@@ -193,7 +211,8 @@ def format_table(summary: dict) -> str:
     if diverged:
         lines.append("diverged (left out of every metric; R counts the rest): " + "; ".join(
             f"{arm} {len(d)} of {summary['arms'][arm]['replicas']} (replica "
-            + ", ".join(f"{x['replica']} at step {x['step']}" for x in d) + ")" for arm, d in diverged.items()))
+            + ", ".join(f"{x['replica']} at step {x['step']}" + (" with non-finite outputs" if x.get("cause") == "outputs"
+                        else "") for x in d) + ")" for arm, d in diverged.items()))
     return "\n".join(lines)
 
 
@@ -232,13 +251,27 @@ def make_figures(run: Path, summary: dict, records: dict[str, dict]) -> list[str
 
     # 1. accuracy of every replica, per arm (strip + violin)
     fig, ax = plt.subplots(figsize=(1.3 * len(arms) + 2, 4))
-    accs = [np.array([r["test_accuracy"] for r in records[a]["rows"]]) * 100 for a in arms]
+    healthy = [sorted(_healthy(records[a])) for a in arms]
+    accs = [np.array([r["test_accuracy"] for r in records[a]["rows"] if r["replica"] in h], float) * 100
+            for a, h in zip(arms, healthy)]
     if all(len(v) > 1 and np.ptp(v) > 0 for v in accs):
         ax.violinplot(accs, positions=x, showextrema=False)
     rng = np.random.default_rng(0)
-    for i, v in enumerate(accs):
+    low = min([v.min() for v in accs if len(v)], default=0.0)
+    marked = False
+    for i, (a, v) in enumerate(zip(arms, accs)):
         ax.scatter(i + rng.uniform(-0.12, 0.12, len(v)), v, s=14, alpha=0.8, color="C0")
-        ax.hlines(v.mean(), i - 0.25, i + 0.25, color="k", lw=1.5)
+        if len(v):
+            ax.hlines(v.mean(), i - 0.25, i + 0.25, color="k", lw=1.5)
+        gone = summary["arms"][a].get("diverged", [])
+        if gone:  # diverged replicas: a red x under the arm, labelled with replica@step
+            ax.scatter([i] * len(gone), [low] * len(gone), marker="x", color="C3", s=30, zorder=3,
+                       label=None if marked else "diverged (replica@step), left out")
+            ax.annotate(", ".join(f"{d['replica']}@{d['step']}" for d in gone)[:40], (i, low), fontsize=7,
+                        color="C3", ha="center", va="top", xytext=(0, -6), textcoords="offset points")
+            marked = True
+    if marked:
+        ax.legend(fontsize=8)
     ax.set_xticks(x, arms, rotation=30, ha="right")
     ax.set_ylabel("test accuracy (%)")
     ax.set_title("Test accuracy of each replica (line: mean)")
@@ -248,12 +281,16 @@ def make_figures(run: Path, summary: dict, records: dict[str, dict]) -> list[str
     fig, axes = plt.subplots(1, 2, figsize=(2 * (0.8 * len(arms) + 2), 4))
     for ax, q, scale, label in ((axes[0], "accuracy", 100, "std of test accuracy (%)"),
                                 (axes[1], "cross_entropy", 1, "std of test cross-entropy")):
-        s = np.array([summary["arms"][a]["metrics"][q]["std"] for a in arms]) * scale
-        ci = np.array([summary["arms"][a]["metrics"][q]["std_ci"] for a in arms], dtype=float) * scale
+        spread = [summary["arms"][a]["metrics"].get(q, {}) for a in arms]  # {} for an arm that fully diverged
+        s = np.array([m.get("std", np.nan) for m in spread], dtype=float) * scale
+        ci = np.array([m.get("std_ci", [np.nan, np.nan]) for m in spread], dtype=float) * scale
         err = np.clip(np.abs(np.stack([s - ci[:, 0], ci[:, 1] - s])), 0, None)
         ax.bar(x, s, yerr=err, capsize=4, color="C1")  # no bar where the CI is n/a (NaN), never a 0-width one
         if q == "accuracy":
-            base = np.array([summary["arms"][a]["metrics"]["independent_errors_std"] for a in arms]) * scale
+            base = np.array([summary["arms"][a]["metrics"].get("independent_errors_std", np.nan) for a in arms],
+                            dtype=float) * scale
+            for i in np.flatnonzero(np.isnan(s)):
+                ax.text(i, 0, "n/a", ha="center", va="bottom", fontsize=8, color="C3")
             ax.scatter(x, base, marker="_", s=300, color="k", label="test-set sampling alone", zorder=3)
             ax.legend(fontsize=8)
         ax.set_xticks(x, arms, rotation=30, ha="right")
@@ -426,6 +463,9 @@ def write_report(run: str | Path, command: str | None = None) -> dict:
     run = Path(run)
     paths = RunPaths(run)
     summary, records = build_summary(run)
+    if paths.figures.exists() and not paths.figures.is_dir():
+        raise UsageError(f"{paths.figures} is a file, but the report writes its figures into a folder of that name; "
+                         "move the file away and rebuild the report")
     atomic_write_json(paths.summary, strict_json(summary))
     _write_csv(paths.arms_csv, [strict_json(row) for row in arm_rows(summary)])
     figures = make_figures(run, summary, records)
@@ -490,4 +530,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from nondet_jax import signals
+
+    # one line, exit 130 / 143, at any moment (also inside XLA compilation)
+    signals.install("interrupted: rerun the same command to rebuild the report")
     sys.exit(main())

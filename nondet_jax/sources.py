@@ -101,7 +101,7 @@ def parse_arm(name: str) -> Arm:
     cycles = 0
     if variant:
         k = variant.removeprefix("snapshot")
-        if not variant.startswith("snapshot") or not k.isdigit() or int(k) < 2:
+        if not variant.startswith("snapshot") or not (k.isascii() and k.isdigit()) or int(k) < 2:
             raise UsageError(f"unknown arm variant '@{variant}' in '{name}'; the one variant is @snapshotK with K >= 2 "
                              "cycles, e.g. init@snapshot3")
         cycles = int(k)

@@ -21,6 +21,7 @@ Layout::
 from __future__ import annotations
 
 import csv
+import errno
 import fcntl
 import hashlib
 import io
@@ -41,6 +42,32 @@ LOCK = ".lock"
 # the checkpoint interval only decides how much a crash costs.
 RESULT_NEUTRAL = {("study", "arms"), ("train", "checkpoint_every")}
 ARM_FILES = ("arms/{}.json", "logits/{}.npy", "features/{}.npy", "history/{}.npz", "weights/{}.npz", "pairs/{}.npz")
+
+
+FULL = (errno.ENOSPC, errno.EDQUOT)
+DENIED = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def write_error(path: Path, e: OSError) -> UsageError:
+    """The one-line error for a write the file system refused (disk full, read-only, immutable)."""
+    if e.errno in FULL:
+        fix = "free some space, then rerun the same command: finished arms and checkpoints are kept"
+    else:
+        fix = "make the folder writable or choose another --out"
+    return UsageError(f"cannot write {path}: {e.strerror or e}; {fix}")
+
+
+def umask() -> int:
+    """This process's umask, read without changing it (``/proc/self/status``; else set and restore)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 class RunPaths:
@@ -84,17 +111,27 @@ ARM_EXT = {"arms": ".json", "logits": ".npy", "features": ".npy", "history": ".n
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file and a rename: never half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    """Write ``data`` to ``path`` through a temporary file and a rename: never half a file. The file
+    gets the permissions a plain ``open`` would (0644 under umask 022), not mkstemp's 0600; a write the
+    file system refuses is a :class:`UsageError` naming the file and the fix."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        if e.errno in FULL + DENIED:
+            raise write_error(path, e) from None
+        raise
     try:
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o666 & ~umask())
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.errno in FULL + DENIED:
+            raise write_error(path, e) from None
         raise
 
 
@@ -131,18 +168,78 @@ def _config_diff(a: dict, b: dict) -> list[str]:
     return out
 
 
+def check_no_links(root: Path) -> None:
+    """Refuse a run folder holding a symbolic link anywhere: nondet_jax writes only plain files and
+    folders there, and following a link would read or overwrite files outside the folder."""
+    root = Path(root)
+    if not root.is_dir():
+        return
+    for dirpath, dirnames, filenames in os.walk(root):  # does not descend into linked folders
+        for name in sorted(dirnames + filenames):
+            path = Path(dirpath) / name
+            if path.is_symlink():
+                raise UsageError(f"{path} is a symbolic link, which nondet_jax never follows in a run folder; "
+                                 "remove it (or put a copy of its target in its place)")
+
+
+def config_digest(config: dict) -> str:
+    """sha256 of a config's results-relevant keys (``config.json`` minus :data:`RESULT_NEUTRAL`)."""
+    kept = {s: {k: v for k, v in sec.items() if (s, k) not in RESULT_NEUTRAL} for s, sec in config.items()
+            if isinstance(sec, dict)}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
+
+
+def record_digest(record: dict) -> str:
+    """sha256 of an arm record without its own ``record_sha256`` entry."""
+    body = {k: v for k, v in record.items() if k != "record_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def read_arm_record(root: Path, arm: str) -> dict:
+    """``arms/<arm>.json``, parsed and checked to be an arm record that nobody edited (its own
+    sha256 matches). UsageError naming the file and ``--recompute ARM`` otherwise."""
+    path = Path(root) / f"arms/{arm}.json"
+    fix = f"rerun with --recompute {arm} to train arm '{arm}' again"
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        raise UsageError(f"result file {path} is unreadable or corrupt; {fix}") from None
+    if not isinstance(record, dict) or not isinstance(record.get("rows"), list) or \
+            not isinstance(record.get("files"), dict) or not isinstance(record.get("metrics"), dict):
+        raise UsageError(f"result file {path} is not an arm record (it needs rows, files and metrics); {fix}")
+    if "record_sha256" not in record:
+        raise UsageError(f"result file {path} carries no checksum (written by an older nondet_jax, or edited); {fix}")
+    if record.get("record_sha256") != record_digest(record):
+        raise UsageError(f"result file {path} was changed after it was written (its sha256 does not match); {fix}")
+    return record
+
+
 def verify_arm_files(root: Path, arm: str, record: dict) -> dict:
-    """Check every file an arm's record lists against its sha256; UsageError naming the file and
-    ``--recompute ARM`` when one is missing, truncated or altered. Returns the record."""
+    """Check every file an arm's record lists against its sha256, and ``config.json`` against the
+    config the arm was trained with; UsageError naming the file and the fix when one is missing,
+    truncated or altered. Returns the record."""
+    root = Path(root)
     for rel, digest in record.get("files", {}).items():
-        path = Path(root) / rel
+        path = root / rel
         try:
             ok = hashlib.sha256(path.read_bytes()).hexdigest() == digest
+        except FileNotFoundError:
+            ok = rel == "test_labels.npy"  # rewritten from the data set by the next sweep; the report skips it
         except OSError:
             ok = False
+        if not ok and rel == "test_labels.npy":
+            raise UsageError(f"{path} is not the labels arm '{arm}' was evaluated on (sha256 mismatch); delete it "
+                             "and rerun the same sweep command, which writes it again from the data set")
         if not ok:
             raise UsageError(f"result file {path} is missing, truncated or corrupt (sha256 mismatch); rerun the sweep "
                              f"with --recompute {arm} to train arm '{arm}' again")
+    try:
+        current = config_digest(json.loads((root / "config.json").read_text()))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        current = None
+    if current != record.get("config_sha256"):
+        raise UsageError(f"{root / 'config.json'} does not hold the config arm '{arm}' was trained with (edited after "
+                         f"the run?); restore it, or start a new study with another --out")
     return record
 
 
@@ -176,10 +273,14 @@ class RunStore:
         cfg_path = root / "config.json"
         if root.exists() and not cfg_path.exists() and any(p.name != LOCK for p in root.iterdir()):
             raise UsageError(f"--out {root} exists and is not a nondet_jax run folder; choose a new or empty --out")
+        check_no_links(root)
         try:
             root.mkdir(parents=True, exist_ok=True)
-            fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise UsageError(f"{root / LOCK} is a symbolic link, which nondet_jax never follows in a run folder; "
+                                 "remove it") from None
             raise UsageError(f"cannot write to --out {root}: {e.strerror}; choose a writable folder") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -208,9 +309,11 @@ class RunStore:
                                      "choose another --out or rerun with the same settings")
                 new["study"]["arms"] = list(dict.fromkeys(old["study"]["arms"] + new["study"]["arms"]))
                 self.arms = new["study"]["arms"]
+                finished = []
                 for arm in old["study"]["arms"]:  # damaged results stop the run before anything is written
                     if self.arm_done(arm) and arm not in self.recompute:
                         self.verify_arm(arm)
+                        finished.append(arm)
                     elif arm not in self.recompute and (root / "checkpoints" / arm).is_dir():
                         from nondet_jax.checkpoint import CorruptCheckpoint, verify_latest
 
@@ -219,7 +322,11 @@ class RunStore:
                         except CorruptCheckpoint as e:
                             raise UsageError(f"{e}; rerun with --recompute {arm} to train arm '{arm}' again from "
                                              "scratch") from None
+            else:
+                finished = []
             atomic_write_json(cfg_path, new)
+            for arm in finished:  # left behind by a kill between an arm's record and their deletion
+                self.remove_checkpoints(arm)
         except BaseException:
             self.close()
             raise
@@ -236,12 +343,8 @@ class RunStore:
         return self.paths.arm_file("arms", arm).exists()
 
     def load_arm(self, arm: str) -> dict:
-        path = self.paths.arm_file("arms", arm)
-        try:
-            return json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            raise UsageError(f"result file {path} is unreadable or corrupt; rerun with --recompute {arm} "
-                             f"to train arm '{arm}' again") from None
+        """The arm's record, checked to be unedited (see :func:`read_arm_record`)."""
+        return read_arm_record(self.root, arm)
 
     def verify_arm(self, arm: str) -> dict:
         """The arm's record, its files checked (see :func:`verify_arm_files`)."""
@@ -273,7 +376,12 @@ class RunStore:
             files[f"dynamics/{arm}.npz"] = npz_bytes(dynamics)
         for rel, data in files.items():
             atomic_write_bytes(self.root / rel, data)
-        record = {**record, "files": {rel: hashlib.sha256(data).hexdigest() for rel, data in files.items()}}
+        digests = {rel: hashlib.sha256(data).hexdigest() for rel, data in files.items()}
+        labels = self.root / "test_labels.npy"  # the report reads it: covered like the arm's own files
+        if labels.is_file():
+            digests["test_labels.npy"] = hashlib.sha256(labels.read_bytes()).hexdigest()
+        record = json.loads(json.dumps({**record, "files": digests, "config_sha256": config_digest(to_dict(self.config))}))
+        record["record_sha256"] = record_digest(record)  # over the JSON form, as read back
         atomic_write_json(self.root / f"arms/{arm}.json", record)
 
     def write_json(self, name: str, obj: Any) -> None:

@@ -81,11 +81,54 @@ CASES: list[tuple[str, str]] = [
     ("run folder", "--out <run>  (arms/init.json corrupted)"),
     ("run folder", "--out <run>  (an arm's checkpoint corrupted mid-training)"),
     ("report", "python -m nondet_jax.report <tmp>/empty"),
+    ("CLI", "--lr nan"),
+    ("CLI", "--lr inf"),
+    ("CLI", "--lr 1e400"),
+    ("CLI", "--set optim.weight_decay=inf"),
+    ("CLI", "--set optim.warmup_epochs=nan"),
+    ("CLI", "--width 1e400"),
+    ("CLI", "--set optim.momentum=1.5"),
+    ("CLI", "--set optim.step_factor=0"),
+    ("CLI", "--epochs 99999999999"),
+    ("CLI", "--seed 4294967296"),
+    ("CLI", "--seed -1"),
+    ("CLI", "--seed 9223372036854775808"),
+    ("CLI", "--arms init@snapshot²"),
+    ("CLI", "--coordinator bad --num-processes 2 --process-id 0"),
+    ("config file", "--config <tmp>/c.json  (contains `{\"optim\": {\"lr\": NaN}}`)"),
+    ("config file", "--config <tmp>/c.yaml  (contains `optim: {weight_decay: .inf}`)"),
+    ("config file", "--config <tmp>/c.yaml  (contains `study: {seed: 18446744073709551617}`)"),
+    ("config file", "--config <tmp>/latin1.yaml  (Latin-1 text `model: {name: résnet8}`)"),
+    ("config file", "--config <tmp>/bomb.yaml  (a 400-byte YAML alias bomb)"),
+    ("config file", "--config <tmp>/big.yaml  (2 MiB)"),
+    ("run folder", "--out <run>  (.lock a symbolic link to a file outside)"),
+    ("run folder", "--out <run>  (figures a symbolic link to a folder outside)"),
+    ("run folder", "--out <run>  (arms/init.json edited: a test accuracy changed)"),
+    ("run folder", "--out <run>  (arms/init.json without its files list)"),
+    ("run folder", "--out <run>  (arms/init.json a list)"),
+    ("run folder", "--out <run> --lr 0.1  (config.json edited to lr 0.1)"),
+    ("run folder", "--out <run>  (test_labels.npy replaced by an object array)"),
+    ("run folder", "--out <run>  (disk full: writes fail with ENOSPC)"),
+    ("run folder", "--out <run>  (read-only: writes fail with EROFS)"),
+    ("report", "python -m nondet_jax.report <run>  (figures a file)"),
+    ("report", "python -m nondet_jax.report <run>  (environment.json not JSON)"),
+    ("report", "python -m nondet_jax.report <run>  (arms/init.json lacks rows)"),
+    ("audit", "python -m nondet_jax.audit --json <tmp>/empty"),
+    ("audit", "python -m nondet_jax.audit --seed 18446744073709551617"),
     ("API", "config.from_flat({'model.nam': 'resnet8'})"),
     ("API", "sources.arm_sources('nosuch')"),
     ("API", "data.load_dataset('nosuch')"),
     ("API", "train.make_train(from_flat({'train.batch_size': 5000}), digits_spec)"),
+    ("API", "metrics.accuracy(np.zeros((2, 5, 10)), np.zeros(4, int))"),
+    ("API", "memory.check_fits(from_flat({'study.replicas': 10**7, 'model.name': 'mlp'}), digits_spec, 360, "
+            "available=16 * 2**30, where='host memory')"),
 ]
+
+ALIAS_BOMB = "".join(f"{b}: &{b} [{','.join([f'*{a}'] * 9) if a else ','.join(['x'] * 9)}]\n"
+                     for a, b in zip(["", *"abcdefgh"], "abcdefghi"))
+
+
+PROSE = "<!-- generated table ends; the rest is written by hand -->"
 
 
 def _npz_arrays(name: str) -> dict:
@@ -136,7 +179,9 @@ class Context:
 
 def run_case(where: str, text: str, ctx: Context, capsys) -> tuple[str, int, bool]:
     """(normalised message, exit status, whether the touched folder was left byte-for-byte as it was)."""
-    from nondet_jax import config, data, sources, sweep, train
+    import numpy as np
+
+    from nondet_jax import config, data, memory, metrics, sources, sweep, train
     from nondet_jax.config import UsageError, from_flat
 
     tmp = ctx.tmp
@@ -144,7 +189,7 @@ def run_case(where: str, text: str, ctx: Context, capsys) -> tuple[str, int, boo
         spec = train.DataSpec(1437, (8, 8, 1), 10, "digits")
         try:
             eval(text, {"config": config, "sources": sources, "data": data, "train": train,  # noqa: S307
-                        "from_flat": from_flat, "digits_spec": spec})
+                        "from_flat": from_flat, "digits_spec": spec, "np": np, "metrics": metrics, "memory": memory})
         except UsageError as e:
             return _normalize(str(e), tmp), 2, True
         raise AssertionError(f"{text} raised nothing")
@@ -173,6 +218,48 @@ def run_case(where: str, text: str, ctx: Context, capsys) -> tuple[str, int, boo
         folder.mkdir(exist_ok=True)
         (folder / "thesis.tex").write_text("x")
     (tmp / "empty").mkdir(exist_ok=True)
+    if note.startswith("Latin-1"):
+        path.write_bytes("model: {name: résnet8}\n".encode("latin-1"))
+    if note.startswith("a 400-byte"):
+        path.write_text(ALIAS_BOMB)
+    if note.startswith("2 MiB"):
+        path.write_text("# padding\n" * (2 * 2**20 // 10 + 1))
+    outside = tmp / "outside"
+    outside.mkdir(exist_ok=True)
+    (outside / "precious.txt").write_text("not yours\n")
+    if note.startswith(".lock a symbolic link"):
+        (folder / ".lock").unlink()
+        (folder / ".lock").symlink_to(outside / "precious.txt")
+    if note.startswith("figures a symbolic link"):
+        import shutil
+
+        shutil.rmtree(folder / "figures")
+        (folder / "figures").symlink_to(outside)
+    if note.startswith("figures a file"):
+        import shutil
+
+        shutil.rmtree(folder / "figures")
+        (folder / "figures").write_text("x")
+    if note.startswith("environment.json not JSON"):
+        (folder / "environment.json").write_text("{ not json")
+    if note.startswith("arms/init.json") and not note.startswith("arms/init.json corrupted"):
+        record = json.loads((folder / "arms" / "init.json").read_text())
+        if "test accuracy changed" in note:
+            record["rows"][0]["test_accuracy"] += 0.01
+        if "without its files" in note:
+            del record["files"]
+        if "lacks rows" in note:
+            del record["rows"]
+        if "a list" in note:
+            record = [record]
+        (folder / "arms" / "init.json").write_text(json.dumps(record, indent=2) + "\n")
+    if note.startswith("config.json edited"):
+        saved = json.loads((folder / "config.json").read_text())
+        saved["optim"]["lr"] = 0.1
+        (folder / "config.json").write_text(json.dumps(saved, indent=2) + "\n")
+    if note.startswith("test_labels.npy replaced"):
+        np.save(folder / "test_labels.npy", np.array([{"x": 1}, None], dtype=object), allow_pickle=True)
+    refuse = {"disk full": 28, "read-only": 30}.get(note.split(":")[0]) if note else None
     lock_fd = None
     if note.startswith("while another process"):
         lock_fd = os.open(folder / ".lock", os.O_RDWR)
@@ -189,24 +276,39 @@ def run_case(where: str, text: str, ctx: Context, capsys) -> tuple[str, int, boo
         folder = _folder_with_corrupt_checkpoint(ctx)
         args = [*FAST.split(), "--epochs", "2", "--arms", "init", "--out", str(folder)]
     before = _snapshot(folder) if folder else {}
+    outside_before = _snapshot(outside)
     capsys.readouterr()
+    import tempfile
+
+    real_mkstemp = tempfile.mkstemp
+    if refuse:  # the file system refuses every new file from here on (ENOSPC, EROFS)
+        def mkstemp(*a, **k):
+            raise OSError(refuse, os.strerror(refuse))
+
+        tempfile.mkstemp = mkstemp
     try:
         if where == "report":
             from nondet_jax import report
 
             status = report.main(args[3:])
+        elif where == "audit":
+            from nondet_jax import audit
+
+            status = audit.main(args[3:])
         else:
             status = sweep.main([*FAST.split(), *args] if "--resume" not in args else args)
     except SystemExit as e:  # argparse
         status = e.code
     finally:
+        tempfile.mkstemp = real_mkstemp
         if lock_fd is not None:
             os.close(lock_fd)
     err = [ln for ln in capsys.readouterr().err.splitlines()
            if ln.strip() and "Location" not in ln and not ln.startswith("WARNING:")]  # absl logging lines
     assert len(err) == 1, err
-    message = re.sub(r"^python -m nondet_jax\.(sweep|report): error: ", "", err[0])
-    return _normalize(message, tmp), status, _snapshot(folder) == before if folder else True
+    message = re.sub(r"^python -m nondet_jax\.(sweep|report|audit): error: ", "", err[0])
+    untouched = (_snapshot(folder) == before if folder else True) and _snapshot(outside) == outside_before
+    return _normalize(message, tmp), status, untouched
 
 
 def _folder_with_corrupt_checkpoint(ctx: Context) -> Path:
@@ -314,7 +416,8 @@ def main() -> None:
         finally:
             sys.stdout, sys.stderr = real
     DOC.parent.mkdir(exist_ok=True)
-    DOC.write_text("\n".join(lines) + "\n")
+    kept = DOC.read_text().partition(PROSE)[2] if DOC.exists() else ""  # the hand-written part after the table
+    DOC.write_text("\n".join(lines) + "\n\n" + PROSE + kept)
     print(f"wrote {DOC} ({len(CASES)} rows)")
 
 

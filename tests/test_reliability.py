@@ -39,7 +39,7 @@ def digests(folder: Path) -> dict[str, str]:
 
 
 def without_timing(record: dict) -> dict:
-    return {k: v for k, v in record.items() if k not in ("seconds", "files")}
+    return {k: v for k, v in record.items() if k not in ("seconds", "files", "record_sha256")}
 
 
 @pytest.fixture(scope="module")
@@ -185,3 +185,243 @@ def test_recompute_repairs_a_corrupt_arm_and_resume_reuses_the_folder(tmp_path, 
     assert {k: v for k, v in digests(out).items() if not k.startswith("arms/")} == \
         {k: v for k, v in good.items() if not k.startswith("arms/")}
     assert sweep.main(["--resume", str(out)]) == 0  # nothing to do: both arms reused
+
+
+FAST = ["--model", "mlp", "--epochs", "2", "--batch-size", "256", "--no-progress"]
+
+
+@pytest.fixture
+def in_process(monkeypatch):
+    """sweep.main in this process, with the divergence helpers of nondet_jax.health wired in where the
+    study core calls them (``healthy_subset``; a no-op once the core imports it from health)."""
+    from nondet_jax import health, sweep
+
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+    monkeypatch.setattr(sweep, "healthy_subset", health.healthy_subset, raising=False)
+    return sweep
+
+
+def _diverged_study_checks(out: Path, capsys, arms: dict[str, int]):
+    """Exit 0, every arm stored with its diverged count, table/CSV/figures say so, rerun reuses."""
+    import csv
+
+    for arm, n in arms.items():
+        record = json.loads((out / "arms" / f"{arm}.json").read_text())
+        assert len(record["diverged"]) == n and record["replicas_used"] == record["replicas"] - n
+        assert (record["metrics"] == {}) == (n == record["replicas"])
+    rows = {r["arm"]: r for r in csv.DictReader((out / "arms.csv").open())}
+    assert {a: int(rows[a]["diverged"]) for a in arms} == arms
+    report = (out / "report.md").read_text()
+    assert "diverged (left out of every metric" in report and (out / "figures" / "accuracy.png").exists()
+    if any(n == json.loads((out / "arms" / f"{a}.json").read_text())["replicas"] for a, n in arms.items()):
+        assert "n/a" in report
+    before = digests(out)
+    capsys.readouterr()
+    assert sweep_main_resume(out) == 0
+    printed = capsys.readouterr().out
+    assert all(f"arm {a}: already finished" in printed for a in arms) and "diverged at step" not in printed
+    assert digests(out) == before
+
+
+def sweep_main_resume(out: Path) -> int:
+    from nondet_jax import sweep
+
+    return sweep.main(["--resume", str(out), "--no-progress"])
+
+
+def test_every_replica_diverged_is_a_stored_result(in_process, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert in_process.main([*FAST, "--replicas", "2", "--lr", "1e4", "--arms", "control,init", "--out", str(out)]) == 0
+    _diverged_study_checks(out, capsys, {"control": 2, "init": 2})
+    assert ",2," in (out / "arms.csv").read_text()
+
+
+def test_one_replica_arm_fully_diverged_next_to_a_healthy_one(in_process, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("NONDET_JAX_INJECT_FAULT", "control:0:1")
+    out = tmp_path / "run"
+    assert in_process.main([*FAST, "--replicas", "1", "--set", "metrics.pairwise=false", "--arms", "control,init",
+                            "--out", str(out)]) == 0
+    _diverged_study_checks(out, capsys, {"control": 1, "init": 0})
+
+
+def test_non_finite_outputs_with_finite_losses_count_as_divergence(in_process, tmp_path, capsys, monkeypatch):
+    from nondet_jax import replicas
+
+    real = replicas.make_strategy
+
+    def poisoned(fns, name):  # replica 1's test logits overflow although every training loss was finite
+        s = real(fns, name)
+
+        def evaluate_poisoned(state, x):
+            logits, feats = s.evaluate(state, x)
+            logits = np.array(logits)
+            logits[1, 0, 0] = np.inf
+            return logits, feats
+
+        return s._replace(evaluate=evaluate_poisoned)
+
+    monkeypatch.setattr(replicas, "make_strategy", poisoned)
+    out = tmp_path / "run"
+    assert in_process.main([*FAST, "--replicas", "3", "--arms", "init", "--out", str(out)]) == 0
+    record = json.loads((out / "arms" / "init.json").read_text())
+    assert [d["replica"] for d in record["diverged"]] == [1] and record["diverged"][0]["step"] == 9  # the last of 2 x 5 steps
+    assert record["replicas_used"] == 2 and np.isfinite(record["metrics"]["accuracy"]["std"])
+    _diverged_study_checks(out, capsys, {"init": 1})
+
+
+# sweep.main with the signal handling of nondet_jax.signals installed first, as the CLI's main does
+SWEEP_WITH_SIGNALS = ("import sys; from nondet_jax import signals, sweep; signals.install(); "
+                      "sys.exit(sweep.main(sys.argv[1:]))")
+COMPILE_FOREVER = """
+import sys
+from nondet_jax import signals
+signals.install()
+import jax, jax.numpy as jnp
+def f(x):
+    for i in range(3000):  # minutes of XLA compilation: a Ctrl-C must not wait for it
+        x = jnp.sin(x) * (i + 1) + jnp.cos(x @ x.T)
+    return x
+print("compiling", flush=True)
+jax.jit(f).lower(jnp.ones((64, 64))).compile()
+print("compiled", flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig,status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_during_compilation_exits_at_once_with_one_line(sig, status):
+    from nondet_jax.signals import MESSAGE
+
+    p = subprocess.Popen([sys.executable, "-c", COMPILE_FOREVER], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=ENV, text=True)
+    assert p.stdout.readline().strip() == "compiling"
+    time.sleep(2.0)
+    t0 = time.perf_counter()
+    p.send_signal(sig)
+    try:
+        out, err = p.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise AssertionError("the process did not leave within 30 s of the signal")
+    assert p.returncode == status and time.perf_counter() - t0 < 10
+    assert "compiled" not in out and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == MESSAGE and err.count(MESSAGE) == 1
+
+
+@pytest.mark.slow
+def test_sigint_and_sigterm_at_any_moment_then_resume_gives_bitwise_the_uninterrupted_study(tmp_path):
+    from nondet_jax.signals import MESSAGE
+
+    clean = tmp_path / "clean"
+    assert sweep(*STUDY, "--out", str(clean)).returncode == 0
+    out = tmp_path / "interrupted"
+    rng = random.Random(11)
+    plan = [(signal.SIGINT, 0), (signal.SIGTERM, 1), (signal.SIGINT, 2), (None, 0)]  # (signal, marks before it)
+    for sig, target in plan:
+        p = subprocess.Popen([sys.executable, "-c", SWEEP_WITH_SIGNALS, *STUDY, "--out", str(out)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV, text=True)
+        seen = marks(out)
+        if sig is not None:
+            if target == 0:
+                time.sleep(rng.uniform(1.0, 3.0))  # imports, data, first compilation
+            else:
+                while p.poll() is None and len(marks(out) - seen) < target:
+                    time.sleep(0.02)
+                time.sleep(rng.uniform(0.0, 0.3))
+            p.send_signal(sig)
+        stdout, stderr = p.communicate(timeout=600)
+        if sig is not None and p.returncode != 0:
+            assert p.returncode == {signal.SIGINT: 130, signal.SIGTERM: 143}[sig], stderr
+            assert "Traceback" not in stderr and stderr.strip().splitlines()[-1] == MESSAGE, stderr
+        else:
+            assert p.returncode == 0, stderr
+    assert digests(out).keys() == digests(clean).keys()
+    for name, digest in digests(clean).items():
+        if name.startswith("arms/"):
+            a, b = json.loads((clean / name).read_text()), json.loads((out / name).read_text())
+            assert without_timing(a) == without_timing(b), name
+        else:
+            assert digests(out)[name] == digest, name
+    assert not any((out / "checkpoints").iterdir())
+
+
+@pytest.mark.slow
+def test_compiled_programs_are_released_between_studies(tmp_path, monkeypatch):
+    """A loop of studies with different settings in one process: with memory.release_compiled after
+    each (the study core's call), the process's memory mappings stay bounded."""
+    from nondet_jax import memory
+    from nondet_jax.config import from_flat
+    from nondet_jax.sweep import run
+
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+    counts = []
+    for i in range(5):
+        config = from_flat({"model.name": "mlp", "train.epochs": 1, "train.batch_size": 256, "study.replicas": 2,
+                            "study.arms": "init", "optim.lr": 0.01 * (i + 1), "model.width": 1 + 0.25 * i})
+        run(config, tmp_path / f"s{i}", progress=False, log=lambda *a, **k: None)
+        memory.release_compiled()
+        counts.append(memory.map_count())
+    assert counts[0] > 0
+    assert max(counts[2:]) <= counts[1] + 200, counts  # no growth per study once warm
+
+
+def test_write_refusals_are_recognised_behind_orbax_errors():
+    import errno
+
+    from nondet_jax.checkpoint import write_refusal
+
+    assert write_refusal(ValueError("Error writing local file: No space left on device")).errno == errno.ENOSPC
+    try:
+        try:
+            raise OSError(errno.EROFS, "Read-only file system")
+        except OSError as inner:
+            raise RuntimeError("save failed") from inner
+    except RuntimeError as e:
+        assert write_refusal(e).errno == errno.EROFS
+    assert write_refusal(ValueError("shape mismatch")) is None
+
+
+def test_healthy_subset_of_one_replica_and_of_none():
+    from nondet_jax.health import bitwise_identical, flag_nonfinite_outputs, healthy_subset
+    from nondet_jax.replicas import ArmResult
+    from nondet_jax.train import Health, TrainState
+
+    def result(diverged, r, logits=None):
+        state = TrainState({"w": np.zeros((r, 3))}, {}, None, Health(np.asarray(diverged, np.int32), np.zeros(r)))
+        return ArmResult(state, np.zeros((r, 2)), np.zeros((r, 2)), np.zeros((r, 4, 3)) if logits is None else logits,
+                         np.zeros((r, 4, 5)), np.zeros((3, r * (r - 1) // 2)), "sequential", 0.0,
+                         {"loss": np.zeros((r, 10))}, np.zeros((r, 0, 4, 3)))
+
+    one = healthy_subset(result([4], 1))
+    assert one.logits.shape == (0, 4, 3) and one.weight_distance.shape == (3, 0)
+    three = healthy_subset(result([-1, 3, -1], 3))
+    assert three.logits.shape[0] == 2 and three.weight_distance.shape == (3, 1)
+    logits = np.zeros((3, 4, 3))
+    logits[2, 1, 0] = np.nan
+    flagged = flag_nonfinite_outputs(result([-1, 3, -1], 3, logits))
+    assert flagged.diverged_at.tolist() == [-1, 3, 9]  # replica 2 at the last step, replica 1 keeps its step
+    assert bitwise_identical(logits, flagged.diverged_at) and not bitwise_identical(logits, [-1, -1, -1])
+
+
+@pytest.mark.parametrize("mask,mode", [(0o022, 0o644), (0o027, 0o640), (0o077, 0o600)])
+def test_result_files_get_the_umasks_permissions(tmp_path, mask, mode):
+    from nondet_jax.store import atomic_write_bytes
+
+    old = os.umask(mask)
+    try:
+        atomic_write_bytes(tmp_path / "sub" / "f.json", b"{}")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "sub" / "f.json").stat().st_mode & 0o777 == mode
+
+
+def test_orphaned_checkpoints_of_a_finished_arm_are_removed_on_the_next_run(in_process, tmp_path):
+    out = tmp_path / "run"
+    args = ["--model", "mlp", "--epochs", "1", "--replicas", "2", "--batch-size", "256", "--no-progress",
+            "--arms", "init", "--out", str(out)]
+    assert in_process.main(args) == 0
+    orphan = out / "checkpoints" / "init" / "orbax" / "1"  # as if killed between the record and the cleanup
+    orphan.mkdir(parents=True)
+    (orphan / "data").write_bytes(b"x")
+    assert in_process.main(args) == 0
+    assert not (out / "checkpoints" / "init").exists()
