@@ -40,7 +40,39 @@ def main(argv: list[str] | None = None) -> int:
     if command not in commands:
         print(f"{prog}: error: unknown command '{command}'; choose one of: {', '.join(commands)}", file=sys.stderr)
         return 2
-    return importlib.import_module(f"nondet_jax.{command}").main(rest, prog=f"{prog} {command}")
+    return run_command(command, rest, f"{prog} {command}")
+
+
+INTERRUPTED = {"sweep": None,  # signals.MESSAGE: finished arms are kept, rerun to resume
+               "report": "interrupted: rerun the same command to rebuild the report",
+               "audit": "interrupted: nothing was written; rerun the same command",
+               "compare": "interrupted: nothing was written; rerun the same command"}
+
+
+def run_command(command: str, argv: list[str] | None = None, prog: str | None = None) -> int:
+    """Run a command's ``main`` with SIGINT/SIGTERM handled (one line, exit 130/143, even while XLA
+    compiles; see :mod:`nondet_jax.signals`)."""
+    from nondet_jax import signals
+
+    signals.install(INTERRUPTED.get(command) or signals.MESSAGE)
+    module = importlib.import_module(f"nondet_jax.{command}")
+    return module.main(argv, prog=prog) if prog else module.main(argv)
+
+
+def sweep() -> int:  # console scripts: nondet-jax-sweep, nondet-jax-report, nondet-jax-audit, nondet-jax-compare
+    return run_command("sweep")
+
+
+def report() -> int:
+    return run_command("report")
+
+
+def audit() -> int:
+    return run_command("audit")
+
+
+def compare() -> int:
+    return run_command("compare")
 
 
 if __name__ == "__main__":

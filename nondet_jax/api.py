@@ -193,8 +193,13 @@ def run_study(model=None, data=None, optimizer=None, loss: Callable | None = Non
     parts = Parts(model=None if model is None or isinstance(model, str) else model, optimizer=optimizer,
                   loss=loss, augment=augment, features=features)
     out = Path(out) if out is not None else study.default_out(config)
-    summary = study.run(config, out, progress=progress, log=log, parts=parts, data=dataset,
-                        command=f"nondet_jax.run_study(model={config.model.name}, data={config.data.name}, ...)")
+    try:
+        summary = study.run(config, out, progress=progress, log=log, parts=parts, data=dataset,
+                            command=f"nondet_jax.run_study(model={config.model.name}, data={config.data.name}, ...)")
+    finally:  # a notebook running study after study must not pile up compiled programs
+        from nondet_jax.memory import release_compiled
+
+        release_compiled()
     return StudyResult(out, summary)
 
 

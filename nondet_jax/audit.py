@@ -152,8 +152,6 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from nondet_jax import signals
+    from nondet_jax.__main__ import run_command
 
-    # one line, exit 130 / 143, at any moment (also inside XLA compilation)
-    signals.install("interrupted: nothing was written; rerun the same command")
-    sys.exit(main())
+    sys.exit(run_command("audit"))

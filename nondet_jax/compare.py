@@ -178,10 +178,13 @@ def format_result(r: dict) -> str:
     ])
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m nondet_jax.compare", description=__doc__.splitlines()[0])
+    from nondet_jax.__main__ import prog_name
+
+    prog = prog or prog_name("nondet_jax.compare", "nondet-jax-compare")
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument("a", help="method A: a run folder or a CSV file of per-seed scores")
     p.add_argument("b", help="method B: same kind as A")
     p.add_argument("--arm", default="all", help="arm of each run folder (default: all)")
@@ -195,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         r = compare(args.a, args.b, args.arm, args.arm_b, args.metric, args.column,
                     False if args.lower_is_better else None)
     except UsageError as e:
-        print(f"python -m nondet_jax.compare: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     if args.json:
         from nondet_jax.report import strict_json
@@ -207,4 +210,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from nondet_jax.__main__ import run_command
+
+    sys.exit(run_command("compare"))

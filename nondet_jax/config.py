@@ -69,6 +69,7 @@ class StudyConfig:
     seed: int = 0
     strategy: str = "auto"  # auto | vmap | sequential | sharded
     xla_determinism: bool = True  # CLI: XLA's determinism flags on (hardware arms run without them)
+    hardware_processes: str = "replica"  # hardware arms: one fresh process per replica, caches off | "arm": one child
     dynamics_every: int = 0  # > 0: trace replicas 0 and 1 of each arm every k steps (nondet_jax.dynamics)
 
 
@@ -106,6 +107,7 @@ class Config:
 
 
 STRATEGIES = ("auto", "vmap", "sequential", "sharded")
+HARDWARE_PROCESSES = ("replica", "arm")
 CUSTOM = "custom"  # optim.name of a study whose optimiser the user passed (nondet_jax.run_study)
 ARRAYS_PREFIX = "arrays-"  # data.name of arrays passed to nondet_jax.run_study: arrays-<sha256 prefix>
 SEED_RANGE = (0, 2**32 - 1)  # jax.random.key keeps the low 32 bits of a seed (without jax_enable_x64)
@@ -372,6 +374,9 @@ def validate(config: Config) -> None:
         raise UsageError(f"study.dynamics_every must be >= 0 (0 = off), got {s.dynamics_every}")
     if s.strategy not in STRATEGIES:
         raise UsageError(f"unknown strategy '{s.strategy}'; choose one of: {', '.join(STRATEGIES)}")
+    if s.hardware_processes not in HARDWARE_PROCESSES:
+        raise UsageError(f"study.hardware_processes must be one of {', '.join(HARDWARE_PROCESSES)}, got "
+                         f"'{s.hardware_processes}'; use --set study.hardware_processes=replica")
     mc = config.metrics
     if mc.pairwise and s.replicas < 2:
         raise UsageError(f"pairwise metrics need at least 2 replicas, got {s.replicas}; use --replicas 2 or more "

@@ -41,7 +41,7 @@ def _parts(out: Path, arm: str) -> Path:
     return Path(out) / "parts" / arm
 
 
-def train_arm_per_process(config, data, fns, store, arm: str, flags, log=print) -> dict:
+def train_arm_per_process(config, data, fns, store, arm, flags, log=print) -> dict:
     """Train each replica of ``arm`` in its own fresh process under ``flags``, merge, compute the
     arm's metrics here and store it (as the sweep does for any arm); returns its record.
 
@@ -55,29 +55,29 @@ def train_arm_per_process(config, data, fns, store, arm: str, flags, log=print) 
 
     from nondet_jax.multihost import merge_parts
     from nondet_jax.replicas import make_strategy, resolve_strategy
-    from nondet_jax.sources import arm_keys, arm_sources, perturbations
-    from nondet_jax.sweep import arm_setup, finish_arm
+    from nondet_jax.sources import arm_keys, parse_arm, perturbations
+    from nondet_jax.study import arm_setup, finish_arm
 
+    arm = parse_arm(arm) if isinstance(arm, str) else arm
     study = config.study
-    folder = _parts(store.root, arm)
+    folder = _parts(store.root, arm.name)
     env = child_env(flags)
     for r in range(study.replicas):
         if (folder / f"{r}.json").exists():
-            log(f"arm {arm}: replica {r} already trained in its own process, reusing it")
+            log(f"arm {arm.name}: replica {r} already trained in its own process, reusing it")
             continue
-        log(f"arm {arm}: replica {r} in a fresh process (XLA_FLAGS {env['XLA_FLAGS']}; compilation cache off)")
-        proc = subprocess.run([sys.executable, "-m", "nondet_jax.hardware", str(store.root), arm, str(r)], env=env)
+        log(f"arm {arm.name}: replica {r} in a fresh process (XLA_FLAGS {env['XLA_FLAGS']}; compilation cache off)")
+        proc = subprocess.run([sys.executable, "-m", "nondet_jax.hardware", str(store.root), arm.name, str(r)], env=env)
         if proc.returncode != 0:
-            raise RuntimeError(f"the process training replica {r} of arm '{arm}' failed with exit status "
+            raise RuntimeError(f"the process training replica {r} of arm '{arm.name}' failed with exit status "
                                f"{proc.returncode}; its output is above; finished replicas are kept")
     processes = [json.loads((folder / f"{r}.json").read_text()) for r in range(study.replicas)]
-    _, arm_fns, _ = arm_setup(config, fns, arm)
-    varied = arm_sources(arm)
+    _, arm_fns = arm_setup(config, fns, arm)
     strategy = make_strategy(arm_fns, resolve_strategy(study.strategy, study.replicas)[0])
-    init = strategy.init(arm_keys(study.seed, varied, study.replicas), perturbations(varied),
+    init = strategy.init(arm_keys(study.seed, arm.varied, study.replicas), perturbations(arm.varied),
                          jax.numpy.asarray(data.x_train[:1]))
     merged = merge_parts([folder / f"{r}.npz" for r in range(study.replicas)], init.params)
-    store.write_json(f"environments/{arm}.processes.json",
+    store.write_json(f"environments/{arm.name}.processes.json",
                      {"mode": "one process per replica", "parent_pid": os.getpid(), "processes": processes})
     record = finish_arm(config, data, fns, store, arm, merged, "one fresh process per replica", log)
     shutil.rmtree(folder, ignore_errors=True)
@@ -93,16 +93,19 @@ def child_main(out: str, arm: str, replica: int) -> int:
     from nondet_jax import config as cfg
     from nondet_jax.determinism import environment
     from nondet_jax.multihost import part_bytes
+    from nondet_jax.signals import die_with_parent
+    from nondet_jax.sources import parse_arm
     from nondet_jax.store import RunStore, atomic_write_bytes, atomic_write_json
-    from nondet_jax.sweep import fit_arm, prepare
+    from nondet_jax.study import fit_arm, prepare
 
     if os.environ.get(REPLICA_CHILD_ENV) != "1":
         raise UsageError("python -m nondet_jax.hardware is internal: the sweep starts these processes itself")
+    die_with_parent()
     jax.config.update("jax_enable_compilation_cache", False)
     config = cfg.from_dict(json.loads((Path(out) / "config.json").read_text()))
     data, fns = prepare(config)
     with RunStore(out, config, locked_by_parent=True) as store:
-        result, _ = fit_arm(config, data, fns, store, arm, lambda n: None, lambda *a, **k: None,
+        result, _ = fit_arm(config, data, fns, store, parse_arm(arm), lambda n: None, lambda *a, **k: None,
                             block=range(replica, replica + 1))
         folder = _parts(store.root, arm)
         atomic_write_bytes(folder / f"{replica}.npz", part_bytes(result))

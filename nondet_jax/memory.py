@@ -50,7 +50,7 @@ def available_bytes() -> tuple[int | None, str]:
     return None, "memory"
 
 
-def estimate(config: Config, spec, n_test: int, replicas: int | None = None) -> dict[str, int]:
+def estimate(config: Config, spec, n_test: int, replicas: int | None = None, fns=None) -> dict[str, int]:
     """A lower bound on the bytes a study holds at once: per replica the training state (weights,
     BatchNorm statistics, optimiser state, instruments' state), the test logits and features it
     returns, and its per-step history; once, the data set on the device.
@@ -59,6 +59,7 @@ def estimate(config: Config, spec, n_test: int, replicas: int | None = None) -> 
       config: the study's config (``study.replicas`` unless ``replicas`` is given).
       spec: the :class:`nondet_jax.train.DataSpec` of the data.
       n_test: test examples.
+      fns: the study's training functions (default: the catalogue's for ``config``).
     Returns:
       {"per_replica", "data", "total"} in bytes.
     """
@@ -68,7 +69,7 @@ def estimate(config: Config, spec, n_test: int, replicas: int | None = None) -> 
     from nondet_jax.sources import arm_keys, perturbations, replica_slice
     from nondet_jax.train import make_train
 
-    fns = make_train(config, spec)
+    fns = fns or make_train(config, spec)
     r = config.study.replicas if replicas is None else replicas
     keys = replica_slice(arm_keys(0, frozenset(), 1), 0)
     x = jax.ShapeDtypeStruct((1, *spec.image_shape), jnp.float32)
@@ -81,12 +82,12 @@ def estimate(config: Config, spec, n_test: int, replicas: int | None = None) -> 
 
 
 def check_fits(config: Config, spec, n_test: int, replicas: int | None = None, available: int | None = None,
-               where: str | None = None) -> dict[str, int]:
+               where: str | None = None, fns=None) -> dict[str, int]:
     """Refuse (UsageError naming the numbers and the largest R that fits) a study whose
     :func:`estimate` exceeds the memory available; returns the estimate otherwise.
 
     ``available`` (bytes) and ``where`` default to :func:`available_bytes`."""
-    need = estimate(config, spec, n_test, replicas)
+    need = estimate(config, spec, n_test, replicas, fns)
     if available is None:
         available, where = available_bytes()
     if available is None or need["total"] <= available:

@@ -38,6 +38,8 @@ def default_out(config: Config) -> Path:
 def arm_record(arm: Arm, result, strategy_reason: str, arm_metrics: dict, acc: np.ndarray, nll: np.ndarray) -> dict:
     """The JSON record of a finished arm: per-replica rows (test accuracy ``acc`` and cross-entropy
     ``nll``), metrics, and how it was trained."""
+    from nondet_jax.health import bitwise_identical
+
     rows = [{"arm": arm.name, "replica": r, "test_accuracy": float(acc[r]), "test_loss": float(nll[r]),
              "train_loss": float(result.train_loss[r, -1]), "train_accuracy": float(result.train_accuracy[r, -1]),
              "diverged_at_step": int(result.diverged_at[r]), "strategy": result.strategy} for r in range(len(acc))]
@@ -49,8 +51,7 @@ def arm_record(arm: Arm, result, strategy_reason: str, arm_metrics: dict, acc: n
         "strategy": result.strategy,
         "strategy_reason": strategy_reason,
         "seconds": round(result.seconds, 3),
-        "replicas_bitwise_identical": bool(all(np.array_equal(result.logits[0], lg, equal_nan=True)
-                                               for lg in result.logits)),
+        "replicas_bitwise_identical": bitwise_identical(result.logits, result.diverged_at),
         "metrics": arm_metrics,
         "rows": rows,
     }
@@ -151,7 +152,11 @@ def prepare(config: Config, parts: Parts = Parts(), data=None):
         for name in config.metrics.tta:
             view_grid(name, augmentation_settings(config, data.name, data.x_train.shape[1])[2])
     spec = DataSpec(n_train, tuple(data.x_train.shape[1:]), data.num_classes, data.name)
-    return data, make_train(config, spec, parts)
+    fns = make_train(config, spec, parts)
+    from nondet_jax.memory import check_fits
+
+    check_fits(config, spec, len(data.x_test), fns=fns)  # before anything is allocated or written
+    return data, fns
 
 
 def model_record(config: Config, fns) -> dict:
@@ -198,24 +203,6 @@ def injected_fault(arm: Arm) -> tuple[int, int] | None:
     if len(parts) == 3 and parts[0] == arm.name:
         return int(parts[1]), int(parts[2])
     return None
-
-
-def healthy_subset(result):
-    """The result restricted to replicas that did not diverge (pairwise distances re-indexed)."""
-    import jax
-
-    from nondet_jax.metrics import pair_indices
-
-    keep = np.flatnonzero(result.diverged_at < 0)
-    r = len(result.diverged_at)
-    if len(keep) == r:
-        return result
-    ia, ib = pair_indices(r)
-    pairs = [np.flatnonzero((ia == a) & (ib == b))[0] for i, a in enumerate(keep) for b in keep[i + 1:]]
-    return result._replace(state=jax.tree.map(lambda x: x[keep], result.state), train_loss=result.train_loss[keep],
-                           train_accuracy=result.train_accuracy[keep], logits=result.logits[keep],
-                           features=result.features[keep], weight_distance=result.weight_distance[:, pairs],
-                           steps=jax.tree.map(lambda x: x[keep], result.steps), snapshots=result.snapshots[keep])
 
 
 def arm_setup(config: Config, fns, arm: Arm):
@@ -278,6 +265,7 @@ def finish_arm(config: Config, data, fns, store, arm: Arm, result, reason: str, 
     """Compute an arm's metrics on the replicas that did not diverge, store everything, delete its
     checkpoints; returns its record."""
     from nondet_jax.analysis import arm_metrics
+    from nondet_jax.health import divergence_records, flag_nonfinite_outputs, healthy_subset
     from nondet_jax.metrics import accuracy, cross_entropy
     from nondet_jax.sources import arm_keys, perturbations
     from nondet_jax.store import RunPaths, flatten_tree, npy_bytes, npz_bytes
@@ -285,12 +273,12 @@ def finish_arm(config: Config, data, fns, store, arm: Arm, result, reason: str, 
     study = config.study
     config, fns = arm_setup(config, fns, arm)
     labels = np.asarray(data.y_test)
+    result = flag_nonfinite_outputs(result)  # non-finite logits or features count as divergence too
     used = healthy_subset(result)
-    diverged = [{"replica": int(r), "step": int(result.diverged_at[r]),
-                 "last_finite_loss": float(result.state.health.last_loss[r])}
-                for r in np.flatnonzero(result.diverged_at >= 0)]
+    diverged = divergence_records(result)
     for d in diverged:
-        log(f"arm {arm.name}: replica {d['replica']} diverged at step {d['step']} (last finite loss "
+        why = "its test outputs are not finite" if d["cause"] == "outputs" else "its training loss stopped being finite"
+        log(f"arm {arm.name}: replica {d['replica']} diverged at step {d['step']} ({why}; last finite loss "
             f"{d['last_finite_loss']:.4g}); it is frozen there and left out of the metrics")
     if len(used.logits):
         metrics, pair_arrays = arm_metrics(used, data, fns, config.metrics)
@@ -499,7 +487,11 @@ def run(config: Config, out: str | Path | None = None, progress: bool | None = N
                 if store.arm_done(arm.name):
                     log(f"arm {arm.name}: already finished in {out}, reusing it")
                     continue
-                if arm.name in hardware_arms:
+                if arm.name in hardware_arms and study.hardware_processes == "replica":
+                    from nondet_jax.hardware import train_arm_per_process
+
+                    record = train_arm_per_process(config, data, fns, store, arm, DETERMINISM_OFF, log)
+                elif arm.name in hardware_arms:
                     log(f"arm {arm.name}: training in a child process with XLA_FLAGS {' '.join(DETERMINISM_OFF)}")
                     run_in_child(out, arm, DETERMINISM_OFF)
                     record = store.load_arm(arm.name)

@@ -222,4 +222,10 @@ def set_determinism_flags() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from nondet_jax.__main__ import run_command
+
+    if os.environ.get(study.CHILD_ENV) == "1":
+        from nondet_jax.signals import die_with_parent
+
+        die_with_parent()  # a child training an arm leaves when its sweep does
+    sys.exit(run_command("sweep"))

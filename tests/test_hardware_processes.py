@@ -13,7 +13,7 @@ from nondet_jax import config as cfg
 from nondet_jax.determinism import DETERMINISM_OFF
 from nondet_jax.hardware import train_arm_per_process
 from nondet_jax.store import RunStore
-from nondet_jax.sweep import prepare
+from nondet_jax.study import prepare
 
 ENV = {**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1", "JAX_PLATFORMS": "cpu"}
 
@@ -22,10 +22,11 @@ ENV = {**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1", "JAX_PLATFORMS": "cp
 def test_one_process_per_replica_on_cpu(tmp_path, monkeypatch):
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "nondet_jax.sweep", "--model", "mlp", "--epochs", "1", "--replicas",
-                           "2", "--batch-size", "128", "--no-progress", "--arms", "control,hardware", "--out", str(out)],
+                           "2", "--batch-size", "128", "--no-progress", "--arms", "control,hardware", "--set",
+                           "study.hardware_processes=arm", "--out", str(out)],
                           capture_output=True, text=True, env=ENV, timeout=600)
     assert proc.returncode == 0, proc.stderr
-    one_child = np.load(out / "logits" / "hardware.npy")  # today's way: the whole arm in one child process
+    one_child = np.load(out / "logits" / "hardware.npy")  # the whole arm in one child process
     for key, value in ENV.items():
         monkeypatch.setenv(key, value)
     config = cfg.from_dict(json.loads((out / "config.json").read_text()))
@@ -44,3 +45,15 @@ def test_one_process_per_replica_on_cpu(tmp_path, monkeypatch):
     np.testing.assert_array_equal(logits, one_child)  # CPU: same bits as one process for the arm
     np.testing.assert_array_equal(logits[0], np.load(out / "logits" / "control.npy")[0])
     assert not (out / "parts").exists()
+
+
+@pytest.mark.slow
+def test_the_sweep_runs_hardware_one_process_per_replica_by_default(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "nondet_jax.sweep", "--model", "mlp", "--epochs", "1", "--replicas", "2",
+                           "--batch-size", "128", "--no-progress", "--arms", "control,hardware", "--out", str(out)],
+                          capture_output=True, text=True, env=ENV, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads((out / "environments" / "hardware.processes.json").read_text())
+    assert len({p["pid"] for p in info["processes"]}) == 2
+    assert json.loads((out / "arms" / "hardware.json").read_text())["replicas_bitwise_identical"]

@@ -192,12 +192,10 @@ FAST = ["--model", "mlp", "--epochs", "2", "--batch-size", "256", "--no-progress
 
 @pytest.fixture
 def in_process(monkeypatch):
-    """sweep.main in this process, with the divergence helpers of nondet_jax.health wired in where the
-    study core calls them (``healthy_subset``; a no-op once the core imports it from health)."""
-    from nondet_jax import health, sweep
+    """sweep.main in this process (its XLA_FLAGS edits undone afterwards)."""
+    from nondet_jax import sweep
 
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
-    monkeypatch.setattr(sweep, "healthy_subset", health.healthy_subset, raising=False)
     return sweep
 
 

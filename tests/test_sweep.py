@@ -220,8 +220,8 @@ def test_report_on_folder_without_results_exits_2(tmp_path, make):
 def test_hardware_arm_trains_in_a_child_process_with_determinism_off(tmp_path):
     from nondet_jax.determinism import DETERMINISM_OFF, DETERMINISM_ON
 
-    out = tmp_path / "hw"
-    proc = cli(*FAST, "--arms", "control,hardware", "--out", str(out))
+    out = tmp_path / "hw"  # one child for the whole arm (the default, one per replica: test_hardware_processes)
+    proc = cli(*FAST, "--arms", "control,hardware", "--set", "study.hardware_processes=arm", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     assert "child process" in proc.stdout and "batch_order is the simulated counterpart" in proc.stdout
     child_env = json.loads((out / "environments" / "hardware.json").read_text())
