@@ -300,7 +300,9 @@ class RunStore:
             if cfg_path.exists():
                 try:
                     old = json.loads(cfg_path.read_text())
-                except (OSError, json.JSONDecodeError):
+                    if not isinstance(old, dict) or not isinstance(old.get("study", {}).get("arms"), list):
+                        raise ValueError("not a config")
+                except (OSError, ValueError, AttributeError):  # JSONDecodeError, UnicodeDecodeError are ValueErrors
                     raise UsageError(f"{cfg_path} is unreadable or corrupt; delete the folder {root} "
                                      "or choose another --out") from None
                 diff = _config_diff(old, new)
