@@ -72,6 +72,7 @@ CLASSES = 10
 FLAG_SETS = {
     "ynn_conv": "--xla_cpu_experimental_ynn_fusion_type=+individual_convolution",
     "no_ynn": "--xla_cpu_experimental_ynn_fusion_type=",
+    "no_ynn_conv": "--xla_cpu_experimental_ynn_fusion_type=-individual_convolution",
     "onednn": "--xla_cpu_use_onednn=true --xla_cpu_experimental_onednn_custom_call=true",
     "fast_math": "--xla_cpu_enable_fast_math=true",
     "eigen_1thread": "--xla_cpu_multi_thread_eigen=false",

@@ -197,7 +197,8 @@ def make_train(config: Config, spec: DataSpec) -> TrainFns:
 
 @functools.lru_cache(maxsize=16)
 def _make_train(config: Config, spec: DataSpec) -> TrainFns:
-    model = make_model(config.model.name, spec.num_classes, config.model.width, config.model.dropout)
+    model = make_model(config.model.name, spec.num_classes, config.model.width, config.model.dropout,
+                       config.model.dtype)
     b = config.train.batch_size
     steps = spec.n_train // b
     if steps < 1:
