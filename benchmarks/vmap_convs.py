@@ -136,7 +136,7 @@ def write_table(record: dict, choices: dict, min_gain: float, out_path: Path) ->
 
     tables = json.loads(PATH.read_text())
     tables["vmap_conv"][_backend_key(record["backend"])] = {
-        "source": f"{' '.join(record['command'])} -> {out_path.relative_to(out_path.parents[2]) if len(out_path.parents) > 2 else out_path}",
+        "source": f"{' '.join(record['command'])} -> benchmarks/results/{out_path.name}",
         "device": record["device_kind"], "replicas": record["replicas"], "batch": record["batch"],
         "dtype": record["dtype"], "min_gain": min_gain, "choices": choices}
     PATH.write_text(json.dumps(tables, indent=2) + "\n")
@@ -172,12 +172,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--write-table", action="store_true", help="make the result this backend's table in "
                    "nondet_jax/measured.json")
     p.add_argument("--min-gain", type=float, default=1.1)
+    p.add_argument("--table-from", type=Path, help="write the table from this earlier result instead of measuring")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     if args.cpu:
         args.models, args.replicas, args.batch, args.reps = "resnet14", 4, 32, 3
     if args.quick:
         args.models, args.replicas, args.batch, args.image, args.reps = "resnet8", 2, 4, 8, 1
+    if args.table_from:
+        record = json.loads(args.table_from.read_text())
+        choices = best_per_family(record["rows"], args.min_gain)
+        write_table(record, choices, args.min_gain, args.table_from.resolve())
+        print(json.dumps(choices, indent=1))
+        return 0
     backend = jax.default_backend()
     out = args.out or RESULTS / f"vmap_convs-{backend}{'-quick' if args.quick else ''}.json"
     forms = [f for f in args.forms.split(",") if f]
