@@ -54,6 +54,7 @@ cat "$O/env.txt"
 if has throughput; then
   if [ -n "$QUICK" ]; then  # every Python path of the part on CPU, in about a minute
     export JAX_PLATFORMS=cpu
+    GPU_FLAGS_S=400  # two CPU sets of a compile-bound smoke row, on a shared machine
     part vmap_convs 300 $PY benchmarks/vmap_convs.py --quick --out "$O/vmap_convs.json"
     part gpu_bench 300 $PY benchmarks/gpu_bench.py --quick --strategies sequential,vmap_im2col --dtypes float32,bfloat16 \
       --out "$O/gpu_bench.json"
