@@ -11,7 +11,9 @@ short keeps what it measured; ``--budget-s`` stops starting new shapes after tha
 ``--write-table`` turns the result into ``nondet_jax/measured.json``'s ``vmap_conv`` entry for this
 backend: per shape family (``role/kernel/stride/channels``) the fastest formulation, kept only when
 it beats ``grouped`` by ``--min-gain`` (default 1.1x: below that the loaded-machine noise decides),
-else ``grouped``.
+else ``grouped``. Per-role winners need not compose into a faster training step (on CPU they did
+not: see nondet_jax/measured.json); confirm a table with whole steps (``gpu_bench.py`` rows ``vmap``
+against ``vmap_grouped``) before committing it.
 
     python benchmarks/vmap_convs.py --cpu                         # CPU table: ResNet-14 shapes, R=4, batch 32
     python benchmarks/vmap_convs.py --cpu --write-table           # ... and make it the CPU table
