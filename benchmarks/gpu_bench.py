@@ -11,11 +11,13 @@ and writes the JSON after every one, so a cut-short run still leaves its rows)::
                                       times, so its replica-images/s does not depend on R
       sharded     R = 16              jit(shard_map(vmap(train_epoch))) over a 1-device mesh
                                       (nondet_jax.sharding.programs): the overhead of the mesh
-      vmap_matmul R in 16, 64         vmap with every conv written as shifted slices + dot_general
-                                      (batched GEMMs instead of grouped convolutions)
+      vmap_<form> R in 16, 64         vmap with every replica-batched conv (forward and both
+                                      gradients) computed by one formulation of nondet_jax.convs
+                                      (grouped, map, im2col, shifted), whatever the table says;
+                                      plain ``vmap`` follows the measured table
 
-Each (model, dtype) pair runs every strategy before the next pair starts; vmap_matmul at R = 64
-comes last.
+Each (model, dtype) pair runs every strategy before the next pair starts; the vmap_<form> rows at
+R = 64 come last.
 
 Each configuration builds the library's single-replica functions (``make_train``), the program
 exactly as the strategy does, then ``lower(...).compile()`` (``compile_s``), one warm-up epoch and
@@ -26,13 +28,12 @@ the compiled program's memory (``compiled.memory_analysis()``: arguments + outpu
 monotone, so it bounds the rows so far), and any error (out of memory is recorded, not fatal).
 
 float32 runs at JAX's default matmul precision (on H100/H200: TF32 tensor cores for convs and
-dots). bfloat16: the model has no dtype option, so this script patches the ResNets' conv/BatchNorm
-factory (``models.resnet.conv_bn``) to compute convolutions and BatchNorm in bfloat16 (flax
-``dtype=bfloat16``) with float32 parameters, optimiser state, loss and head (mixed precision).
+dots). bfloat16 is the library's mixed precision (``model.dtype=bfloat16``: bfloat16 compute,
+float32 parameters, optimiser state, BatchNorm statistics, logits and loss).
 
     bash benchmarks/gpu.sh                        # the full grid on the first GPU, under 8 minutes
     python benchmarks/gpu_bench.py --quick        # CPU smoke test (< 2 min): resnet8, batch 16, R <= 2,
-                                                  # each strategy once, bf16 on sharded and vmap_matmul
+                                                  # each strategy once, bf16 on sharded and vmap_im2col
     python benchmarks/gpu_bench.py --models resnet18 --dtypes bfloat16 --replicas 16,64
 
 TPU variant (one host, e.g. v5e-8 / v6e-8; ``pip install -e '.[tpu]'``): the same command runs on
@@ -47,7 +48,6 @@ Writes ``benchmarks/results/gpu_bench.json`` (``--quick``: ``gpu_bench-quick.jso
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import statistics
 import sys
@@ -55,22 +55,22 @@ import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from convs import kernel_conv, matmul_conv  # noqa: E402  (benchmarks/convs.py)
-from nondet_jax.store import atomic_write_json  # noqa: E402
+from nondet_jax.convs import FORMULATIONS, forced
+from nondet_jax.store import atomic_write_json
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CLASSES = 10
-QUICK = {("sequential", "float32"), ("vmap", "float32"), ("sharded", "bfloat16"), ("vmap_matmul", "bfloat16")}
+FORMS = tuple(f"vmap_{f}" for f in FORMULATIONS)
+QUICK = {("sequential", "float32"), ("vmap", "float32"), ("sharded", "bfloat16"), ("vmap_im2col", "bfloat16")}
 
 
 def grid(models, dtypes, replicas, strategies) -> list[dict]:
     """Configurations in priority order: each (model, dtype) pair in the order given, with
-    ``sequential``, ``vmap`` at every R, ``sharded`` (one R: it is vmap plus a mesh) and
-    ``vmap_matmul`` at the smallest R >= 16; ``vmap_matmul`` at the larger R come last of all.
+    ``sequential``, ``vmap`` at every R, ``sharded`` (one R: it is vmap plus a mesh) and each
+    ``vmap_<form>`` at the smallest R >= 16; ``vmap_<form>`` at the larger R come last of all.
     A run cut short by ``--budget-s`` therefore still has the whole comparison for the first pairs."""
     big = [r for r in replicas if r >= 16] or [max(replicas)]
-    per_strategy = {"sequential": [1], "vmap": list(replicas), "sharded": big[:1], "vmap_matmul": big[:1]}
+    per_strategy = {"sequential": [1], "vmap": list(replicas), "sharded": big[:1], **{f: big[:1] for f in FORMS}}
     unknown = set(strategies) - set(per_strategy)
     if unknown:
         raise ValueError(f"unknown strategies {sorted(unknown)}; use {', '.join(per_strategy)}")
@@ -80,40 +80,9 @@ def grid(models, dtypes, replicas, strategies) -> list[dict]:
             for strategy in (s for s in per_strategy if s in strategies):
                 out += [{"model": model, "dtype": dtype, "strategy": strategy, "replicas": r}
                         for r in per_strategy[strategy]]
-            if "vmap_matmul" in strategies:
-                late += [{"model": model, "dtype": dtype, "strategy": "vmap_matmul", "replicas": r} for r in big[1:]]
+            late += [{"model": model, "dtype": dtype, "strategy": f, "replicas": r}
+                     for f in FORMS if f in strategies for r in big[1:]]
     return out + late
-
-
-@contextlib.contextmanager
-def model_variant(conv: str, dtype: str):
-    """Patch the ResNets' conv/BatchNorm factory: ``conv`` "lax" (flax nn.Conv) or "matmul"
-    (shifted slices + dot_general), computing in ``dtype``; restore it and drop cached trainers."""
-    from functools import partial
-
-    import jax.numpy as jnp
-
-    import nondet_jax.models.resnet as resnet
-    from nondet_jax import train
-    from nondet_jax.models.common import conv_bn
-
-    compute = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
-
-    MatmulConv = kernel_conv(lambda x, w, s: matmul_conv(x.astype(compute), w.astype(compute), s))
-
-    def variant(train_mode, bn_momentum):
-        lax_conv, norm = conv_bn(train_mode, bn_momentum)
-        c = partial(MatmulConv) if conv == "matmul" else partial(lax_conv, dtype=compute)
-        return c, partial(norm, dtype=compute)
-
-    original = resnet.conv_bn
-    resnet.conv_bn = variant if (conv != "lax" or dtype != "float32") else original
-    train._make_train.cache_clear()
-    try:
-        yield
-    finally:
-        resnet.conv_bn = original
-        train._make_train.cache_clear()
 
 
 def memory_of(compiled) -> int | None:
@@ -144,15 +113,16 @@ def measure(cfg: dict, batch: int, steps: int, epochs: int, sharded_devices: int
     from nondet_jax.train import DataSpec, make_train
 
     r, strategy = cfg["replicas"], cfg["strategy"]
-    conv = "matmul" if strategy == "vmap_matmul" else "lax"
+    form = strategy[len("vmap_"):] if strategy in FORMS else None
     rng = np.random.default_rng(0)
     n = steps * batch
     x = jnp.asarray(rng.standard_normal((n, 32, 32, 3), dtype=np.float32))
     y = jnp.asarray(rng.integers(0, CLASSES, n).astype(np.int32))
     varied = arm_sources("all")
     keys, perturb = arm_keys(0, varied, r), perturbations(varied)
-    with model_variant(conv, cfg["dtype"]):
-        config = from_flat({"model.name": cfg["model"], "train.batch_size": batch, "train.epochs": epochs + 1})
+    with forced(form):  # the formulation is chosen while the program is traced (lower below)
+        config = from_flat({"model.name": cfg["model"], "model.dtype": cfg["dtype"], "train.batch_size": batch,
+                            "train.epochs": epochs + 1})
         fns = make_train(config, DataSpec(n, (32, 32, 3), CLASSES, "synthetic"))
         vmapped = (0, None, None, 0, None, None)
         if strategy == "sequential":
@@ -214,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default="resnet14,resnet18")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--replicas", default="1,4,16,64")
-    p.add_argument("--strategies", default="sequential,vmap,sharded,vmap_matmul")
+    p.add_argument("--strategies", default="sequential,vmap,sharded," + ",".join(FORMS[1:]),
+                   help=f"of sequential,vmap,sharded,{','.join(FORMS)} (vmap_grouped = vmap without the table)")
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--steps", type=int, default=4, help="steps per epoch (one rolled scan)")
     p.add_argument("--epochs", type=int, default=3, help="timed epochs after one warm-up epoch")

@@ -28,7 +28,9 @@ Rows
   with 2 spinning threads vs 140-160 with one), so ``vs best torch`` compares with the fastest
   torch row of the same pass: the fair opponent on a shared machine;
 * ``sequential R=1``, ``sequential R=4``: the default strategy on CPU (``auto``);
-* ``vmap R=4``: convolutions become grouped convolutions;
+* ``vmap R=4``: replica-batched convolutions computed as the measured table says
+  (``nondet_jax/measured.json``); ``vmap4_<form>``: every one computed by formulation ``<form>``
+  (``NONDET_JAX_VMAP_CONV``; ``grouped`` is what vmap did before the table);
 * ``sharded D=2 R=2 inner=sequential`` and ``sharded D=2 R=4 inner=vmap``: two forced host
   devices (``--xla_force_host_platform_device_count=2``), one replica per device per round or
   two vmapped per device;
@@ -72,6 +74,7 @@ CLASSES = 10
 FLAG_SETS = {
     "ynn_conv": "--xla_cpu_experimental_ynn_fusion_type=+individual_convolution",
     "no_ynn": "--xla_cpu_experimental_ynn_fusion_type=",
+    "no_ynn_conv": "--xla_cpu_experimental_ynn_fusion_type=-individual_convolution",
     "onednn": "--xla_cpu_use_onednn=true --xla_cpu_experimental_onednn_custom_call=true",
     "fast_math": "--xla_cpu_enable_fast_math=true",
     "eigen_1thread": "--xla_cpu_multi_thread_eigen=false",
@@ -87,7 +90,9 @@ ROWS = {
     "torch_cl": ("torch", {"channels_last": True}),
     "seq1": ("jax", {"strategy": "sequential", "replicas": 1}),
     "seq4": ("jax", {"strategy": "sequential", "replicas": 4}),
-    "vmap4": ("jax", {"strategy": "vmap", "replicas": 4, "steps": 2}),
+    "vmap4": ("jax", {"strategy": "vmap", "replicas": 4, "steps": 2}),  # formulations from the measured table
+    **{f"vmap4_{f}": ("jax", {"strategy": "vmap", "replicas": 4, "steps": 2, "env": {"NONDET_JAX_VMAP_CONV": f}})
+       for f in ("grouped", "map", "im2col", "shifted")},
     "shard2_seq": ("jax", {"strategy": "sharded", "replicas": 2, "inner": "sequential", "flags": TWO_DEVICES}),
     "shard2_vmap4": ("jax", {"strategy": "sharded", "replicas": 4, "inner": "vmap", "flags": TWO_DEVICES}),
     "plain_conv": ("jax", {"strategy": "sequential", "replicas": 1, "conv": "plain"}),
@@ -284,6 +289,8 @@ def describe(name: str) -> str:
         parts += ["D=2", f"inner={s['inner']}"]
     if s.get("conv", "lax") != "lax":
         parts.append(f"conv={s['conv']}")
+    if "NONDET_JAX_VMAP_CONV" in s.get("env", {}):
+        parts.append(f"conv={s['env']['NONDET_JAX_VMAP_CONV']}")
     flag = next((k for k, v in FLAG_SETS.items() if v and v == s.get("flags")), None)
     if flag:
         parts.append(f"flags={flag}")

@@ -24,6 +24,7 @@ class ModelConfig:
     name: str = "resnet8"
     width: float = 1.0  # multiplier on every layer's channel count
     dropout: float = 0.0  # rate of the dropout before the classifier (0 = none)
+    dtype: str = "float32"  # compute dtype: float32 | bfloat16 (mixed precision: float32 weights and optimiser)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,6 +311,8 @@ def validate(config: Config) -> None:
         raise UsageError(f"model width must be > 0, got {m.width}; use e.g. --set model.width=1")
     if not 0 <= m.dropout < 1:
         raise UsageError(f"dropout rate must be in [0, 1), got {m.dropout}; fix --set model.dropout")
+    if m.dtype not in models.PRECISIONS:
+        raise UsageError(f"unknown model dtype '{m.dtype}'; use --set model.dtype=float32 or bfloat16")
     from nondet_jax.data import DATASETS
 
     if d.name not in DATASETS and not d.name.endswith(".npz") and not d.name.startswith(ARRAYS_PREFIX):

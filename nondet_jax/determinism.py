@@ -22,6 +22,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from nondet_jax import convs, xla_flags
 from nondet_jax.errors import UsageError
 
 # Checked against the installed jaxlib by check_flags (all four are known to jaxlib 0.10.2).
@@ -159,4 +160,6 @@ def environment() -> dict:
         "jax_default_matmul_precision": jax.config.jax_default_matmul_precision,
         "cpu_count": os.cpu_count(),
         "git_revision": git_revision(),
+        "xla_cpu_defaults": xla_flags.record(),  # CPU type, the measured flag rule, what the CLI added
+        "vmap_conv": convs.record(),  # how replica-batched convolutions are computed, and the table used
     }

@@ -64,34 +64,35 @@ class Strategy(NamedTuple):
     evaluate: Callable  # (state, x) -> (logits, features), each (R, ...)
 
 
-GPU_VMAP_MIN_REPLICAS = 16  # below this, auto runs replicas one after another on one GPU (measured)
-
-
 def resolve_strategy(requested: str, replicas: int, backend: str | None = None) -> tuple[str, str]:
-    """Pick the strategy for ``auto``; returns (strategy, reason).
+    """Pick the strategy for ``auto``; returns (strategy, reason), the reason naming the measurement.
 
-    Rule: one replica, or the CPU backend, runs ``sequential`` (on XLA:CPU a vmapped ResNet step
-    costs several times the loop, and two forced host devices gained nothing over it on 2 busy
-    cores: benchmarks/replicas.py, benchmarks/peer_pytorch.py); several accelerators run
-    ``sharded`` (replicas over the devices, vmapped on each); one GPU runs ``vmap`` from
-    :data:`GPU_VMAP_MIN_REPLICAS` replicas on and ``sequential`` below (on an H200, ResNet-14 at
-    batch 128: vmap gave 0.73x the loop's replica-images/s at R=4, 0.99x at R=16, 1.10x at R=64
-    in float32, 1.91x at R=16 in bfloat16; benchmarks/results/gpu_bench-h200.json); one TPU ``vmap``
-    (not measured here).
+    Rule: one replica runs ``sequential``; several accelerators run ``sharded`` (replicas over the
+    devices, vmapped on each); otherwise the backend's measured rule in ``measured.json``
+    (:func:`nondet_jax.measured.strategy_rule`): ``vmap`` from ``vmap_min_replicas`` replicas on,
+    ``sequential`` below it or when it is null (CPU: a vmapped ResNet step cost several times the
+    loop, benchmarks/replicas.py and benchmarks/peer_pytorch.py; one GPU: vmap from 16 replicas on,
+    from benchmarks/gpu_bench.py on an H200, where ResNet-14 at batch 128 gave 0.73x the loop's
+    replica-images/s at R=4, 0.99x at R=16, 1.10x at R=64 in float32). A backend without a rule
+    (TPU: not measured here) runs ``vmap``.
     """
+    from nondet_jax.measured import strategy_rule
+
     if requested != "auto":
         return requested, "requested"
     backend = backend or jax.default_backend()
     if replicas == 1:
         return "sequential", "auto: one replica"
-    if backend == "cpu":
-        return "sequential", "auto: XLA:CPU runs vmapped convolutions slower than a loop (benchmarks/replicas.py)"
-    if jax.local_device_count() > 1:
+    if backend != "cpu" and jax.local_device_count() > 1:
         return "sharded", f"auto: replicas over {jax.local_device_count()} {backend} devices, vmapped on each"
-    if backend in ("gpu", "cuda", "rocm") and replicas < GPU_VMAP_MIN_REPLICAS:
-        return "sequential", (f"auto: fewer than {GPU_VMAP_MIN_REPLICAS} replicas, where vmap's grouped "
-                              "convolutions did not beat a loop on a GPU (benchmarks/gpu_bench.py)")
-    return "vmap", f"auto: {backend} batches replicas with vmap"
+    rule = strategy_rule(backend)
+    if not rule:
+        return "vmap", f"auto: {backend} batches replicas with vmap (no measured rule for {backend})"
+    least = rule.get("vmap_min_replicas")
+    if least is None or replicas < least:
+        below = "never beat" if least is None else f"did not beat below {least} replicas"
+        return "sequential", f"auto: on {backend} vmap {below} a loop ({rule['source']})"
+    return "vmap", f"auto: on {backend} vmap beat a loop from {least} replicas on ({rule['source']})"
 
 
 def _stack(trees: list[Any]) -> Any:

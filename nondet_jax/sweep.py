@@ -175,6 +175,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = build_parser(prog).parse_args(argv)
     progress = False if args.no_progress else None
     try:
+        from nondet_jax import xla_flags
+
+        xla_flags.apply_cpu_defaults()  # this CPU type's measured flags, before JAX starts (environment.json says)
         enable_compile_cache(args.compile_cache)
         if args.child_arm:
             return study.child_main(args.out, args.child_arm, progress if progress is not None else sys.stderr.isatty())

@@ -35,7 +35,7 @@ from nondet_jax.config import Config, OptimConfig, StudyConfig
 from nondet_jax.errors import UsageError
 from nondet_jax.data import AUGMENT_BY_DEFAULT, FLIP_BY_DEFAULT
 from nondet_jax.data.pipeline import augment, batch_permutation, default_crop_padding, epoch_indices
-from nondet_jax.models import MODELS
+from nondet_jax.models import MODELS, compute_dtype
 from nondet_jax.parts import Parts, model_fns
 from nondet_jax.sources import Perturbations, ReplicaKeys, bitflip
 
@@ -205,7 +205,9 @@ def make_train(config: Config, spec: DataSpec, parts: Parts = Parts()) -> TrainF
 def _make_train(config: Config, spec: DataSpec, parts: Parts) -> TrainFns:
     if parts.model is None:
         m = config.model
-        model = model_fns(MODELS[m.name], spec.num_classes, {"width": m.width, "dropout": m.dropout}, parts.features)
+        extra = {} if m.dtype == "float32" else {"dtype": compute_dtype(m.dtype)}  # mixed precision
+        model = model_fns(MODELS[m.name], spec.num_classes, {"width": m.width, "dropout": m.dropout, **extra},
+                          parts.features)
     else:
         model = model_fns(parts.model, spec.num_classes, features=parts.features)
     example_loss = parts.loss or optax.softmax_cross_entropy_with_integer_labels

@@ -136,7 +136,7 @@ def test_replica_result_does_not_depend_on_replica_count(small_digits):
 
 def test_auto_strategy_rule():
     assert resolve_strategy("auto", 8, "cpu")[0] == "sequential"
-    assert resolve_strategy("auto", 8, "gpu")[0] == "sequential"  # below GPU_VMAP_MIN_REPLICAS (measured on an H200)
+    assert resolve_strategy("auto", 8, "gpu")[0] == "sequential"  # below the measured rule's vmap_min_replicas (H200)
     assert resolve_strategy("auto", 16, "gpu")[0] == "vmap"
     assert resolve_strategy("auto", 8, "tpu")[0] == "vmap"
     assert resolve_strategy("auto", 1, "gpu")[0] == "sequential"

@@ -8,6 +8,7 @@ from functools import partial
 
 import flax.linen as nn
 
+from nondet_jax.models.common import PRECISIONS, compute_dtype
 from nondet_jax.models.mlp import MLP
 from nondet_jax.models.preact import PreActResNet
 from nondet_jax.models.resnet import ResNet, cifar_resnet, resnet18, resnet50
@@ -30,10 +31,13 @@ MODELS = {
 }
 
 
-def make_model(name: str, num_classes: int, width: float = 1.0, dropout: float = 0.0) -> nn.Module:
-    """Build a registered model by name."""
-    return MODELS[name](num_classes=num_classes, width=width, dropout=dropout)
+def make_model(name: str, num_classes: int, width: float = 1.0, dropout: float = 0.0,
+               dtype: str = "float32") -> nn.Module:
+    """Build a registered model by name; ``dtype`` "bfloat16" computes in bfloat16 with float32
+    parameters (mixed precision), "float32" is the model as it always was."""
+    extra = {} if dtype == "float32" else {"dtype": compute_dtype(dtype)}
+    return MODELS[name](num_classes=num_classes, width=width, dropout=dropout, **extra)
 
 
-__all__ = ["MODELS", "MLP", "PreActResNet", "ResNet", "ShuffleNetV2", "VGG", "cifar_resnet", "make_model",
+__all__ = ["MODELS", "MLP", "PRECISIONS", "PreActResNet", "ResNet", "ShuffleNetV2", "VGG", "cifar_resnet", "make_model",
            "resnet18", "resnet50"]

@@ -9,6 +9,8 @@ A final BN-ReLU, global average pool and the head end it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax.numpy as jnp
 
@@ -21,10 +23,11 @@ class PreActBottleneck(nn.Module):
     stride: int = 1
     preactivate: bool = True  # the very first block takes the stem's activated output as is
     bn_momentum: float = 0.9
+    dtype: Any = None  # compute dtype (None: the parameters' float32)
 
     @nn.compact
     def __call__(self, x, train: bool):
-        conv, norm = conv_bn(train, self.bn_momentum)
+        conv, norm = conv_bn(train, self.bn_momentum, self.dtype)
         y = nn.relu(norm()(x)) if self.preactivate else x
         shortcut = x
         if self.stride != 1 or x.shape[-1] != self.out:  # as the Keras example: projected from the block input
@@ -41,6 +44,7 @@ class PreActResNet(nn.Module):
     width: float = 1.0
     dropout: float = 0.0
     bn_momentum: float = 0.9
+    dtype: Any = None  # compute dtype: bfloat16 for mixed precision (parameters stay float32)
 
     @nn.compact
     def __call__(self, x, train: bool = False, dropout_keys=None, return_features: bool = False):
@@ -48,7 +52,7 @@ class PreActResNet(nn.Module):
             raise ValueError(f"pre-activation ResNet depth must be 9n+2, got {self.depth}")
         n = (self.depth - 2) // 9
         w = lambda c: max(1, int(round(c * self.width)))  # noqa: E731
-        conv, norm = conv_bn(train, self.bn_momentum)
+        conv, norm = conv_bn(train, self.bn_momentum, self.dtype)
         x = conv(w(16), (3, 3), name="stem_conv")(x)
         x = nn.relu(norm(name="stem_bn")(x))
         inner = 16
@@ -57,9 +61,9 @@ class PreActResNet(nn.Module):
             for j in range(n):
                 stride = 2 if (stage > 0 and j == 0) else 1
                 x = PreActBottleneck(w(inner), w(out), stride, not (stage == 0 and j == 0), self.bn_momentum,
-                                     name=f"stage{stage + 1}_block{j + 1}")(x, train)
+                                     self.dtype, name=f"stage{stage + 1}_block{j + 1}")(x, train)
             inner = out
         x = nn.relu(norm(name="final_bn")(x))
         features = jnp.mean(x, axis=(1, 2))
-        logits, features = Head(self.num_classes, self.dropout, name="head")(features, train, dropout_keys)
+        logits, features = Head(self.num_classes, self.dropout, self.dtype, name="head")(features, train, dropout_keys)
         return (logits, features) if return_features else logits

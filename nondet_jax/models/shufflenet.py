@@ -8,6 +8,8 @@ transforms both halves with stride 2.
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax.numpy as jnp
 
@@ -23,10 +25,11 @@ class ShuffleUnit(nn.Module):
     out: int
     stride: int = 1
     bn_momentum: float = 0.9
+    dtype: Any = None  # compute dtype (None: the parameters' float32)
 
     @nn.compact
     def __call__(self, x, train: bool):
-        conv, norm = conv_bn(train, self.bn_momentum)
+        conv, norm = conv_bn(train, self.bn_momentum, self.dtype)
         half = self.out // 2
 
         def branch(y, name):
@@ -53,18 +56,20 @@ class ShuffleNetV2(nn.Module):
     bn_momentum: float = 0.9
     stage_repeats: tuple = (4, 8, 4)
     stage_channels: tuple = (116, 232, 464)
+    dtype: Any = None  # compute dtype: bfloat16 for mixed precision (parameters stay float32)
 
     @nn.compact
     def __call__(self, x, train: bool = False, dropout_keys=None, return_features: bool = False):
         even = lambda c: max(2, 2 * int(round(c * self.width / 2)))  # noqa: E731  units split channels in two
-        conv, norm = conv_bn(train, self.bn_momentum)
+        conv, norm = conv_bn(train, self.bn_momentum, self.dtype)
         x = conv(even(24), (3, 3), name="stem_conv")(x)
         x = nn.relu(norm(name="stem_bn")(x))
         for i, (n, c) in enumerate(zip(self.stage_repeats, self.stage_channels)):
             for j in range(n):
-                x = ShuffleUnit(even(c), 2 if j == 0 else 1, self.bn_momentum, name=f"stage{i + 2}_unit{j + 1}")(x, train)
+                x = ShuffleUnit(even(c), 2 if j == 0 else 1, self.bn_momentum, self.dtype,
+                               name=f"stage{i + 2}_unit{j + 1}")(x, train)
         x = conv(even(1024), (1, 1), name="conv5")(x)
         x = nn.relu(norm(name="conv5_bn")(x))
         features = jnp.mean(x, axis=(1, 2))
-        logits, features = Head(self.num_classes, self.dropout, name="head")(features, train, dropout_keys)
+        logits, features = Head(self.num_classes, self.dropout, self.dtype, name="head")(features, train, dropout_keys)
         return (logits, features) if return_features else logits

@@ -7,6 +7,8 @@ dense layer end it (the CIFAR variant: no 4096-wide layers).
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax.numpy as jnp
 
@@ -21,10 +23,11 @@ class VGG(nn.Module):
     width: float = 1.0
     dropout: float = 0.0
     bn_momentum: float = 0.9
+    dtype: Any = None  # compute dtype: bfloat16 for mixed precision (parameters stay float32)
 
     @nn.compact
     def __call__(self, x, train: bool = False, dropout_keys=None, return_features: bool = False):
-        conv, norm = conv_bn(train, self.bn_momentum)
+        conv, norm = conv_bn(train, self.bn_momentum, self.dtype)
         for i, layer in enumerate(self.layers):
             if layer == "M":
                 if x.shape[1] > 1 and x.shape[2] > 1:
@@ -34,5 +37,5 @@ class VGG(nn.Module):
             x = norm(name=f"bn{i}")(x)
             x = nn.relu(x)
         features = jnp.mean(x, axis=(1, 2))
-        logits, features = Head(self.num_classes, self.dropout, name="head")(features, train, dropout_keys)
+        logits, features = Head(self.num_classes, self.dropout, self.dtype, name="head")(features, train, dropout_keys)
         return (logits, features) if return_features else logits
