@@ -24,6 +24,7 @@ EXIT_STATUS = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + the signal numb
 MESSAGE = "interrupted: finished arms are kept in the run folder; rerun the same command to resume"
 
 _once = threading.Lock()
+_sockets: list[socket.socket] = []  # the wakeup socket pair, kept alive while installed (a GC'd one closes its fd)
 
 
 def _leave(signum: int, message: str) -> None:
@@ -60,6 +61,7 @@ def install(message: str = MESSAGE):
     """
     reader, writer = socket.socketpair()
     writer.setblocking(False)
+    _sockets[:] = [reader, writer]
     previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
     previous = {s: signal.signal(s, lambda signum, frame: _leave(signum, message)) for s in EXIT_STATUS}
     stop = threading.Event()
@@ -85,6 +87,7 @@ def install(message: str = MESSAGE):
         signal.set_wakeup_fd(previous_fd)
         writer.close()
         reader.close()
+        _sockets.clear()
 
     return restore
 
