@@ -79,6 +79,12 @@ def _role_impl(a, b, *, role, conv, lhs_shape, rhs_shape, barrier):
     return jax.linear_transpose(lambda w: c(a, w), jax.ShapeDtypeStruct(rhs_shape, a.dtype))(b)[0]
 
 
+def inside_shard_map(*operands) -> bool:
+    """Whether an operand varies over a manual (shard_map) axis: the primitive's transposes do not
+    carry those types yet, so the models' convolution uses lax's there (the ``sharded`` strategy)."""
+    return any(getattr(getattr(jax.typeof(v), "mat", None), "varying", None) for v in operands)
+
+
 def _fusion_barrier_transpose(x: jax.Array, perm: tuple[int, ...]) -> jax.Array:
     """``x.transpose(perm)``, computed inside a ``lax.cond`` whose two branches are the same
     function: the value never depends on the predicate, but XLA cannot fuse ``x``'s producers
@@ -110,7 +116,10 @@ conv_p = Primitive("nondet_conv")
 def _abstract_eval(a, b, **params):
     out = jax.eval_shape(partial(_role_impl, **params), jax.ShapeDtypeStruct(a.shape, a.dtype),
                          jax.ShapeDtypeStruct(b.shape, b.dtype))
-    return jax.core.ShapedArray(out.shape, out.dtype)
+    # inside shard_map an output varies over every manual axis an operand varies over (as lax's conv)
+    ma, mb = getattr(a, "mat", None), getattr(b, "mat", None)
+    base = b if ma is not None and mb is not None and not mb.varying <= ma.varying else a
+    return base.update(shape=out.shape, dtype=out.dtype, weak_type=False)
 
 
 conv_p.def_impl(_role_impl)

@@ -9,6 +9,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from nondet_jax import convs
 
@@ -37,6 +38,11 @@ def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, r
     numbers): results are bitwise those of ``lax.conv_general_dilated``. Forward mode (``jax.jvp``,
     ``jax.linearize`` of a gradient), reverse mode and ``vmap`` all work.
     """
+    kw = dict(window_strides=window_strides, padding=padding, lhs_dilation=lhs_dilation, rhs_dilation=rhs_dilation,
+              dimension_numbers=dimension_numbers, feature_group_count=feature_group_count,
+              batch_group_count=batch_group_count, precision=precision, preferred_element_type=preferred_element_type)
+    if convs.inside_shard_map(lhs, rhs):  # the primitive has no shard_map typing rule yet: lax's own convolution
+        return lax.conv_general_dilated(lhs, rhs, **kw)
     barrier = jax.default_backend() == "cpu" and feature_group_count == 1 and batch_group_count == 1
     return convs.conv(lhs, rhs, barrier=barrier, window_strides=window_strides, padding=padding,
                       lhs_dilation=lhs_dilation, rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
