@@ -355,10 +355,13 @@ class RunStore:
     def remove_arm(self, arm: str) -> None:
         """Delete an arm's results and checkpoints (its record first, so it never looks finished)."""
         (self.root / f"arms/{arm}.json").unlink(missing_ok=True)
-        for pattern in ARM_FILES[1:] + ("dynamics/{}.npz", "environments/{}.json", "instruments/{}.npz",
-                                        "instruments/{}.csv"):
+        for pattern in ARM_FILES[1:] + ("dynamics/{}.npz", "environments/{}.json", "environments/{}.processes.json",
+                                        "instruments/{}.npz", "instruments/{}.csv", "tta/{}.npz", "snapshots/{}.npy"):
             (self.root / pattern.format(arm)).unlink(missing_ok=True)
         self.remove_checkpoints(arm)
+        import shutil
+
+        shutil.rmtree(self.paths.parts(arm), ignore_errors=True)  # per-process parts of an interrupted arm
 
     def remove_checkpoints(self, arm: str) -> None:
         """Delete an arm's checkpoints (once its results are stored, or to retrain it)."""
