@@ -152,7 +152,7 @@ def pass_timing(rounds: int, log) -> dict:
     gradient the pass starts from (BatchNorm statistics fixed), the layerwise pass (without and with
     GradHist1d's histogram) and the ``vmap(grad)`` pass. Median ms and x the training gradient."""
     from nondet_jax.instruments import histograms, layerwise, per_example
-    from nondet_jax.instruments.trainer import model_losses
+    from nondet_jax.instruments.trainer import model_losses, train_pass_grad
     from nondet_jax.models import make_model
 
     model, x_np, y_np, spec = workload("resnet8_digits")
@@ -164,6 +164,13 @@ def pass_timing(rounds: int, log) -> dict:
     params, stats = state.params, fns.recompute_batch_stats(state.params, state.batch_stats, x)
     example_loss, batched = model_losses(make_model(model, spec.num_classes))
     batch, h1 = (x, y, None), {"bins": histograms.HIST1D_BINS}
+
+    def _taped(p):
+        return train_pass_grad(fns.loss_fn, p, state.batch_stats, x, y, None)
+
+    def _tape_stats(p, hist):
+        _, grads, tape = _taped(p)
+        return layerwise.tape_stats(tape, p, 32, grad_sq=False, hist1d=hist, hist2d=None, tangents=(grads,))
     variants = {
         "training gradient": lambda p: jax.grad(lambda q: fns.loss_fn(q, state.batch_stats, x, y, None)[0])(p),
         "inference-mode gradient": lambda p: jax.grad(lambda q: batched(q, batch, stats).mean())(p),
@@ -173,6 +180,12 @@ def pass_timing(rounds: int, log) -> dict:
                                                                             grad_sq=False, hist1d=h1, hist2d=None),
         "vmap(grad) pass": lambda p: per_example.per_example_pass(example_loss, p, batch, stats, 32, grad_sq=False,
                                                                   hist1d=None, hist2d=None),
+        # train_pass: the training gradient itself, recorded, then the per-example products from the tape
+        "training gradient + tape": lambda p: _taped(p)[:2],
+        "training gradient + tape stats": lambda p: _tape_stats(p, None),
+        "training gradient + tape stats + GradHist1d": lambda p: _tape_stats(p, h1),
+        "training gradient + tape projections (x3)": lambda p: layerwise.tape_projections(
+            _taped(p)[2], (p, p, p)),
     }
     compiled = {k: jax.jit(f) for k, f in variants.items()}
     for f in compiled.values():
@@ -191,6 +204,38 @@ def pass_timing(rounds: int, log) -> dict:
     return res
 
 
+def compile_timing(variants: list[tuple[str, dict]], log) -> dict:
+    """Compile and run time of one training epoch (``jit(train_epoch)``, the program a study compiles
+    per arm) of the default study's model (ResNet-8 on digits, batch 128: 11 steps, unrolled on
+    CPU) per variant (a label and config overrides). Seconds: ``lower``, ``compile``, and one epoch
+    run twice after compiling (median)."""
+    model, x_np, y_np, spec = workload("resnet8_digits")
+    x, y = jnp.asarray(x_np), jnp.asarray(y_np)
+    varied = arm_sources("init")
+    keys, perturb = replica_slice(arm_keys(0, varied, 1), 0), perturbations(varied)
+    res = {}
+    for label, flat in variants:
+        cfg = from_flat({"model.name": model, "train.batch_size": 128, **flat})
+        fns = make_train(cfg, spec)
+        state = jax.jit(fns.init)(keys, perturb, x[:1])
+        t0 = time.perf_counter()
+        lowered = jax.jit(fns.train_epoch).lower(state, x, y, keys, perturb, jnp.int32(0))
+        t1 = time.perf_counter()
+        compiled = lowered.compile()
+        t2 = time.perf_counter()
+        runs = []
+        for e in range(2):
+            t3 = time.perf_counter()
+            state, m = compiled(state, x, y, keys, perturb, jnp.int32(e))
+            jax.block_until_ready((state, m))
+            runs.append(time.perf_counter() - t3)
+        res[label] = {"overrides": flat, "steps": fns.steps_per_epoch, "unroll": fns.unroll, "lower_s": t1 - t0,
+                      "compile_s": t2 - t1, "epoch_s": float(np.median(runs))}
+        log(f"  {label:32s} lower {t1 - t0:6.1f} s  compile {t2 - t1:7.1f} s  epoch {res[label]['epoch_s']:6.2f} s "
+            f"({fns.steps_per_epoch} steps, unroll {fns.unroll})")
+    return res
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds and steps (about 10 minutes on 2 CPU cores)")
@@ -205,7 +250,24 @@ def main(argv=None):
     ap.add_argument("--pass-timing", action="store_true",
                     help="only time the per-example pass against a training gradient (ResNet-8 digits; "
                          "writes benchmarks/results/instruments_pass.json)")
+    ap.add_argument("--compile-timing", metavar="VARIANTS",
+                    help="only time compiling one epoch of the default study (ResNet-8 digits) per variant: "
+                         "comma list of label=key:value;key:value (e.g. 'off=,economy=instruments.config:economy'); "
+                         "writes benchmarks/results/instruments_compile.json")
     args = ap.parse_args(argv)
+    if args.compile_timing:
+        log = lambda s: print(s, flush=True)  # noqa: E731
+        variants = []
+        for item in args.compile_timing.split(","):
+            label, _, spec = item.partition("=")
+            variants.append((label, dict(kv.split(":", 1) for kv in spec.split(";") if kv)))
+        log("one epoch of ResNet-8 on digits (batch 128), jit(train_epoch): lower, compile, run:")
+        res = {"backend": jax.default_backend(), "cpu_count": os.cpu_count(), "platform": platform.platform(),
+               "jax": jax.__version__, "load_avg_at_start": os.getloadavg(), "epoch": compile_timing(variants, log)}
+        out = Path(args.out or "benchmarks/results/instruments_compile.json")
+        atomic_write_json(out, res)
+        print(f"wrote {out}")
+        return
     if args.pass_timing:
         log = lambda s: print(s, flush=True)  # noqa: E731
         log("per-example pass alone, ResNet-8 on digits, batch 128, chunk 32 (median of interleaved rounds):")

@@ -248,15 +248,19 @@ def _make_train(config: Config, spec: DataSpec) -> TrainFns:
         p = jnp.where(perturb.batch_order, batch_permutation(keys.batch_order, g, b), jnp.arange(b))
         x, y = x[p], y[p]
         dkeys = None if dkeys is None else dkeys[p]
-        (loss, (logits, bs)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            state.params, state.batch_stats, x, y, dkeys)
+        tape = None
+        if inst is not None and inst.value_grad_and_tape is not None:  # instruments.per_example = train_pass
+            (loss, (logits, bs)), grads, tape = inst.value_grad_and_tape(state.params, state.batch_stats, x, y, dkeys)
+        else:
+            (loss, (logits, bs)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+                state.params, state.batch_stats, x, y, dkeys)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         acc = jnp.mean(jnp.argmax(logits, -1) == y)
         if inst is not None:
             istate, values = inst.update(state.instruments, state.params, (x, y, dkeys), step=g,
                                          context=state.batch_stats, updates=updates, lr=lr_at(g), grads=grads,
-                                         loss=loss)
+                                         loss=loss, tape=tape)
             return TrainState(params, bs, opt_state, state.health, istate), (loss, acc, values, inst.schedule(g))
         return TrainState(params, bs, opt_state, state.health), (loss, acc)
 
