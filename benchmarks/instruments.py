@@ -168,9 +168,10 @@ def pass_timing(rounds: int, log) -> dict:
     def _taped(p):
         return train_pass_grad(fns.loss_fn, p, state.batch_stats, x, y, None)
 
-    def _tape_stats(p, hist):
+    def _tape_stats(p, hist, rolled=True, chunk=32):
         _, grads, tape = _taped(p)
-        return layerwise.tape_stats(tape, p, 32, grad_sq=False, hist1d=hist, hist2d=None, tangents=(grads,))
+        return layerwise.tape_stats(tape, p, chunk, grad_sq=False, hist1d=hist, hist2d=None, tangents=(grads,),
+                                    rolled=rolled)
     variants = {
         "training gradient": lambda p: jax.grad(lambda q: fns.loss_fn(q, state.batch_stats, x, y, None)[0])(p),
         "inference-mode gradient": lambda p: jax.grad(lambda q: batched(q, batch, stats).mean())(p),
@@ -181,15 +182,19 @@ def pass_timing(rounds: int, log) -> dict:
         "vmap(grad) pass": lambda p: per_example.per_example_pass(example_loss, p, batch, stats, 32, grad_sq=False,
                                                                   hist1d=None, hist2d=None),
         # train_pass: the training gradient itself, recorded, then the per-example products from the tape
-        "training gradient + tape": lambda p: _taped(p)[:2],
+        "training gradient + tape": lambda p: (lambda r: (r[1], r[2].records, r[2].deltas))(_taped(p)),
         "training gradient + tape stats": lambda p: _tape_stats(p, None),
         "training gradient + tape stats + GradHist1d": lambda p: _tape_stats(p, h1),
+        "training gradient + tape stats + GradHist1d, chunks unrolled": lambda p: _tape_stats(p, h1, False),
+        "training gradient + tape stats + GradHist1d, one chunk": lambda p: _tape_stats(p, h1, True, 128),
         "training gradient + tape projections (x3)": lambda p: layerwise.tape_projections(
             _taped(p)[2], (p, p, p)),
     }
-    compiled = {k: jax.jit(f) for k, f in variants.items()}
-    for f in compiled.values():
+    compiled, compile_s = {k: jax.jit(f) for k, f in variants.items()}, {}
+    for k, f in compiled.items():
+        t0 = time.perf_counter()
         jax.block_until_ready(f(params))
+        compile_s[k] = time.perf_counter() - t0
     times = {k: [] for k in compiled}
     for _ in range(rounds):
         for k, f in compiled.items():
@@ -197,10 +202,10 @@ def pass_timing(rounds: int, log) -> dict:
             jax.block_until_ready(f(params))
             times[k].append(time.perf_counter() - t0)
     base = float(np.median(times["training gradient"]))
-    res = {k: {"ms": 1e3 * float(np.median(t)), "x_training_gradient": float(np.median(t)) / base}
-           for k, t in times.items()}
+    res = {k: {"ms": 1e3 * float(np.median(t)), "x_training_gradient": float(np.median(t)) / base,
+               "compile_and_first_call_s": compile_s[k]} for k, t in times.items()}
     for k, v in res.items():
-        log(f"  {k:28s} {v['ms']:8.1f} ms {v['x_training_gradient']:6.2f}x")
+        log(f"  {k:62s} {v['ms']:8.1f} ms {v['x_training_gradient']:6.2f}x  (compile {compile_s[k]:5.1f} s)")
     return res
 
 

@@ -50,6 +50,11 @@ from nondet_jax.models import common
 SAME_AS_LAX_CONV = (None, jax.lax.conv_general_dilated, common.conv_general_dilated)
 
 
+# The chunk loop of :func:`tape_stats` runs no convolution (im2col by slices, then products), so it
+# may stay a rolled loop on CPU too: compile time grows with every unrolled copy.
+ROLLED_CHUNKS = True
+
+
 class Unsupported(Exception):
     """A layer, setting or parameter layout the layerwise path does not handle (fall back to vmap)."""
 
@@ -344,7 +349,7 @@ def tape_projections(tape: Tape, tangents: tuple) -> jax.Array:
 
 
 def tape_stats(tape: Tape, params, chunk: int, *, grad_sq: bool, hist1d: dict | None, hist2d: dict | None,
-               tangents: tuple = ()) -> tuple[PerExampleStats, jax.Array | None]:
+               tangents: tuple = (), rolled: bool = ROLLED_CHUNKS) -> tuple[PerExampleStats, jax.Array | None]:
     """The sums of :func:`.per_example.per_example_pass` from a tape: per-example gradients formed
     ``chunk`` examples at a time by per-layer products; ``tangents``: params-like trees ``t`` whose
     projections ``g_i . t`` are returned as ``(T, B)`` (None without tangents)."""
@@ -362,7 +367,8 @@ def tape_stats(tape: Tape, params, chunk: int, *, grad_sq: bool, hist1d: dict | 
         return add_chunk(acc, g, params, hist1d=hist1d, hist2d=hist2d, batch_sum=matmul_sum), proj
 
     chunks = split_chunks(([tape.records[p] for p in tape.paths], [tape.deltas[p] for p in tape.paths]), c)
-    acc, proj = over_chunks(body, init_sums(params, grad_sq=grad_sq, hist1d=hist1d, hist2d=hist2d), chunks)
+    acc, proj = over_chunks(body, init_sums(params, grad_sq=grad_sq, hist1d=hist1d, hist2d=hist2d), chunks,
+                            convolutions=not rolled)
     if proj is not None:
         proj = jnp.moveaxis(proj, 1, 0).reshape(len(tangents), b)  # (n, T, c) -> (T, B), examples in order
     return PerExampleStats(tape.losses, *acc), proj
