@@ -108,6 +108,16 @@ def for_model(cfg, model: nn.Module, train_loss: Callable, batch_stats_of: Calla
     return inst._replace(value_grad_and_tape=functools.partial(train_pass_grad, train_loss))
 
 
+def defer_in_epoch(inst: Instruments) -> bool:
+    """Whether ``nondet_jax.train`` may measure an unrolled epoch's steps after them, in one rolled
+    loop: in train_pass mode without curvature quantities the instruments run no convolution (XLA:CPU
+    runs convolutions inside loops on a slow path, so those stay inline)."""
+    return inst.value_grad_and_tape is not None and not any(q in inst.quantities for q in CURVATURE)
+
+
+CURVATURE = ("HessMaxEV", "HessTrace", "TICDiag", "TICTrace")
+
+
 def train_pass_grad(train_loss: Callable, params, batch_stats, x, y, dropout_keys):
     """``jax.value_and_grad(train_loss, has_aux=True)`` plus the :class:`.layerwise.Tape` of that same
     backward pass, with output gradients of the *summed* loss and the per-example training-mode losses
