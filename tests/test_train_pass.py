@@ -189,3 +189,33 @@ def test_unsupported_model_falls_back_to_a_plain_gradient_and_no_tape():
         assert loss == ref
         for a, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
             np.testing.assert_array_equal(a, r)
+
+
+def test_unrolled_epoch_measures_after_its_steps_with_the_same_values(small_digits):
+    """On CPU a short epoch is unrolled and, in train_pass mode without curvature, its instruments run
+    after the steps in one rolled scan: the values equal those of the steps run one by one."""
+    from nondet_jax.data.pipeline import epoch_indices
+    from nondet_jax.sources import arm_keys, arm_sources, perturbations, replica_slice
+    from nondet_jax.train import make_train
+    from tests.conftest import spec_of, tiny_config
+
+    config = tiny_config(**{"instruments.config": "economy,MeanGSNR", "instruments.every": 3, "model.dropout": 0.2})
+    fns = make_train(config, spec_of(small_digits))
+    assert fns.unroll == fns.steps_per_epoch > 1
+    varied = arm_sources("init")
+    keys, perturb = replica_slice(arm_keys(0, varied, 2), 1), perturbations(varied)
+    x, y = jnp.asarray(small_digits.x_train), jnp.asarray(small_digits.y_train)
+    state0 = jax.jit(fns.init)(keys, perturb, x[:1])
+    epoch_out = jax.jit(fns.train_epoch)(state0, x, y, keys, perturb, 0)
+    idx = epoch_indices(keys.data_order, 0, len(small_digits.x_train), fns.batch_size)
+    step = jax.jit(fns.train_step)
+    state, rows = state0, []
+    for i in range(fns.steps_per_epoch):
+        state, out = step(state, x, y, keys, perturb, 0, i, idx[i])
+        rows.append(out)
+    (_, m) = epoch_out
+    np.testing.assert_array_equal(m["tracked"], [r[3] for r in rows])
+    for k, v in m["instruments"].items():
+        np.testing.assert_allclose(v, np.stack([r[2][k] for r in rows]), rtol=2e-4, atol=1e-6, err_msg=k)
+    for a, b in zip(jax.tree.leaves(epoch_out[0].params), jax.tree.leaves(state.params)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
