@@ -217,7 +217,7 @@ def pass_timing(rounds: int, log) -> dict:
     return res
 
 
-def compile_timing(variants: list[tuple[str, dict]], log) -> dict:
+def compile_timing(variants: list[tuple[str, dict]], log, save=None) -> dict:
     """Compile and run time of one training epoch (``jit(train_epoch)``, the program a study compiles
     per arm) of the default study's model (ResNet-8 on digits, batch 128: 11 steps, unrolled on
     CPU) per variant (a label and config overrides). Seconds: ``lower``, ``compile``, and one epoch
@@ -246,6 +246,8 @@ def compile_timing(variants: list[tuple[str, dict]], log) -> dict:
                       "compile_s": t2 - t1, "epoch_s": float(np.median(runs))}
         log(f"  {label:32s} lower {t1 - t0:6.1f} s  compile {t2 - t1:7.1f} s  epoch {res[label]['epoch_s']:6.2f} s "
             f"({fns.steps_per_epoch} steps, unroll {fns.unroll})")
+        if save is not None:
+            save(res)  # after every variant: a run stopped early keeps what it measured
     return res
 
 
@@ -278,8 +280,9 @@ def main(argv=None):
             variants.append((label, dict(kv.split(":", 1) for kv in spec.split(";") if kv)))
         log("one epoch of ResNet-8 on digits (batch 128), jit(train_epoch): lower, compile, run:")
         res = {"backend": jax.default_backend(), "cpu_count": os.cpu_count(), "platform": platform.platform(),
-               "jax": jax.__version__, "load_avg_at_start": os.getloadavg(), "epoch": compile_timing(variants, log)}
+               "jax": jax.__version__, "load_avg_at_start": os.getloadavg()}
         out = Path(args.out or "benchmarks/results/instruments_compile.json")
+        res["epoch"] = compile_timing(variants, log, lambda r: atomic_write_json(out, {**res, "epoch": r}))
         atomic_write_json(out, res)
         print(f"wrote {out}")
         return
