@@ -8,8 +8,8 @@ For each workload (batch 128):
 * ``resnet14_random``: ResNet-14 on synthetic 32x32x3 images (standard normal pixels, 10 classes),
 
 it compiles ``make_train(...).train_step`` (one jitted step, the body of the epoch scan) for
-instruments off and for each configuration (economy, business, full) at ``every=1`` and
-``every=16``, then runs them in interleaved rounds (each round runs every variant for a block of
+instruments off and for each per-example mode (``train_pass``, ``frozen_bn``) and configuration
+(economy, business, full) at ``every=1`` and ``every=16``, then runs them in interleaved rounds (each round runs every variant for a block of
 steps, in turn), so machine noise hits all variants alike. Per variant, the step time is the
 median over rounds of the block's mean step time (every-16 blocks are whole 16-step cycles: one
 tracked step, one Alpha end-point step, 14 idle steps). The ratio is that time over the
@@ -42,7 +42,9 @@ from nondet_jax.store import atomic_write_json  # noqa: E402
 
 CONFIGS = ("economy", "business", "full")
 EVERY = (1, 16)
-TARGETS = {"economy": 1.2, "business": 1.5, "full": 4.0}
+MODES = ("train_pass", "frozen_bn")  # instruments.per_example
+TARGETS = {"economy": 1.3, "business": 1.8, "full": 6.0}  # every step (issue 17)
+TARGETS_EVERY16 = {"economy": 1.1}
 
 
 def workload(name: str):
@@ -72,16 +74,18 @@ def run_block(step_fn, state, x, y, keys, perturb, start, count, n, b):
 
 
 def bench_workload(name: str, quick: bool, rounds: int, log, breakdown_ok=lambda: True, configs=CONFIGS,
-                   everies=EVERY) -> dict:
+                   everies=EVERY, modes=MODES) -> dict:
     model, x_np, y_np, spec = workload(name)
     x, y = jnp.asarray(x_np), jnp.asarray(y_np)
     n, b = len(x_np), 128
     varied = arm_sources("init")
     keys, perturb = replica_slice(arm_keys(0, varied, 1), 0), perturbations(varied)
     variants = {"off": ({}, 1)}
-    for c in configs:
-        for k in everies:
-            variants[f"{c}/every{k}"] = ({"instruments.config": c, "instruments.every": k}, k)
+    for m in modes:
+        for c in configs:
+            for k in everies:
+                variants[f"{m}/{c}/every{k}"] = ({"instruments.config": c, "instruments.every": k,
+                                                  "instruments.per_example": m}, k)
     block1 = 2 if (quick and model == "resnet14") else 4
     progs, states, compile_s = {}, {}, {}
     for v, (flat, every) in variants.items():
@@ -103,21 +107,24 @@ def bench_workload(name: str, quick: bool, rounds: int, log, breakdown_ok=lambda
         log(f"  {name} round {r + 1}/{rounds}: " + ", ".join(f"{v} {1e3 * np.mean(t[-1:]):.0f} ms"
                                                           for v, t in times.items()))
     base = float(np.median(times["off"]))
-    out = {"model": model, "batch_size": b, "step_ms_off": 1e3 * base, "compile_s": compile_s, "configs": {}}
-    for c in configs:
-        row = {}
-        for k in everies:
-            t = float(np.median(times[f"{c}/every{k}"]))
-            row[f"every{k}_ms"] = 1e3 * t
-            row[f"every{k}_ratio"] = t / base
-        out["configs"][c] = row
+    out = {"model": model, "batch_size": b, "step_ms_off": 1e3 * base, "compile_s": compile_s, "modes": {},
+           "times_ms": {v: [1e3 * t for t in ts] for v, ts in times.items()}}
+    for m in modes:
+        out["modes"][m] = {}
+        for c in configs:
+            row = {}
+            for k in everies:
+                t = float(np.median(times[f"{m}/{c}/every{k}"]))
+                row[f"every{k}_ms"] = 1e3 * t
+                row[f"every{k}_ratio"] = t / base
+            out["modes"][m][c] = row
     if not (quick and model == "resnet14") and breakdown_ok():  # --quick: the breakdown on the default model only
         out["breakdown"] = breakdown(model, spec, x, y, keys, perturb, base, quick, log)
     return out
 
 
 def breakdown(model, spec, x, y, keys, perturb, base_s, quick, log) -> dict:
-    """Each quantity alone: ``update`` at a tracked step (the Alpha end point included), ms."""
+    """Each quantity alone (frozen_bn mode): ``update`` at a tracked step (the Alpha end point included), ms."""
     fns, _ = make_step(model, spec, {"instruments.config": "economy"})
     state = jax.jit(fns.init)(keys, perturb, x[:1])
     from nondet_jax.instruments.trainer import for_model
@@ -130,7 +137,8 @@ def breakdown(model, spec, x, y, keys, perturb, base_s, quick, log) -> dict:
     upd = jax.tree.map(lambda a: 1e-3 * jnp.ones_like(a), params)
     res = {}
     for q in instruments.QUANTITIES:
-        cfg = from_flat({"instruments.config": q, "optim.momentum": 0, "optim.weight_decay": 0}).instruments
+        cfg = from_flat({"instruments.config": q, "optim.momentum": 0, "optim.weight_decay": 0,
+                         "instruments.per_example": "frozen_bn"}).instruments
         inst = for_model(cfg, net, fns.loss_fn, fns.recompute_batch_stats, total_steps=1000)
         fn = jax.jit(lambda s, p, bs, t: inst.update(s, p, (xb, yb, None), step=t, context=bs, updates=upd, lr=0.1,
                                                      grads=upd, loss=jnp.float32(1.0)))
@@ -152,7 +160,7 @@ def pass_timing(rounds: int, log) -> dict:
     gradient the pass starts from (BatchNorm statistics fixed), the layerwise pass (without and with
     GradHist1d's histogram) and the ``vmap(grad)`` pass. Median ms and x the training gradient."""
     from nondet_jax.instruments import histograms, layerwise, per_example
-    from nondet_jax.instruments.trainer import model_losses
+    from nondet_jax.instruments.trainer import model_losses, train_pass_grad
     from nondet_jax.models import make_model
 
     model, x_np, y_np, spec = workload("resnet8_digits")
@@ -164,6 +172,14 @@ def pass_timing(rounds: int, log) -> dict:
     params, stats = state.params, fns.recompute_batch_stats(state.params, state.batch_stats, x)
     example_loss, batched = model_losses(make_model(model, spec.num_classes))
     batch, h1 = (x, y, None), {"bins": histograms.HIST1D_BINS}
+
+    def _taped(p):
+        return train_pass_grad(fns.loss_fn, p, state.batch_stats, x, y, None)
+
+    def _tape_stats(p, hist, rolled=True, chunk=32):
+        _, grads, tape = _taped(p)
+        return layerwise.tape_stats(tape, p, chunk, grad_sq=False, hist1d=hist, hist2d=None, tangents=(grads,),
+                                    rolled=rolled)
     variants = {
         "training gradient": lambda p: jax.grad(lambda q: fns.loss_fn(q, state.batch_stats, x, y, None)[0])(p),
         "inference-mode gradient": lambda p: jax.grad(lambda q: batched(q, batch, stats).mean())(p),
@@ -173,10 +189,20 @@ def pass_timing(rounds: int, log) -> dict:
                                                                             grad_sq=False, hist1d=h1, hist2d=None),
         "vmap(grad) pass": lambda p: per_example.per_example_pass(example_loss, p, batch, stats, 32, grad_sq=False,
                                                                   hist1d=None, hist2d=None),
+        # train_pass: the training gradient itself, recorded, then the per-example products from the tape
+        "training gradient + tape": lambda p: (lambda r: (r[1], r[2].records, r[2].deltas))(_taped(p)),
+        "training gradient + tape stats": lambda p: _tape_stats(p, None),
+        "training gradient + tape stats + GradHist1d": lambda p: _tape_stats(p, h1),
+        "training gradient + tape stats + GradHist1d, chunks unrolled": lambda p: _tape_stats(p, h1, False),
+        "training gradient + tape stats + GradHist1d, one chunk": lambda p: _tape_stats(p, h1, True, 128),
+        "training gradient + tape projections (x3)": lambda p: layerwise.tape_projections(
+            _taped(p)[2], (p, p, p)),
     }
-    compiled = {k: jax.jit(f) for k, f in variants.items()}
-    for f in compiled.values():
+    compiled, compile_s = {k: jax.jit(f) for k, f in variants.items()}, {}
+    for k, f in compiled.items():
+        t0 = time.perf_counter()
         jax.block_until_ready(f(params))
+        compile_s[k] = time.perf_counter() - t0
     times = {k: [] for k in compiled}
     for _ in range(rounds):
         for k, f in compiled.items():
@@ -184,10 +210,44 @@ def pass_timing(rounds: int, log) -> dict:
             jax.block_until_ready(f(params))
             times[k].append(time.perf_counter() - t0)
     base = float(np.median(times["training gradient"]))
-    res = {k: {"ms": 1e3 * float(np.median(t)), "x_training_gradient": float(np.median(t)) / base}
-           for k, t in times.items()}
+    res = {k: {"ms": 1e3 * float(np.median(t)), "x_training_gradient": float(np.median(t)) / base,
+               "compile_and_first_call_s": compile_s[k]} for k, t in times.items()}
     for k, v in res.items():
-        log(f"  {k:28s} {v['ms']:8.1f} ms {v['x_training_gradient']:6.2f}x")
+        log(f"  {k:62s} {v['ms']:8.1f} ms {v['x_training_gradient']:6.2f}x  (compile {compile_s[k]:5.1f} s)")
+    return res
+
+
+def compile_timing(variants: list[tuple[str, dict]], log, save=None) -> dict:
+    """Compile and run time of one training epoch (``jit(train_epoch)``, the program a study compiles
+    per arm) of the default study's model (ResNet-8 on digits, batch 128: 11 steps, unrolled on
+    CPU) per variant (a label and config overrides). Seconds: ``lower``, ``compile``, and one epoch
+    run twice after compiling (median)."""
+    model, x_np, y_np, spec = workload("resnet8_digits")
+    x, y = jnp.asarray(x_np), jnp.asarray(y_np)
+    varied = arm_sources("init")
+    keys, perturb = replica_slice(arm_keys(0, varied, 1), 0), perturbations(varied)
+    res = {}
+    for label, flat in variants:
+        cfg = from_flat({"model.name": model, "train.batch_size": 128, **flat})
+        fns = make_train(cfg, spec)
+        state = jax.jit(fns.init)(keys, perturb, x[:1])
+        t0 = time.perf_counter()
+        lowered = jax.jit(fns.train_epoch).lower(state, x, y, keys, perturb, jnp.int32(0))
+        t1 = time.perf_counter()
+        compiled = lowered.compile()
+        t2 = time.perf_counter()
+        runs = []
+        for e in range(2):
+            t3 = time.perf_counter()
+            state, m = compiled(state, x, y, keys, perturb, jnp.int32(e))
+            jax.block_until_ready((state, m))
+            runs.append(time.perf_counter() - t3)
+        res[label] = {"overrides": flat, "steps": fns.steps_per_epoch, "unroll": fns.unroll, "lower_s": t1 - t0,
+                      "compile_s": t2 - t1, "epoch_s": float(np.median(runs))}
+        log(f"  {label:32s} lower {t1 - t0:6.1f} s  compile {t2 - t1:7.1f} s  epoch {res[label]['epoch_s']:6.2f} s "
+            f"({fns.steps_per_epoch} steps, unroll {fns.unroll})")
+        if save is not None:
+            save(res)  # after every variant: a run stopped early keeps what it measured
     return res
 
 
@@ -202,10 +262,30 @@ def main(argv=None):
                     help="skip the per-quantity breakdown when this many seconds have passed (a time-boxed run)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="configurations to time")
     ap.add_argument("--every", default=",".join(map(str, EVERY)), help="schedules to time: track every k steps")
+    ap.add_argument("--modes", default=",".join(MODES), help="instruments.per_example modes to time")
+    ap.add_argument("--no-breakdown", action="store_true", help="skip the per-quantity breakdown")
     ap.add_argument("--pass-timing", action="store_true",
                     help="only time the per-example pass against a training gradient (ResNet-8 digits; "
                          "writes benchmarks/results/instruments_pass.json)")
+    ap.add_argument("--compile-timing", metavar="VARIANTS",
+                    help="only time compiling one epoch of the default study (ResNet-8 digits) per variant: "
+                         "comma list of label=key:value;key:value (e.g. 'off=,economy=instruments.config:economy'); "
+                         "writes benchmarks/results/instruments_compile.json")
     args = ap.parse_args(argv)
+    if args.compile_timing:
+        log = lambda s: print(s, flush=True)  # noqa: E731
+        variants = []
+        for item in args.compile_timing.split(","):
+            label, _, spec = item.partition("=")
+            variants.append((label, dict(kv.split(":", 1) for kv in spec.split(";") if kv)))
+        log("one epoch of ResNet-8 on digits (batch 128), jit(train_epoch): lower, compile, run:")
+        res = {"backend": jax.default_backend(), "cpu_count": os.cpu_count(), "platform": platform.platform(),
+               "jax": jax.__version__, "load_avg_at_start": os.getloadavg()}
+        out = Path(args.out or "benchmarks/results/instruments_compile.json")
+        res["epoch"] = compile_timing(variants, log, lambda r: atomic_write_json(out, {**res, "epoch": r}))
+        atomic_write_json(out, res)
+        print(f"wrote {out}")
+        return
     if args.pass_timing:
         log = lambda s: print(s, flush=True)  # noqa: E731
         log("per-example pass alone, ResNet-8 on digits, batch 128, chunk 32 (median of interleaved rounds):")
@@ -215,32 +295,37 @@ def main(argv=None):
         atomic_write_json(out, res)
         print(f"wrote {out}")
         return
-    configs, everies = args.configs.split(","), tuple(int(k) for k in args.every.split(","))
+    configs, everies, modes = args.configs.split(","), tuple(int(k) for k in args.every.split(",")), args.modes.split(",")
     rounds = args.rounds or (2 if args.quick else 5)
     t_start = time.perf_counter()
     out = Path(args.out or "benchmarks/results/instruments.json")  # "quick" inside says how it was run
     log = lambda s: print(s, flush=True)  # noqa: E731
     results = {"quick": args.quick, "rounds": rounds, "backend": jax.default_backend(),
                "device_kind": jax.devices()[0].device_kind, "cpu_count": os.cpu_count(), "platform": platform.platform(), "jax": jax.__version__,
-               "targets_every1": TARGETS, "workloads": {}}
+               "targets_every1": TARGETS, "targets_every16": TARGETS_EVERY16,
+               "load_avg_at_start": os.getloadavg(), "workloads": {}}
     for w in args.workloads.split(","):
         log(f"{w}:")
         w_rounds = args.rounds or (1 if (args.quick and w == "resnet14_random") else rounds)
         results["workloads"][w] = bench_workload(
-            w, args.quick, w_rounds, log, lambda: time.perf_counter() - t_start < args.breakdown_after_s, configs,
-            everies)
+            w, args.quick, w_rounds, log,
+            lambda: not args.no_breakdown and time.perf_counter() - t_start < args.breakdown_after_s, configs,
+            everies, modes)
         atomic_write_json(out, results)  # after every workload: a time-boxed run keeps what it did
     default = results["workloads"].get("resnet8_digits") or next(iter(results["workloads"].values()))
-    results["ratios"] = {f"{c}_every{k}": default["configs"][c][f"every{k}_ratio"] for c in configs for k in everies}
+    results["ratios"] = {f"{m}/{c}_every{k}": default["modes"][m][c][f"every{k}_ratio"]
+                         for m in modes for c in configs for k in everies}
     print()
-    print(f"{'workload':18s} {'config':9s} {'every 1':>9s} {'every 16':>9s} {'target@1':>9s}")
+    print(f"{'workload':18s} {'mode':11s} {'config':9s} {'every 1':>9s} {'every 16':>9s} {'target@1':>9s} {'@16':>5s}")
     for w, r in results["workloads"].items():
-        print(f"{w:18s} {'off':9s} {r['step_ms_off']:7.1f}ms")
-        for c in configs:
-            row = r["configs"][c]
-            cells = " ".join(f"{row[f'every{k}_ratio']:8.2f}x" if f"every{k}_ratio" in row else f"{'-':>9s}"
-                             for k in EVERY)
-            print(f"{'':18s} {c:9s} {cells} {TARGETS[c]:8.1f}x")
+        print(f"{w:18s} {'off':11s} {'':9s} {r['step_ms_off']:7.1f}ms")
+        for m in modes:
+            for c in configs:
+                row = r["modes"][m][c]
+                cells = " ".join(f"{row[f'every{k}_ratio']:8.2f}x" if f"every{k}_ratio" in row else f"{'-':>9s}"
+                                 for k in EVERY)
+                t16 = f"{TARGETS_EVERY16[c]:4.1f}x" if c in TARGETS_EVERY16 else ""
+                print(f"{'':18s} {m:11s} {c:9s} {cells} {TARGETS[c]:8.1f}x {t16:>5s}")
     for w, r in results["workloads"].items():
         if "breakdown" not in r:
             continue

@@ -94,6 +94,10 @@ class InstrumentsConfig:
     chunk: int = 32  # examples per per-example-gradient chunk (memory ~ chunk x parameters)
     hess_iters: int = 10  # Lanczos steps for HessMaxEV (warm-started from the last tracked step)
     hess_probes: int = 1  # Hutchinson probes for HessTrace, TICDiag, TICTrace
+    # train_pass: per-example contributions from the training backward pass (BatchNorm in training mode;
+    # they sum to the batch gradient); frozen_bn: gradients of per-example losses with the batch's
+    # BatchNorm statistics held fixed, from a second pass. See docs/instruments.md.
+    per_example: str = "train_pass"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -423,6 +427,8 @@ def _validate_instruments(config: Config) -> None:
         raise UsageError(f"{e} (--instruments / instruments.config)") from None
     if ic.schedule not in ("linear", "log"):
         raise UsageError(f"unknown instruments.schedule '{ic.schedule}'; choose linear (every k steps) or log")
+    if ic.per_example not in ("train_pass", "frozen_bn"):
+        raise UsageError(f"unknown instruments.per_example '{ic.per_example}'; choose train_pass or frozen_bn")
     for key in ("every", "log_points", "chunk", "hess_iters", "hess_probes"):
         if getattr(ic, key) < 1:
             raise UsageError(f"instruments.{key} must be >= 1, got {getattr(ic, key)}; fix --set instruments.{key}")

@@ -98,6 +98,19 @@ def guard(old: TrainState, new: TrainState, losses: jax.Array, first_step: jax.A
     return TrainState(*kept, Health(diverged_at, last_loss), *new[4:])
 
 
+class _Seen(NamedTuple):
+    """What the instruments need from one training step (stacked over an epoch when deferred)."""
+
+    params: Any  # before the step's update
+    batch: Any  # (x, y, dropout keys or None)
+    batch_stats: Any  # before the step
+    updates: Any
+    grads: Any
+    loss: Any
+    step: Any  # global step
+    tape: Any  # (records, deltas, per-example losses) of the recorded backward pass, or None
+
+
 class TrainFns(NamedTuple):
     init: Callable
     train_step: Callable
@@ -223,9 +236,9 @@ def _make_train(config: Config, spec: DataSpec, parts: Parts) -> TrainFns:
         if do_augment:
             augment_fn = lambda key, x: augment(x, key, padding, flip)  # noqa: E731
     unroll = scan_unroll(config.train.unroll, steps)
-    inst = None
+    inst, defer = None, False
     if config.instruments.config != "none":  # Cockpit's quantities, computed only at tracked steps
-        from nondet_jax.instruments.trainer import for_model
+        from nondet_jax.instruments.trainer import defer_in_epoch, for_model
 
         if parts != Parts() or not model.per_example_dropout:
             raise UsageError("instruments need a catalogue model, optimiser and loss (their per-example loss assumes "
@@ -233,6 +246,9 @@ def _make_train(config: Config, spec: DataSpec, parts: Parts) -> TrainFns:
         inst = for_model(config.instruments, model.module, lambda *a: loss_fn(*a), lambda *a: recompute_batch_stats(*a),
                          steps * config.train.epochs)
         lr_at = make_schedule(config.optim, config.train.epochs, steps)
+        # An unrolled epoch would hold one copy of the instruments per step (a tiny economy study spent
+        # minutes compiling them): measure after the steps instead, where their work has no convolution.
+        defer = unroll > 1 and defer_in_epoch(inst)
 
     def variables(params, batch_stats):
         return {"params": params, "batch_stats": batch_stats}
@@ -250,8 +266,10 @@ def _make_train(config: Config, spec: DataSpec, parts: Parts) -> TrainFns:
         return loss, (logits, new_stats)
 
     def train_step(state: TrainState, x_train, y_train, keys: ReplicaKeys, perturb: Perturbations, epoch, i,
-                   batch_idx):
-        """Step ``i`` of ``epoch`` on the examples ``batch_idx``: returns (state, (loss, accuracy))."""
+                   batch_idx, *, later: bool = False):
+        """Step ``i`` of ``epoch`` on the examples ``batch_idx``: returns (state, (loss, accuracy)), with
+        instruments (state, (loss, accuracy, values, tracked)). ``later`` (train_epoch's deferral): the
+        instruments do not run; the outputs end with what they need instead of values, tracked."""
         g = epoch * steps + i  # global step: the per-step key index
         x, y = x_train[batch_idx], y_train[batch_idx]
         if augment_fn is not None:
@@ -260,30 +278,59 @@ def _make_train(config: Config, spec: DataSpec, parts: Parts) -> TrainFns:
         p = jnp.where(perturb.batch_order, batch_permutation(keys.batch_order, g, b), jnp.arange(b))
         x, y = x[p], y[p]
         dkeys = model.dropout_input(jax.random.fold_in(keys.dropout, g), b, p)
-        (loss, (logits, bs)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            state.params, state.batch_stats, x, y, dkeys)
+        tape = None
+        if inst is not None and inst.value_grad_and_tape is not None:  # instruments.per_example = train_pass
+            (loss, (logits, bs)), grads, tape = inst.value_grad_and_tape(state.params, state.batch_stats, x, y, dkeys)
+        else:
+            (loss, (logits, bs)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+                state.params, state.batch_stats, x, y, dkeys)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         acc = jnp.mean(jnp.argmax(logits, -1) == y)
         if inst is not None:
-            istate, values = inst.update(state.instruments, state.params, (x, y, dkeys), step=g,
-                                         context=state.batch_stats, updates=updates, lr=lr_at(g), grads=grads,
-                                         loss=loss)
+            seen = _Seen(state.params, (x, y, dkeys), state.batch_stats, updates, grads, loss, g,
+                         None if tape is None else (tape.records, tape.deltas, tape.losses))
+            if later:  # measured after the epoch's steps (see train_epoch)
+                if tape is not None:
+                    tape_calls["calls"] = tape.calls
+                return TrainState(params, bs, opt_state, state.health, state.instruments), (loss, acc, seen)
+            istate, values = measure(state.instruments, seen, tape)
             return TrainState(params, bs, opt_state, state.health, istate), (loss, acc, values, inst.schedule(g))
         return TrainState(params, bs, opt_state, state.health), (loss, acc)
+
+    tape_calls = {}  # the recorded layers (static), from the trace of a deferred step
+
+    def measure(istate, seen: _Seen, tape=None):
+        """The instruments' update for one step from what the step saw: ``(istate, values)``."""
+        if tape is None and seen.tape is not None:
+            from nondet_jax.instruments.layerwise import Tape
+
+            tape = Tape(tape_calls["calls"], *seen.tape)
+        return inst.update(istate, seen.params, seen.batch, step=seen.step, context=seen.batch_stats,
+                           updates=seen.updates, lr=lr_at(seen.step), grads=seen.grads, loss=seen.loss, tape=tape)
 
     def train_epoch(state: TrainState, x_train, y_train, keys: ReplicaKeys, perturb: Perturbations, epoch):
         idx = epoch_indices(keys.data_order, epoch, spec.n_train, b)
 
         def step(state: TrainState, inputs):
             i, batch_idx = inputs
-            return train_step(state, x_train, y_train, keys, perturb, epoch, i, batch_idx)
+            return train_step(state, x_train, y_train, keys, perturb, epoch, i, batch_idx, later=defer)
 
         if steps == 1:  # a 1-trip scan still lowers to a while loop (jax#25330): XLA:CPU's slow path
             new, out = step(state, (jnp.int32(0), idx[0]))
             out = jax.tree.map(lambda a: a[None], out)
         else:
             new, out = jax.lax.scan(step, state, (jnp.arange(steps), idx), unroll=unroll)
+        if defer:
+            # The instruments of every step in one rolled scan after the unrolled training steps: one
+            # copy of their program instead of one per unrolled step (compile time), and their work
+            # (products of recorded activations, no convolution) runs as fast in a loop.
+            def measure_step(istate, seen):
+                istate, values = measure(istate, seen)
+                return istate, (values, inst.schedule(seen.step))
+
+            istate, (values, tracked) = jax.lax.scan(measure_step, state.instruments, out[2])
+            new, out = new._replace(instruments=istate), (out[0], out[1], values, tracked)
         return guard(state, new, out[0], epoch * steps), epoch_metrics(out)
 
     eval_b = config.train.eval_batch_size

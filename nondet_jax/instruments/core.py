@@ -87,6 +87,8 @@ class Instruments(NamedTuple):
     schedule: Schedule
     value_names: Callable  # params -> list of value names update returns
     hist_edges: dict  # "GradHist1d": edges; "GradHist2d": (gradient edges, parameter edges)
+    # train_pass (set by .trainer): the training step's value_and_grad that also returns a Tape for ``update``
+    value_grad_and_tape: Callable | None = None
 
 
 def layer_names(params) -> list[str]:
@@ -180,8 +182,14 @@ def make(quantities: str | tuple[str, ...], example_loss: Callable, *, schedule:
         return shapes
 
     def update(state: InstrumentState, params, batch, *, step, context=None, updates=None, lr=None, grads=None,
-               loss=None):
-        """One step's measurements: returns ``(state, values)`` (see the module docstring)."""
+               loss=None, tape=None):
+        """One step's measurements: returns ``(state, values)`` (see the module docstring).
+
+        ``tape``: a :class:`.layerwise.Tape` of this step's training backward pass (with the
+        per-example losses, and output gradients of the *summed* loss): per-example quantities then
+        come from its contributions (the ``train_pass`` mode) and ``grads`` must be that pass's
+        gradient; None: from a pass of ``example_loss`` of their own (``frozen_bn``).
+        """
         if need_alpha and updates is None:
             raise ValueError("Alpha needs the update the optimiser applies at this step: pass updates=")
         if has("UpdateSize") and updates is None:
@@ -194,6 +202,8 @@ def make(quantities: str | tuple[str, ...], example_loss: Callable, *, schedule:
         b = leaves[0].shape[0]
         if b < 2 and need_pe:
             raise ValueError(f"gradient-noise quantities need a batch of at least 2 examples, got {b}")
+        if tape is not None and (grads is None or tape.losses is None):
+            raise ValueError("a tape needs its per-example losses (tape.losses) and its pass's gradient (grads=)")
         step = jnp.asarray(step)
         dtype = jax.tree.leaves(params)[0].dtype
         shapes = value_shapes(params)
@@ -217,18 +227,32 @@ def make(quantities: str | tuple[str, ...], example_loss: Callable, *, schedule:
             return state, dict(nan_values)
 
         def end_only(state):  # the step after a tracked one that is not tracked itself: finish Alpha
-            ctx = get_context()
-            losses, proj = jax.jvp(lambda p: example_losses(p, ctx), (params,), (state.direction,))
+            if tape is not None:
+                losses, proj = tape.losses, layerwise.tape_projections(tape, (state.direction,))[0]
+            else:
+                ctx = get_context()
+                losses, proj = jax.jvp(lambda p: example_losses(p, ctx), (params,), (state.direction,))
             values = dict(nan_values)
             values["Alpha"] = alpha_end_info(losses, proj, state.alpha_start).astype(dtype)
             return state, values
 
         def tracked(state):
-            ctx = get_context()
+            ctx = get_context() if tape is None else context  # context_fn serves the frozen convention only
             v: dict[str, jax.Array] = {}
             stats = None
             proj = None  # (T, B): every example's directional derivatives along gbar, updates, direction
-            if need_pe:
+            if tape is not None:  # train_pass: the training backward pass's per-example contributions
+                along = ((grads,) if has("InnerTest", "OrthoTest") else ()) + (
+                    (updates, state.direction) if need_alpha else ())
+                if need_pe:
+                    stats, proj = layerwise.tape_stats(
+                        tape, params, chunk, grad_sq=has(*GRAD_SQ), hist1d=h1 if has("GradHist1d") else None,
+                        hist2d=h2 if has("GradHist2d") else None, tangents=along)
+                    gbar = jax.tree.map(lambda s: s / b, stats.sum_grad)
+                    g_sq = sum(_sq_norms(gbar))
+                elif along:
+                    proj = layerwise.tape_projections(tape, along)
+            elif need_pe:
                 pe_args = dict(grad_sq=has(*GRAD_SQ), hist1d=h1 if has("GradHist1d") else None,
                                hist2d=h2 if has("GradHist2d") else None)
                 if batched_example_loss is not None:
@@ -249,7 +273,7 @@ def make(quantities: str | tuple[str, ...], example_loss: Callable, *, schedule:
                 tangents.append(gbar)
             if need_alpha:
                 tangents += [updates, state.direction]
-            losses = stats.losses if stats is not None else None
+            losses = stats.losses if stats is not None else (tape.losses if tape is not None else None)
             if tangents and proj is None:
                 losses, lin = jax.linearize(lambda p: example_losses(p, ctx), params)
                 proj = jax.vmap(lin)(jax.tree.map(lambda *xs: jnp.stack(xs), *tangents))

@@ -21,6 +21,11 @@ def bin_index(values: jax.Array, bins: int, lo: float, hi: float) -> jax.Array:
     return jnp.clip(idx, 0, bins - 1)
 
 
+def counts(idx: jax.Array, length: int) -> jax.Array:
+    """How many times each bin index in ``[0, length)`` occurs in ``idx`` (float32)."""
+    return jnp.bincount(idx.ravel(), length=length).astype(jnp.float32)
+
+
 def hist1d(per_example_grads, bins: int = HIST1D_BINS, value_range=HIST1D_RANGE) -> jax.Array:
     """Counts (bins,) of every element of every per-example gradient (a pytree, leading axis = examples)."""
     counts = jnp.zeros(bins, jnp.float32)

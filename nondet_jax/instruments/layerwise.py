@@ -37,9 +37,11 @@ from typing import Callable, NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax.linen import normalization
 from flax.linen.linear import canonicalize_padding
 
-from nondet_jax.instruments.per_example import (PerExampleStats, add_chunk, chunk_size, init_sums, matmul_sum,
+from nondet_jax.instruments import histograms
+from nondet_jax.instruments.per_example import (PerExampleStats, chunk_size, matmul_sum,
                                                 over_chunks, split_chunks)
 from nondet_jax.models import common
 
@@ -47,6 +49,11 @@ from nondet_jax.models import common
 # Convolution functions an nn.Conv may be given that compute exactly lax.conv_general_dilated's
 # value (the CPU wrapper in models.common only changes how XLA schedules its weight gradient).
 SAME_AS_LAX_CONV = (None, jax.lax.conv_general_dilated, common.conv_general_dilated)
+
+
+# The chunk loop of :func:`tape_stats` runs no convolution (im2col by slices, then products), so it
+# may stay a rolled loop on CPU too: compile time grows with every unrolled copy.
+ROLLED_CHUNKS = True
 
 
 class Unsupported(Exception):
@@ -132,21 +139,29 @@ def _dense_grads(m: nn.Dense, x, delta, params):
     return out
 
 
-def _bn_check(m: nn.BatchNorm, x, args, kwargs) -> tuple[str, ...]:
+def _bn_check(m: nn.BatchNorm, x, args, kwargs, training_ok: bool) -> tuple[str, ...]:
     use_ra = kwargs.get("use_running_average", args[1] if len(args) > 1 else None)
     use_ra = m.use_running_average if use_ra is None else use_ra
     mask = kwargs.get("mask", args[2] if len(args) > 2 else None)
     axes = (m.axis,) if isinstance(m.axis, int) else tuple(m.axis)
-    if use_ra is not True or mask is not None or tuple(a % x.ndim for a in axes) != (x.ndim - 1,) or x.ndim < 2:
-        raise Unsupported(f"BatchNorm {m.path} is not in inference mode over the last axis")
+    if mask is not None or tuple(a % x.ndim for a in axes) != (x.ndim - 1,) or x.ndim < 2:
+        raise Unsupported(f"BatchNorm {m.path} with a mask or not over the last axis")
+    if use_ra is not True and not (training_ok and use_ra is False and m.axis_name is None):
+        raise Unsupported(f"BatchNorm {m.path} is not in inference mode (or training mode on one device)")
     return tuple(n for n, on in (("scale", m.use_scale), ("bias", m.use_bias)) if on)
 
 
-def _bn_normalised(m: nn.BatchNorm, x):
-    """``(x - mean) / sqrt(var + epsilon)`` with the running averages (as flax's ``_normalize``)."""
-    mean, var = m.get_variable("batch_stats", "mean"), m.get_variable("batch_stats", "var")
-    if not m.force_float32_reductions:
-        mean, var = jnp.asarray(mean, m.param_dtype), jnp.asarray(var, m.param_dtype)
+def _bn_normalised(m: nn.BatchNorm, x, training: bool):
+    """``(x - mean) / sqrt(var + epsilon)`` as flax's ``_normalize`` forms it: with the running
+    averages in inference mode, with the batch's own statistics in training mode."""
+    if training:
+        mean, var = normalization._compute_stats(
+            x, tuple(range(x.ndim - 1)), m.dtype, use_fast_variance=m.use_fast_variance,
+            force_float32_reductions=m.force_float32_reductions)
+    else:
+        mean, var = m.get_variable("batch_stats", "mean"), m.get_variable("batch_stats", "var")
+        if not m.force_float32_reductions:
+            mean, var = jnp.asarray(mean, m.param_dtype), jnp.asarray(var, m.param_dtype)
     return (x - mean) * jax.lax.rsqrt(var + m.epsilon)
 
 
@@ -164,7 +179,7 @@ def _bn_grads(m: nn.BatchNorm, xhat, delta, params):
 GRADS = {nn.Conv: _conv_grads, nn.Dense: _dense_grads, nn.BatchNorm: _bn_grads}  # exact types: subclasses fall back
 
 
-def _record(m, args, kwargs):
+def _record(m, args, kwargs, training_ok: bool):
     """(parameter names, the array the layer's gradient rule needs) for one call; raises Unsupported."""
     if not args:
         raise Unsupported(f"{m.path} called without a positional input")
@@ -173,18 +188,20 @@ def _record(m, args, kwargs):
         return _conv_check(m, x), x
     if type(m) is nn.Dense:
         return _dense_check(m, x), x
-    return _bn_check(m, x, args, kwargs), _bn_normalised(m, x)
+    names = _bn_check(m, x, args, kwargs, training_ok)
+    use_ra = kwargs.get("use_running_average", args[1] if len(args) > 1 else None)
+    return names, _bn_normalised(m, x, training=not (m.use_running_average if use_ra is None else use_ra))
 
 
-def _interceptor(calls: dict, records: dict, eps: dict | None):
+def _interceptor(calls: dict, records: dict, eps: dict | None, training_ok: bool):
     def intercept(next_fun, args, kwargs, context):
         m = context.module
-        if context.method_name != "__call__" or type(m) not in GRADS:
+        if context.method_name != "__call__" or type(m) not in GRADS or m.is_initializing():
             return next_fun(*args, **kwargs)
         path = tuple(m.path)
         if path in calls:
             raise Unsupported(f"layer {path} is called more than once")
-        names, rec = _record(m, args, kwargs)
+        names, rec = _record(m, args, kwargs, training_ok)
         y = next_fun(*args, **kwargs)
         calls[path] = _Call(m, names, jax.ShapeDtypeStruct(y.shape, y.dtype))
         records[path] = rec
@@ -218,6 +235,180 @@ def _check_coverage(params, calls: dict):
         raise Unsupported(f"parameters outside supported layers: {sorted(map(str, keys - covered))[:3]}")
 
 
+class Tape:
+    """What one backward pass recorded: per supported layer, its input (BatchNorm: the normalised
+    input) and the gradient of the *summed* loss with respect to its output, plus the per-example
+    losses. Not a pytree (it holds the flax modules, static); use it inside the traced function that
+    made it (closures into ``lax.switch`` branches are fine)."""
+
+    def __init__(self, calls: dict, records: dict, deltas: dict, losses: jax.Array):
+        self.calls, self.records, self.deltas, self.losses = calls, records, deltas, losses
+        self.paths = sorted(calls)
+
+    def scaled(self, factor, losses: jax.Array) -> "Tape":
+        """The same tape with the output gradients multiplied by ``factor`` (e.g. the batch size, when
+        the backward pass ran on a mean loss) and the given per-example losses."""
+        return Tape(self.calls, self.records, {k: d * factor for k, d in self.deltas.items()}, losses)
+
+
+def value_grad_and_tape(fn: Callable, params, *args, training: bool = False):
+    """``(value, aux), grads, tape`` of ``fn(params, *args) -> (scalar, aux)`` from ONE backward pass.
+
+    Every flax Conv/Dense/BatchNorm call inside ``fn`` is recorded (:class:`Tape`); ``tape.losses`` is
+    None (the caller knows its per-example losses). ``training``: BatchNorm layers in training mode
+    (batch statistics) are accepted; their records use the batch's statistics, so the per-example
+    contributions built from the tape still sum exactly to the gradient, but examples interact.
+    When a layer or parameter is not supported (decided while tracing), ``tape`` is None and the
+    value and gradient are ``jax.value_and_grad``'s.
+    """
+    def run(p, eps):
+        calls, records = {}, {}
+        with nn.intercept_methods(_interceptor(calls, records, eps, training)):
+            out = fn(p, *args)
+        return out, calls, records
+
+    try:
+        found = {}
+
+        def probe():
+            out, calls, _ = run(params, None)
+            found.update(calls)
+            return out
+
+        out = jax.eval_shape(probe)
+        if jnp.shape(out[0]) != () or not found:
+            raise Unsupported("fn must return (scalar, aux) and call a supported layer")
+        _check_coverage(params, found)
+    except Unsupported:
+        return *jax.value_and_grad(fn, has_aux=True)(params, *args), None
+
+    eps0 = {path: jnp.zeros(call.out.shape, call.out.dtype) for path, call in found.items()}
+
+    def total(p, eps):
+        (value, aux), _, records = run(p, eps)
+        return value, (aux, records)
+
+    (value, (aux, records)), (grads, deltas) = jax.value_and_grad(total, argnums=(0, 1), has_aux=True)(params, eps0)
+    return (value, aux), grads, Tape(found, records, deltas, None)
+
+
+def _example_grads(tape: Tape, recs, ds, layer_params, params):
+    """Per-example gradients (params-like, leading axis = the chunk's examples) from one chunk of the tape."""
+    g = {}
+    for i, path in enumerate(tape.paths):
+        m = tape.calls[path].module
+        for name, v in GRADS[type(m)](m, recs[i], ds[i], layer_params[path]).items():
+            g[path + (name,)] = v
+    return jax.tree_util.tree_map_with_path(lambda kp, _: g[tuple(k.key for k in kp)], params)
+
+
+def _conv_proj(m: nn.Conv, x, delta, t):
+    g = m.feature_group_count
+    patches = _patches(m, x, delta.shape[1:-1])  # (c, P, K, C)
+    c, p, k, cin = patches.shape
+    d = delta.reshape(c, p, g, -1)
+    tk = t["kernel"].reshape(k, cin // g, g, -1)  # the kernel's HW...IO layout, output channels by group
+    y = jnp.einsum("bpkgi,kigo->bpgo", patches.reshape(c, p, k, g, cin // g), tk, precision=m.precision)
+    out = jnp.einsum("bpgo,bpgo->b", y, d)
+    if m.use_bias:
+        out = out + delta.reshape(c, p, -1).sum(1) @ t["bias"]
+    return out
+
+
+def _dense_proj(m: nn.Dense, x, delta, t):
+    c = x.shape[0]
+    x2, d2 = x.reshape(c, -1, x.shape[-1]), delta.reshape(c, -1, delta.shape[-1])
+    out = jnp.einsum("bpo,bpo->b", jnp.einsum("bpi,io->bpo", x2, t["kernel"], precision=m.precision), d2)
+    if m.use_bias:
+        out = out + d2.sum(1) @ t["bias"]
+    return out
+
+
+def _bn_proj(m: nn.BatchNorm, xhat, delta, t):
+    c = delta.shape[0]
+    d2 = delta.reshape(c, -1, delta.shape[-1])
+    out = jnp.zeros(c, delta.dtype)
+    if m.use_scale:
+        out = out + jnp.sum(d2 * xhat.reshape(d2.shape), axis=1) @ t["scale"]
+    if m.use_bias:
+        out = out + d2.sum(1) @ t["bias"]
+    return out
+
+
+PROJ = {nn.Conv: _conv_proj, nn.Dense: _dense_proj, nn.BatchNorm: _bn_proj}
+
+
+def tape_projections(tape: Tape, tangents: tuple) -> jax.Array:
+    """``(T, B)``: every example's contribution ``g_i`` projected onto each tangent ``t`` (params-like),
+    layer by layer from the tape without forming ``g_i`` (each layer's output under the tangent
+    weights, dotted with the example's output gradient)."""
+    rows = []
+    for t in tangents:
+        rows.append(sum(PROJ[type(tape.calls[p].module)](tape.calls[p].module, tape.records[p], tape.deltas[p],
+                                                         _layer_params(t, p)) for p in tape.paths))
+    return jnp.stack(rows)
+
+
+def _flat(tree, lead: tuple = ()) -> jax.Array:
+    """Every leaf flattened (after ``lead`` leading axes) and joined, in ``jax.tree.leaves`` order."""
+    return jnp.concatenate([x.reshape(lead + (-1,)) for x in jax.tree.leaves(tree)], axis=len(lead))
+
+
+def _unflat(flat: jax.Array, like):
+    """Inverse of :func:`_flat` (no leading axes), with ``like``'s shapes and dtypes."""
+    leaves, treedef = jax.tree.flatten(like)
+    out, i = [], 0
+    for x in leaves:
+        out.append(flat[i:i + x.size].reshape(x.shape).astype(x.dtype))
+        i += x.size
+    return treedef.unflatten(out)
+
+
+def tape_stats(tape: Tape, params, chunk: int, *, grad_sq: bool, hist1d: dict | None, hist2d: dict | None,
+               tangents: tuple = (), rolled: bool = ROLLED_CHUNKS) -> tuple[PerExampleStats, jax.Array | None]:
+    """The sums of :func:`.per_example.per_example_pass` from a tape: per-example gradients formed
+    ``chunk`` examples at a time by per-layer products; ``tangents``: params-like trees ``t`` whose
+    projections ``g_i . t`` are returned as ``(T, B)`` (None without tangents).
+
+    Each chunk's gradients are joined into one ``(chunk, P)`` array, so every sum, the projections
+    and each histogram are one operation, not one per parameter leaf (fewer, larger kernels: less
+    compile time and less time on XLA:CPU)."""
+    b = tape.losses.shape[0]
+    c = chunk_size(b, chunk)
+    layer_params = {path: _layer_params(params, path) for path in tape.paths}
+    p_flat = _flat(params)
+    t_flat = jnp.stack([_flat(t).astype(p_flat.dtype) for t in tangents], axis=1) if tangents else None  # (P, T)
+    zeros = jnp.zeros_like(p_flat)
+    init = (zeros, jnp.zeros((), p_flat.dtype), zeros if grad_sq else None,
+            None if hist1d is None else jnp.zeros(hist1d["bins"], jnp.float32),
+            None if hist2d is None else jnp.zeros(hist2d["bins"], jnp.float32))
+    p_bins = None if hist2d is None else histograms.bin_index(p_flat, hist2d["bins"][1], *hist2d["value_range"][1])
+
+    def body(acc, chunk_data):
+        recs, ds = chunk_data
+        g = _flat(_example_grads(tape, recs, ds, layer_params, params), (c,))  # (c, P)
+        sum_g, sq, sum_g2, h1, h2 = acc
+        sum_g = sum_g + matmul_sum(g)
+        sq = sq + jnp.sum(jnp.square(g))
+        if sum_g2 is not None:
+            sum_g2 = sum_g2 + matmul_sum(jnp.square(g))
+        if h1 is not None:
+            h1 = h1 + histograms.counts(histograms.bin_index(g, hist1d["bins"], *hist1d["value_range"]), hist1d["bins"])
+        if h2 is not None:
+            nx, ny = hist2d["bins"]
+            ix = histograms.bin_index(g, nx, *hist2d["value_range"][0])
+            h2 = h2 + histograms.counts(ix * ny + p_bins, nx * ny).reshape(nx, ny)
+        proj = None if t_flat is None else (g @ t_flat).T  # (T, c)
+        return (sum_g, sq, sum_g2, h1, h2), proj
+
+    chunks = split_chunks(([tape.records[p] for p in tape.paths], [tape.deltas[p] for p in tape.paths]), c)
+    (sum_g, sq, sum_g2, h1, h2), proj = over_chunks(body, init, chunks, convolutions=not rolled)
+    if proj is not None:
+        proj = jnp.moveaxis(proj, 1, 0).reshape(len(tangents), b)  # (n, T, c) -> (T, B), examples in order
+    return PerExampleStats(tape.losses, _unflat(sum_g, params), sq,
+                           None if sum_g2 is None else _unflat(sum_g2, params), h1, h2), proj
+
+
 def per_example_pass(losses_fn: Callable, params, batch, context, chunk: int, *, grad_sq: bool,
                      hist1d: dict | None, hist2d: dict | None, tangents: tuple = (),
                      project_mean: bool = False) -> tuple[PerExampleStats, jax.Array | None] | None:
@@ -235,60 +426,21 @@ def per_example_pass(losses_fn: Callable, params, batch, context, chunk: int, *,
     Returns ``(stats, projections (T, B) or None)``, or None when a layer or parameter is not
     supported (decided while tracing): fall back.
     """
-    def run(p, eps):
-        calls, records = {}, {}
-        with nn.intercept_methods(_interceptor(calls, records, eps)):
-            losses = losses_fn(p, batch, context)
-        return losses, calls, records
-
     b = jax.tree.leaves(batch)[0].shape[0]
-    try:
-        found = {}
 
-        def probe():
-            losses, calls, _ = run(params, None)
-            found.update(calls)
-            return losses
-
-        out = jax.eval_shape(probe)
-        if out.shape != (b,) or not found:
+    def total(p):
+        losses = losses_fn(p, batch, context)
+        if losses.shape != (b,):
             raise Unsupported("losses_fn must return one loss per example")
-        _check_coverage(params, found)
+        return jnp.sum(losses), losses
+
+    try:
+        (_, losses), sum_grad, tape = value_grad_and_tape(total, params)
     except Unsupported:
         return None
-
-    eps0 = {path: jnp.zeros(call.out.shape, call.out.dtype) for path, call in found.items()}
-
-    def total(p, eps):
-        losses, _, records = run(p, eps)
-        return jnp.sum(losses), (losses, records)
-
-    if project_mean:  # the summed gradient as well: what the mean projection needs before the chunk loop
-        (_, (losses, records)), (sum_grad, deltas) = jax.value_and_grad(total, argnums=(0, 1), has_aux=True)(
-            params, eps0)
+    if tape is None:
+        return None
+    tape = Tape(tape.calls, tape.records, tape.deltas, losses)
+    if project_mean:  # the summed gradient came with the deltas: the mean projection needs it before the chunks
         tangents = (jax.tree.map(lambda s: s / b, sum_grad),) + tuple(tangents)
-    else:
-        (_, (losses, records)), deltas = jax.value_and_grad(total, argnums=1, has_aux=True)(params, eps0)
-    c = chunk_size(b, chunk)
-    paths = sorted(found)
-    layer_params = {path: _layer_params(params, path) for path in paths}
-
-    def body(acc, chunk_data):
-        recs, ds = chunk_data
-        g = {}
-        for i, path in enumerate(paths):
-            m = found[path].module
-            for name, v in GRADS[type(m)](m, recs[i], ds[i], layer_params[path]).items():
-                g[path + (name,)] = v
-        g = jax.tree_util.tree_map_with_path(lambda kp, _: g[tuple(k.key for k in kp)], params)
-        proj = None
-        if tangents:
-            proj = jnp.stack([sum(x.reshape(c, -1) @ u.ravel() for x, u in zip(jax.tree.leaves(g), jax.tree.leaves(t)))
-                              for t in tangents])  # (T, c)
-        return add_chunk(acc, g, params, hist1d=hist1d, hist2d=hist2d, batch_sum=matmul_sum), proj
-
-    chunks = split_chunks(([records[p] for p in paths], [deltas[p] for p in paths]), c)
-    acc, proj = over_chunks(body, init_sums(params, grad_sq=grad_sq, hist1d=hist1d, hist2d=hist2d), chunks)
-    if proj is not None:
-        proj = jnp.moveaxis(proj, 1, 0).reshape(len(tangents), b)  # (n, T, c) -> (T, B), examples in order
-    return PerExampleStats(losses, *acc), proj
+    return tape_stats(tape, params, chunk, grad_sq=grad_sq, hist1d=hist1d, hist2d=hist2d, tangents=tangents)

@@ -72,17 +72,18 @@ def add_chunk(acc, g, params, *, hist1d: dict | None, hist2d: dict | None, batch
     return sum_g, sq, sum_g2, h1, h2
 
 
-def over_chunks(body: Callable, init, chunks):
+def over_chunks(body: Callable, init, chunks, *, convolutions: bool = True):
     """``lax.scan(body, init, chunks)``, or straight-line code where XLA:CPU would be slow.
 
     XLA:CPU runs convolutions inside loops on a slow path (see train.CPU_UNROLL_MAX_STEPS): one chunk
-    runs without a loop, and up to 16 chunks are unrolled on CPU. Returns ``(acc, stacked outputs)``.
+    runs without a loop, and, when ``body`` runs convolutions, up to 16 chunks are unrolled on CPU.
+    Returns ``(acc, stacked outputs)``.
     """
     n = jax.tree.leaves(chunks)[0].shape[0]
     if n == 1:
         acc, out = body(init, jax.tree.map(lambda a: a[0], chunks))
         return acc, jax.tree.map(lambda a: a[None], out)
-    unroll = n if (jax.default_backend() == "cpu" and n <= 16) else 1
+    unroll = n if (convolutions and jax.default_backend() == "cpu" and n <= 16) else 1
     return jax.lax.scan(body, init, chunks, unroll=unroll)
 
 

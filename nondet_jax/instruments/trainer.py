@@ -1,5 +1,18 @@
 """The adaptor ``nondet_jax.train`` uses: instruments for a registered model and a :class:`Config`.
 
+Two per-example modes (``InstrumentsConfig.per_example``):
+
+* ``train_pass`` (default): the training step's own backward pass is recorded
+  (:func:`.layerwise.value_grad_and_tape`, BatchNorm in training mode) and per-example
+  contributions are formed from each layer's input and output gradient; they sum exactly to the
+  batch gradient. With BatchNorm in training mode they are the decomposition of that gradient by
+  example, not gradients of per-example losses (example ``i``'s activations also move the batch
+  statistics every other example sees); without BatchNorm they are the per-example gradients.
+  Models with layers the recorder does not support fall back to ``frozen_bn`` (decided while tracing).
+* ``frozen_bn``: a second pass, described below.
+
+``frozen_bn``:
+
 * Per-example loss: the model in inference mode, so BatchNorm normalises with *fixed* statistics
   (the ``context``: the batch's own statistics at the current weights, measured by a momentum-0
   training-mode pass only at tracked steps), while dropout stays on with the example's own key
@@ -14,11 +27,13 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import flax.linen as nn
 import optax
 
+from nondet_jax.instruments import layerwise
 from nondet_jax.instruments.core import Instruments, make
 from nondet_jax.instruments.schedules import linear, log_over_run
 from nondet_jax.models.common import Head
@@ -77,12 +92,39 @@ def for_model(cfg, model: nn.Module, train_loss: Callable, batch_stats_of: Calla
     The batch passed to ``update`` is ``(x, y, dropout_keys or None)``.
     """
     example_loss, batched_example_loss = model_losses(model)
+    if cfg.per_example not in ("train_pass", "frozen_bn"):
+        raise ValueError(f"unknown per_example mode {cfg.per_example!r}; choose train_pass or frozen_bn")
 
     def batch_loss(params, batch, stats):
         x, y, dkeys = batch
         return train_loss(params, stats, x, y, dkeys)[0]
 
-    return make(cfg.config, example_loss, schedule=schedule_for(cfg, total_steps), batch_loss_fn=batch_loss,
+    inst = make(cfg.config, example_loss, schedule=schedule_for(cfg, total_steps), batch_loss_fn=batch_loss,
                 context_fn=lambda params, batch, stats: batch_stats_of(params, stats, batch[0]), chunk=cfg.chunk,
                 hess_iters=cfg.hess_iters, hess_probes=cfg.hess_probes,
                 batched_example_loss=batched_example_loss if layerwise else None)
+    if cfg.per_example == "frozen_bn" or not layerwise:
+        return inst
+    return inst._replace(value_grad_and_tape=functools.partial(train_pass_grad, train_loss))
+
+
+def defer_in_epoch(inst: Instruments) -> bool:
+    """Whether ``nondet_jax.train`` may measure an unrolled epoch's steps after them, in one rolled
+    loop: in train_pass mode without curvature quantities the instruments run no convolution (XLA:CPU
+    runs convolutions inside loops on a slow path, so those stay inline)."""
+    return inst.value_grad_and_tape is not None and not any(q in inst.quantities for q in CURVATURE)
+
+
+CURVATURE = ("HessMaxEV", "HessTrace", "TICDiag", "TICTrace")
+
+
+def train_pass_grad(train_loss: Callable, params, batch_stats, x, y, dropout_keys):
+    """``jax.value_and_grad(train_loss, has_aux=True)`` plus the :class:`.layerwise.Tape` of that same
+    backward pass, with output gradients of the *summed* loss and the per-example training-mode losses
+    (``train_loss`` is the mean cross-entropy and returns the logits first in its aux); the tape is None
+    when a layer is not supported."""
+    (loss, aux), grads, tape = layerwise.value_grad_and_tape(train_loss, params, batch_stats, x, y, dropout_keys,
+                                                             training=True)
+    if tape is not None:
+        tape = tape.scaled(x.shape[0], optax.softmax_cross_entropy_with_integer_labels(aux[0], y))
+    return (loss, aux), grads, tape
