@@ -1,6 +1,6 @@
 """Every Python example in README.md and docs/*.md runs as written.
 
-A ```python block is run in a fresh interpreter from the repository root. A block may be skipped
+A ```python block is run in a fresh interpreter, in a scratch folder (so ``runs/`` starts empty). A block may be skipped
 only when the line before it says ``<!-- docs-test: skip (reason) -->``, with the reason.
 """
 
@@ -51,6 +51,6 @@ def test_example_runs(code, tmp_path):
     env = {**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "true", "MPLBACKEND": "Agg",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "NONDET_JAX_DOCS_TMP": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, f"example failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"

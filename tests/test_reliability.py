@@ -349,7 +349,7 @@ def test_compiled_programs_are_released_between_studies(tmp_path, monkeypatch):
     each (the study core's call), the process's memory mappings stay bounded."""
     from nondet_jax import memory
     from nondet_jax.config import from_flat
-    from nondet_jax.sweep import run
+    from nondet_jax.study import run
 
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
     counts = []

@@ -83,11 +83,11 @@ def test_mixed_precision_keeps_float32_state_and_trains(small_digits):
 
 
 def test_mixed_precision_study_records_its_dtype(tmp_path):
-    from nondet_jax import sweep
+    from nondet_jax import study
 
     config = from_flat({"model.name": "mlp", "model.dtype": "bfloat16", "train.epochs": 1, "study.arms": "control",
                         "study.replicas": 2, "metrics.lmc_pairs": 0})
-    sweep.run(config, tmp_path, progress=False, log=lambda *a, **k: None)
+    study.run(config, tmp_path, progress=False, log=lambda *a, **k: None)
     assert json.loads((tmp_path / "config.json").read_text())["model"]["dtype"] == "bfloat16"
 
 

@@ -83,8 +83,8 @@ def example_dropout(x: jax.Array, keys: jax.Array, rate: float) -> jax.Array:
 
 
 class Head(nn.Module):
-    """Optional dropout, then a dense classifier. Returns (logits, features before dropout), both
-    float32 whatever the compute ``dtype`` (the loss and the metrics read them)."""
+    """Optional dropout, then a dense classifier. Returns (logits, features before dropout): float32
+    under a low-precision compute ``dtype`` (the loss and the metrics read them), else as computed."""
 
     num_classes: int
     dropout: float = 0.0
@@ -98,4 +98,6 @@ class Head(nn.Module):
                 raise ValueError("training with dropout needs dropout_keys (one key per example)")
             x = example_dropout(x, dropout_keys, self.dropout)
         logits = nn.Dense(self.num_classes, dtype=self.dtype, name="classifier")(x)
+        if self.dtype is None:  # full precision: the parameters' dtype (float64 under jax.enable_x64) is kept
+            return logits, features
         return logits.astype(jnp.float32), features.astype(jnp.float32)
