@@ -18,10 +18,16 @@ from nondet_jax.errors import UsageError
 from nondet_jax.store import RunPaths
 
 LINESTYLES = ("-", "--", ":", "-.")  # arms with equal curves (init and all, say) stay visible
+MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*", "<", ">")  # hollow, one per arm: overlapping curves show both
 
 
 def _fmt(x, digits=4) -> str:
     return "—" if x is None or (isinstance(x, float) and not np.isfinite(x)) else f"{x:.{digits}f}"
+
+
+def _pct(x) -> str:
+    """A fraction as a percentage with 2 decimals; "—" when missing."""
+    return _fmt(None if x is None else x * 100, 2)
 
 
 def _ci(ci, digits=4, scale=1.0) -> str:
@@ -190,7 +196,7 @@ def _write_csv(path: Path, rows: list[dict]) -> None:
 def format_table(summary: dict) -> str:
     """The main per-arm table (plain text): printed by the sweep, embedded in the report."""
     head = (f"{'arm':<13}{'R':>3} {'accuracy %':>10} {'acc std % [95% CI]':>22} {'ratio vs all':>12} {'p(F)':>6}"
-            f" {'CE std [95% CI]':>24} {'disagree':>8} {'CKA':>6} {'LMC bar.':>8}")
+            f" {'CE std [95% CI]':>24} {'disagree %':>10} {'CKA':>6} {'LMC bar. %':>10}")
     lines = [head, "-" * len(head)]
     for arm, a in summary["arms"].items():
         m = a["metrics"]
@@ -203,10 +209,11 @@ def format_table(summary: dict) -> str:
             f"{arm:<13}{a.get('replicas_used', a['replicas']):>3} {acc['mean'] * 100:>10.2f} "
             f"{acc['std'] * 100:>6.2f}{_ci(acc['std_ci'], 2, 100):<16} {_fmt(vs.get('ratio'), 2):>12} "
             f"{_fmt(vs.get('f_test_p'), 3):>6} {ce['std']:>7.4f}{_ci(ce['std_ci']):<17} "
-            f"{_fmt(m.get('disagreement', {}).get('mean'), 4):>8} {_fmt(m.get('cka', {}).get('mean'), 3):>6} "
-            f"{_fmt(m.get('lmc_barrier', {}).get('mean'), 4):>8}")
+            f"{_pct(m.get('disagreement', {}).get('mean')):>10} {_fmt(m.get('cka', {}).get('mean'), 3):>6} "
+            f"{_pct(m.get('lmc_barrier', {}).get('mean')):>10}")
     lines.append("std: sample std over replicas (ddof=1), chi-square 95% CI (normal data; n/a below R=2); ratio: "
-                 "accuracy std / the all arm's, two-sided F-test p")
+                 "accuracy std / the all arm's, two-sided F-test p; CE in nats; disagreement and LMC barrier "
+                 "(test error) in %, mean over pairs")
     diverged = {arm: a["diverged"] for arm, a in summary["arms"].items() if a.get("diverged")}
     if diverged:
         lines.append("diverged (left out of every metric; R counts the rest): " + "; ".join(
@@ -232,6 +239,7 @@ def make_figures(run: Path, summary: dict, records: dict[str, dict]) -> list[str
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401 - matplotlib.ticker.MaxNLocator below
 
     figdir = RunPaths(run).figures
     figdir.mkdir(exist_ok=True)
@@ -242,8 +250,13 @@ def make_figures(run: Path, summary: dict, records: dict[str, dict]) -> list[str
     def save(fig, name):
         from nondet_jax.store import atomic_write_bytes
 
+        import warnings
+
         buf = io.BytesIO()
-        fig.tight_layout()
+        if fig.get_layout_engine() is None:  # the dashboard brings its own (constrained) layout
+            with warnings.catch_warnings():  # matplotlib's layout notes are not the user's business
+                warnings.simplefilter("ignore")
+                fig.tight_layout()
         fig.savefig(buf, format="png", dpi=110)
         plt.close(fig)
         atomic_write_bytes(figdir / f"{name}.png", buf.getvalue())
@@ -280,7 +293,7 @@ def make_figures(run: Path, summary: dict, records: dict[str, dict]) -> list[str
     # 2. std with CI bars, accuracy and cross-entropy, with the independent-errors baseline
     fig, axes = plt.subplots(1, 2, figsize=(2 * (0.8 * len(arms) + 2), 4))
     for ax, q, scale, label in ((axes[0], "accuracy", 100, "std of test accuracy (%)"),
-                                (axes[1], "cross_entropy", 1, "std of test cross-entropy")):
+                                (axes[1], "cross_entropy", 1, "std of test cross-entropy (nats)")):
         spread = [summary["arms"][a]["metrics"].get(q, {}) for a in arms]  # {} for an arm that fully diverged
         s = np.array([m.get("std", np.nan) for m in spread], dtype=float) * scale
         ci = np.array([m.get("std_ci", [np.nan, np.nan]) for m in spread], dtype=float) * scale
@@ -291,7 +304,8 @@ def make_figures(run: Path, summary: dict, records: dict[str, dict]) -> list[str
                             dtype=float) * scale
             for i in np.flatnonzero(np.isnan(s)):
                 ax.text(i, 0, "n/a", ha="center", va="bottom", fontsize=8, color="C3")
-            ax.scatter(x, base, marker="_", s=300, color="k", label="test-set sampling alone", zorder=3)
+            ax.scatter(x, base, marker="D", s=36, facecolor="white", edgecolor="k", zorder=3,
+                       label="test-set sampling alone (independent-errors baseline)")
             ax.legend(fontsize=8)
         ax.set_xticks(x, arms, rotation=30, ha="right")
         ax.set_ylabel(label)
@@ -299,14 +313,15 @@ def make_figures(run: Path, summary: dict, records: dict[str, dict]) -> list[str
     save(fig, "spread")
 
     # 3. pairwise diversity per arm
-    names = [("disagreement", "pairwise disagreement"), ("cka", "linear CKA of features"),
-             ("ensemble_gain_accuracy", "2-model ensemble gain (accuracy)")]
+    names = [("disagreement", "pairwise disagreement (%)", 100), ("cka", "linear CKA of features (0 to 1)", 1),
+             ("ensemble_gain_accuracy", "2-model ensemble gain in accuracy (pp)", 100)]
     if any("disagreement" in summary["arms"][a]["metrics"] for a in arms):
         fig, axes = plt.subplots(1, 3, figsize=(3 * (0.7 * len(arms) + 1.8), 4))
-        for ax, (key, label) in zip(axes, names):
-            vals = np.array([summary["arms"][a]["metrics"].get(key, {}).get("mean", np.nan) for a in arms])
+        for ax, (key, label, scale) in zip(axes, names):
+            vals = np.array([summary["arms"][a]["metrics"].get(key, {}).get("mean", np.nan) for a in arms],
+                            dtype=float) * scale
             ci = np.array([summary["arms"][a]["metrics"].get(key, {}).get("ci", [np.nan, np.nan]) for a in arms],
-                          dtype=float)
+                          dtype=float) * scale
             err = np.clip(np.abs(np.stack([vals - ci[:, 0], ci[:, 1] - vals])), 0, None)  # NaN (n/a): no bar
             ax.bar(x, vals, yerr=err, capsize=4, color="C2")
             ax.set_xticks(x, arms, rotation=30, ha="right")
@@ -323,11 +338,12 @@ def make_figures(run: Path, summary: dict, records: dict[str, dict]) -> list[str
             continue
         mean = wd.mean(1)
         if (mean > 0).any():
-            ax.plot(np.arange(len(mean)), np.where(mean > 0, mean, np.nan), marker="o", ms=3, label=a, color=f"C{i}",
-                    ls=LINESTYLES[i % len(LINESTYLES)])
+            ax.plot(np.arange(len(mean)), np.where(mean > 0, mean, np.nan), marker=MARKERS[i % len(MARKERS)],
+                    ms=4 + 1.5 * (i % 3), mfc="none", label=a, color=f"C{i}", ls=LINESTYLES[i % len(LINESTYLES)])
             plotted = True
     if plotted:
-        ax.set_yscale("log")
+        _value_axis(ax)
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         ax.set_xlabel("epoch (0 = initial weights)")
         ax.set_ylabel("||θa − θb|| / ||θa||, mean over pairs")
         ax.set_title("Weight-space divergence (arms at 0 are not drawn)")
@@ -355,21 +371,27 @@ def make_figures(run: Path, summary: dict, records: dict[str, dict]) -> list[str
         ax1.legend(fontsize=8)
         save(fig, "dynamics")
 
-    # 6. LMC error curves
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    plotted = False
-    for i, a, p in _stored(run, arms, "pairs", "lmc_curves"):
-        alphas, curves = p["lmc_alphas"], p["lmc_curves"]
-        ax.plot(alphas, curves.mean(0) * 100, marker="o", ms=3, label=a, color=f"C{i}", ls=LINESTYLES[i % len(LINESTYLES)])
-        plotted = True
-    if plotted:
-        ax.set_xlabel("α (weights θb + α(θa − θb); BatchNorm recomputed)")
-        ax.set_ylabel("test error (%), mean over pairs")
-        ax.set_title("Linear interpolation between replicas")
-        ax.legend(fontsize=8)
+    # 6. LMC error curves; arms whose barrier is tiny next to the largest get a zoomed panel of their own
+    lmc = [(i, a, p["lmc_alphas"], p["lmc_curves"].mean(0) * 100) for i, a, p in _stored(run, arms, "pairs", "lmc_curves")]
+    if lmc:
+        barrier = {a: float(np.max(c - np.interp(al, [al[0], al[-1]], [c[0], c[-1]]))) for _, a, al, c in lmc}
+        top = max(barrier.values())
+        small = [a for a in barrier if barrier[a] < 0.1 * top] if top > 0 else []
+        panels = [("all arms", [a for _, a, _, _ in lmc])]
+        if 0 < len(small) < len(lmc):
+            panels.append((f"zoom: arms with a barrier under {0.1 * top:.2g} pp", small))
+        fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4), squeeze=False)
+        for ax, (title, show) in zip(axes[0], panels):
+            for i, a, alphas, curve in lmc:
+                if a in show:
+                    ax.plot(alphas, curve, marker=MARKERS[i % len(MARKERS)], ms=4 + 1.5 * (i % 3), mfc="none",
+                            label=a, color=f"C{i}", ls=LINESTYLES[i % len(LINESTYLES)])
+            ax.set_xlabel("α (weights θb + α(θa − θb); BatchNorm recomputed)")
+            ax.set_ylabel("test error (%), mean over pairs")
+            ax.set_title(title, fontsize=10)
+            ax.legend(fontsize=8)
+        fig.suptitle("Linear interpolation between replicas")
         save(fig, "lmc")
-    else:
-        plt.close(fig)
     for arm in records:  # Cockpit-style dashboards of the arms trained with instruments
         path = RunPaths(run).arm_file("instruments", arm)
         if path.exists():
@@ -379,6 +401,21 @@ def make_figures(run: Path, summary: dict, records: dict[str, dict]) -> list[str
                 values = {k: f[k] for k in f.files}
             save(dashboard(values, title=f"arm {arm}: instruments"), f"instruments_{arm}")
     return made
+
+
+def _value_axis(ax) -> None:
+    """Log scale with plain decade labels where the values span a decade or more; otherwise linear
+    with plain numbers (a log axis over a narrow range labels ticks like 1.0746×10^0)."""
+    import matplotlib.ticker as mt
+
+    ys = np.concatenate([ln.get_ydata() for ln in ax.get_lines()]).astype(float)
+    ys = ys[np.isfinite(ys) & (ys > 0)]
+    if len(ys) and ys.max() / ys.min() >= 10:
+        ax.set_yscale("log")
+        ax.yaxis.set_major_locator(mt.LogLocator(base=10))
+        ax.yaxis.set_minor_formatter(mt.NullFormatter())
+    else:
+        ax.yaxis.set_major_formatter(mt.ScalarFormatter(useOffset=False))
 
 
 def _comparison_md(summary: dict) -> list[str]:
@@ -462,7 +499,11 @@ def write_report(run: str | Path, command: str | None = None) -> dict:
 
     run = Path(run)
     paths = RunPaths(run)
-    summary, records = build_summary(run)
+    import warnings
+
+    with warnings.catch_warnings():  # zero-spread arms (control) make scipy's tests divide by 0: reported as n/a
+        warnings.simplefilter("ignore", RuntimeWarning)
+        summary, records = build_summary(run)
     if paths.figures.exists() and not paths.figures.is_dir():
         raise UsageError(f"{paths.figures} is a file, but the report writes its figures into a folder of that name; "
                          "move the file away and rebuild the report")
