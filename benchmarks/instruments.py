@@ -252,6 +252,8 @@ def compile_timing(variants: list[tuple[str, dict]], log, save=None) -> dict:
 
 
 def main(argv=None):
+    from nondet_jax.memory import release_compiled
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds and steps (about 10 minutes on 2 CPU cores)")
     ap.add_argument("--workloads", default="resnet8_digits,resnet14_random")
@@ -312,6 +314,9 @@ def main(argv=None):
             lambda: not args.no_breakdown and time.perf_counter() - t_start < args.breakdown_after_s, configs,
             everies, modes)
         atomic_write_json(out, results)  # after every workload: a time-boxed run keeps what it did
+        # Each workload's compiled programs go before the next: XLA:CPU's JIT maps memory per program, and a
+        # whole grid in one process once hit the kernel's limit on mappings (LLVM "Unable to allocate section memory").
+        release_compiled()
     default = results["workloads"].get("resnet8_digits") or next(iter(results["workloads"].values()))
     results["ratios"] = {f"{m}/{c}_every{k}": default["modes"][m][c][f"every{k}_ratio"]
                          for m in modes for c in configs for k in everies}
