@@ -20,7 +20,7 @@ Implementations (jax, each as one function ``conv(x, w)`` and its ``jax.vjp``):
 * ``im2col``: the nine slices concatenated on the channel axis and one ``dot_general``;
 * ``lax_dw_im2col``: ``lax`` forward and input gradient, with a ``custom_vjp`` whose weight
   gradient is im2col(x)^T @ dy (one GEMM contracting N*H*W), since the weight gradient is the
-  part XLA:CPU does worst (DESIGN.md §4).
+  part XLA:CPU does worst (docs/benchmarks.md).
 
 ``torch``: ``torch.nn.functional.conv2d`` (NCHW, oneDNN) with ``torch.autograd.grad`` for one
 input at a time, same shapes, ``torch.set_num_threads(--threads)``.

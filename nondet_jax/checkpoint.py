@@ -4,7 +4,7 @@ A checkpoint holds what :class:`nondet_jax.replicas.Progress` holds: the stacked
 every replica (parameters, BatchNorm statistics, optimiser state, divergence Health), the per-step
 training metrics and weight distances so far, and the number of finished epochs. Random-number
 positions need no state of their own: every draw is ``fold_in(replica key, global step)``
-(DESIGN.md §3), so the epoch count *is* the position; the replica keys' fingerprint is stored and
+(the key rule in docs/metrics.md), so the epoch count *is* the position; the replica keys' fingerprint is stored and
 checked on restore.
 
 Layout, under ``<run>/checkpoints/<arm>/``::

@@ -1,4 +1,4 @@
-"""Diversity metrics over the R replicas of an arm (DESIGN.md §5), on any numpy or JAX arrays.
+"""Diversity metrics over the R replicas of an arm (definitions: docs/metrics.md), on any numpy or JAX arrays.
 
 Shapes: ``logits`` (R, n, classes), ``labels`` (n,), ``features`` (R, n, d), flat ``weights``
 (R, P). Pairwise metrics return one value per unordered pair (a < b), in the order of

@@ -1,4 +1,4 @@
-"""The named randomness sources and the one key-derivation rule (DESIGN.md §3).
+"""The named randomness sources and the one key-derivation rule (docs/metrics.md).
 
 Every PRNG key in nondet_jax is made here::
 

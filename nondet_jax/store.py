@@ -1,4 +1,4 @@
-"""The run folder (DESIGN.md §7): atomic writes, a lock against concurrent sweeps, resume.
+"""The run folder (docs/run_folder.md): atomic writes, a lock against concurrent sweeps, resume.
 
 Layout::
 

@@ -1,4 +1,4 @@
-"""The key rule of DESIGN.md §3 and the perturbation sources."""
+"""The key rule (docs/metrics.md) and the perturbation sources."""
 
 import jax
 import jax.numpy as jnp

@@ -1,7 +1,7 @@
 """On-device batching for one replica: shuffling, augmentation and in-batch order, all jittable.
 
 Every function takes the replica's key for its source and derives per-epoch or per-step keys with
-``fold_in`` (DESIGN.md §3), so the whole epoch runs inside one ``lax.scan`` with no host work.
+``fold_in`` (the key rule, docs/metrics.md), so the whole epoch runs inside one ``lax.scan`` with no host work.
 """
 
 from __future__ import annotations
