@@ -38,6 +38,17 @@ def digests(folder: Path) -> dict[str, str]:
             and not p.name.startswith(".")}
 
 
+def assert_same_results(out: Path, clean: Path) -> None:
+    """Every file of ``out`` byte for byte that of ``clean``; arm records up to their timings."""
+    assert digests(out).keys() == digests(clean).keys()
+    for name, digest in digests(clean).items():
+        if name.startswith("arms/"):
+            a, b = json.loads((clean / name).read_text()), json.loads((out / name).read_text())
+            assert without_timing(a) == without_timing(b), name
+        else:
+            assert digests(out)[name] == digest, name
+
+
 def without_timing(record: dict) -> dict:
     return {k: v for k, v in record.items() if k not in ("seconds", "files", "record_sha256")}
 
@@ -160,13 +171,7 @@ def test_sigkill_at_random_moments_then_resume_gives_bitwise_the_uninterrupted_s
         assert p.returncode == 0, stderr
         break
     assert kills >= 2, "the kills missed the run; the test proves nothing"
-    assert digests(out).keys() == digests(clean).keys()
-    for name, digest in digests(clean).items():
-        if name.startswith("arms/"):
-            a, b = json.loads((clean / name).read_text()), json.loads((out / name).read_text())
-            assert without_timing(a) == without_timing(b), name
-        else:
-            assert digests(out)[name] == digest, name
+    assert_same_results(out, clean)
     assert not list(out.rglob(".*.tmp")) and not any((out / "checkpoints").iterdir())
 
 
@@ -333,13 +338,7 @@ def test_sigint_and_sigterm_at_any_moment_then_resume_gives_bitwise_the_uninterr
             assert "Traceback" not in stderr and stderr.strip().splitlines()[-1] == MESSAGE, stderr
         else:
             assert p.returncode == 0, stderr
-    assert digests(out).keys() == digests(clean).keys()
-    for name, digest in digests(clean).items():
-        if name.startswith("arms/"):
-            a, b = json.loads((clean / name).read_text()), json.loads((out / name).read_text())
-            assert without_timing(a) == without_timing(b), name
-        else:
-            assert digests(out)[name] == digest, name
+    assert_same_results(out, clean)
     assert not any((out / "checkpoints").iterdir())
 
 
