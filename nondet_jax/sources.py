@@ -113,7 +113,11 @@ def parse_arm(name: str) -> Arm:
             elif p in SOURCES:
                 varied.add(p)
             else:
-                raise UsageError(f"unknown arm or source '{p}'; use control, all, one of "
+                import difflib
+
+                close = difflib.get_close_matches(p, ["control", "all", *SOURCES], n=1)
+                hint = f"did you mean '{close[0]}'? " if close else ""
+                raise UsageError(f"unknown arm or source '{p}'; {hint}use control, all, one of "
                                  f"{', '.join(SOURCES)}, or a '+'-joined combination")
     return Arm(name, frozenset(varied), cycles)
 

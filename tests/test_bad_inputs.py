@@ -26,6 +26,7 @@ FAST = "--model mlp --epochs 1 --replicas 2 --batch-size 256 --no-progress"
 CASES: list[tuple[str, str]] = [
     ("CLI", "--arms control,nosuch"),
     ("CLI", "--arms init+cosmic_rays"),
+    ("CLI", "--arms control,bitlfip"),
     ("CLI", "--arms control,control"),
     ("CLI", "--arms control,dropout"),
     ("CLI", "--augment off --arms augmentation"),

@@ -65,6 +65,8 @@ def test_arm_names():
         arm_sources("nosuch")
     assert arm_sources("hardware") == frozenset({"hardware"})
     assert arm_sources("all+hardware") == frozenset(sources.SOURCES)
+    with pytest.raises(UsageError, match="unknown arm or source 'dataorder'; did you mean 'data_order'"):
+        arm_sources("init+dataorder")
     with pytest.raises(UsageError, match="unknown arm or source 'cosmic_rays'"):
         arm_sources("init+cosmic_rays")
 
