@@ -91,8 +91,9 @@ def build_parser(prog: str = "python -m nondet_jax.sweep") -> argparse.ArgumentP
     p.add_argument("--preset", help=f"a study shipped with the package: {', '.join(preset_names())} (default: "
                                     f"{DEFAULT_PRESET})")
     p.add_argument("--config", help="YAML or JSON file of config keys (sections or dotted keys), applied after the preset")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override any config key, e.g. --set optim.nesterov=true (repeatable)")
+    p.add_argument("--set", action="append", default=[], nargs="+", metavar="KEY=VALUE",
+                   help="override any config key, e.g. --set optim.nesterov=true or --set optim.lr 0.1 "
+                        "(repeatable; keys: docs/cli.md)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the study in RUN_DIR with the config stored there "
                    "(finished arms are kept, an arm in training continues from its last checkpoint)")
     p.add_argument("--recompute", metavar="ARMS", help="comma list of arms whose results (and checkpoints) are "
@@ -110,6 +111,22 @@ def build_parser(prog: str = "python -m nondet_jax.sweep") -> argparse.ArgumentP
     return p
 
 
+def set_pairs(groups: list[list[str]]) -> list[str]:
+    """``--set`` words as ``KEY=VALUE`` items: each ``--set`` takes ``KEY=VALUE`` items or ``KEY VALUE`` pairs."""
+    out = []
+    for words in groups:
+        words = list(words)
+        while words:
+            word = words.pop(0)
+            if "=" in word:
+                out.append(word)
+            elif words and "=" not in words[0]:
+                out.append(f"{word}={words.pop(0)}")
+            else:
+                raise UsageError(f"--set {word} has no value; write --set {word}=VALUE or --set {word} VALUE")
+    return out
+
+
 def config_from_args(args: argparse.Namespace) -> Config:
     """Preset (default: sources unless --config is given), then --config, then flags, then --set."""
     preset = args.preset or (None if args.config else DEFAULT_PRESET)
@@ -120,7 +137,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         value = getattr(args, flag)
         if value is not None:
             flat[key] = value
-    flat.update(cfg.parse_overrides(args.set))
+    flat.update(cfg.parse_overrides(set_pairs(args.set)))
     return cfg.from_flat(flat)
 
 

@@ -169,6 +169,14 @@ def test_config_file_and_overrides(tmp_path):
         sweep.config_from_args(sweep.build_parser().parse_args(["--config", str(f)]))
 
 
+def test_set_takes_key_value_items_and_pairs():
+    args = sweep.build_parser().parse_args(["--set", "optim.lr", "0.1", "--set", "train.epochs=3", "study.seed", "7"])
+    config = sweep.config_from_args(args)
+    assert (config.optim.lr, config.train.epochs, config.study.seed) == (0.1, 3, 7)
+    with pytest.raises(UsageError, match="--set optim.lr has no value"):
+        sweep.config_from_args(sweep.build_parser().parse_args(["--set", "optim.lr"]))
+
+
 def test_default_out_depends_on_settings_not_arms():
     a = from_flat({"study.arms": "control"})
     b = from_flat({"study.arms": "init"})
