@@ -265,7 +265,7 @@ def finish_arm(config: Config, data, fns, store, arm: Arm, result, reason: str, 
     """Compute an arm's metrics on the replicas that did not diverge, store everything, delete its
     checkpoints; returns its record."""
     from nondet_jax.analysis import arm_metrics
-    from nondet_jax.health import divergence_records, flag_nonfinite_outputs, healthy_subset
+    from nondet_jax.health import divergence_records, healthy_subset
     from nondet_jax.metrics import accuracy, cross_entropy
     from nondet_jax.sources import arm_keys, perturbations
     from nondet_jax.store import RunPaths, flatten_tree, npy_bytes, npz_bytes
@@ -273,7 +273,6 @@ def finish_arm(config: Config, data, fns, store, arm: Arm, result, reason: str, 
     study = config.study
     config, fns = arm_setup(config, fns, arm)
     labels = np.asarray(data.y_test)
-    result = flag_nonfinite_outputs(result)  # non-finite logits or features count as divergence too
     used = healthy_subset(result)
     diverged = divergence_records(result)
     for d in diverged:

@@ -42,12 +42,14 @@ def _load(path: Path) -> dict[str, np.ndarray]:
 def arm_scalars(run: Path, arm: str) -> list[dict[str, list[tuple[int, float]]]]:
     """Per replica, tag -> [(step, value), ...] from the arm's stored history, logits and instruments."""
     from nondet_jax.metrics import accuracy, cross_entropy
+    from nondet_jax.store import RunPaths
 
-    hist = _load(run / "history" / f"{arm}.npz")
-    logits = np.load(run / "logits" / f"{arm}.npy", allow_pickle=False)
-    labels = np.load(run / "test_labels.npy", allow_pickle=False)
+    paths = RunPaths(run)  # the store owns the run folder's layout
+    hist = _load(paths.arm_file("history", arm))
+    logits = np.load(paths.arm_file("logits", arm), allow_pickle=False)
+    labels = np.load(paths.test_labels, allow_pickle=False)
     acc, nll = accuracy(logits, labels), cross_entropy(logits, labels)
-    inst_path = run / "instruments" / f"{arm}.npz"
+    inst_path = paths.arm_file("instruments", arm)
     inst = _load(inst_path) if inst_path.exists() else {}
     epochs = hist["train_loss"].shape[1]
     out = []
