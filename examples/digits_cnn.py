@@ -32,5 +32,5 @@ result = nj.run_study(model=SmallCNN, data=(x[:1400], y[:1400], x[1400:], y[1400
                       arms="control,init,data_order,dropout,all", replicas=3, features="penultimate",
                       out=sys.argv[1] if len(sys.argv) > 1 else "runs/example-digits-cnn")
 for row in result.table:
-    print(f"{row['arm']:<10} accuracy {100 * row['accuracy_mean']:.1f}% +- {100 * row['accuracy_std']:.2f}%")
+    print(f"{row['arm']:<10} accuracy {row['accuracy_mean_pct']:.1f}% +- {row['accuracy_std_pct']:.2f}%")
 print("report:", result.report)

@@ -30,11 +30,13 @@ class StudyResult:
       report: path of ``report.md``.
       logits: ``logits[arm]``, (R, n_test, classes) test logits in replica order (loaded on access).
       table: one row (a dict) per arm, the columns of ``arms.csv``; ``pandas.DataFrame(result.table)``.
-      rows: one row per arm and replica (``replicas.csv``).
+        The unit ends the column name: ``_pct`` (accuracy-like, in %), ``_nats`` (cross-entropy); a name
+        without one is a ratio, correlation, similarity or p-value.
+      rows: one row per arm and replica (``replicas.csv``), in the same units.
     """
 
     def __init__(self, out: Path, summary: dict):
-        from nondet_jax.report import arm_rows
+        from nondet_jax.report import arm_rows, replica_rows
         from nondet_jax.store import RunPaths
 
         self.out = Path(out)
@@ -42,7 +44,7 @@ class StudyResult:
         self.summary = summary
         self.report = self._paths.report
         self.table = arm_rows(summary)
-        self.rows = [row for a in summary["arms"].values() for row in self._record(a["arm"])["rows"]]
+        self.rows = replica_rows([row for a in summary["arms"].values() for row in self._record(a["arm"])["rows"]])
         self.logits = _LazyArrays(lambda arm: np.load(self._paths.arm_file("logits", arm), allow_pickle=False),
                                   list(summary["arms"]))
 

@@ -133,38 +133,59 @@ def mitigation_results(run: Path, records: dict[str, dict]) -> dict[str, dict]:
     return out
 
 
+def _x100(x):
+    """A fraction as a percentage (None stays None)."""
+    return None if x is None else 100 * x
+
+
+def _ci_cols(name: str, ci, unit: str = "", scale=lambda v: v) -> dict:
+    """``name_ci_low<unit>``, ``name_ci_high<unit>`` of a [low, high] interval; empty cells where n/a."""
+    lo, hi = (ci or [None, None])
+    return {f"{name}_ci_low{unit}": scale(_finite(lo)), f"{name}_ci_high{unit}": scale(_finite(hi))}
+
+
+# Units of the tables (arms.csv, replicas.csv, StudyResult.table/.rows): accuracy-like quantities in %, as
+# in the report and the figures, cross-entropy in nats; the unit ends the column name (_pct, _nats), and a
+# name without one is a ratio, correlation, similarity or p-value.
+_PAIR_COLUMNS = {"disagreement": "_pct", "pearson": "", "spearman": "", "ensemble_gain_accuracy": "_pct",
+                 "ensemble_gain_cross_entropy": "_nats", "cka": "", "weight_distance": "", "lmc_barrier": "_pct"}
+
+
 def arm_rows(summary: dict) -> list[dict]:
-    """One flat row per arm (the ``arms.csv`` table)."""
+    """One flat row per arm (the ``arms.csv`` table); units in the column names (see ``_PAIR_COLUMNS``)."""
     rows = []
     for arm, a in summary["arms"].items():
         m = a["metrics"]  # empty when every replica diverged: the row says so, its numbers are empty (n/a)
-        acc, ce = m.get("accuracy", {}), m.get("cross_entropy", {})
         row = {"arm": arm, "varied": "+".join(a["varied"]) or "none", "replicas": a["replicas"],
                "diverged": len(a.get("diverged", [])),
-               "diverged_at_steps": " ".join(f"{d['replica']}@{d['step']}" for d in a.get("diverged", [])),
-               "accuracy_mean": acc.get("mean"), "accuracy_std": acc.get("std"),
-               "accuracy_std_ci_low": (acc.get("std_ci") or [None])[0],
-               "accuracy_std_ci_high": (acc.get("std_ci") or [None, None])[1],
-               "cross_entropy_mean": ce.get("mean"), "cross_entropy_std": ce.get("std"),
-               "cross_entropy_std_ci_low": (ce.get("std_ci") or [None])[0],
-               "cross_entropy_std_ci_high": (ce.get("std_ci") or [None, None])[1],
-               "independent_errors_std": m.get("independent_errors_std")}
+               "diverged_at_steps": " ".join(f"{d['replica']}@{d['step']}" for d in a.get("diverged", []))}
+        for q, unit, scale in (("accuracy", "_pct", _x100), ("cross_entropy", "_nats", lambda v: v)):
+            s = m.get(q, {})
+            row.update({f"{q}_mean{unit}": scale(s.get("mean")), f"{q}_std{unit}": scale(s.get("std")),
+                        **_ci_cols(f"{q}_std", s.get("std_ci"), unit, scale)})
+        row["independent_errors_std_pct"] = _x100(m.get("independent_errors_std"))
         vs = summary["vs_all"].get(arm)
         for q in ("accuracy", "cross_entropy"):
             c = vs[q] if vs else {}
-            row.update({f"{q}_std_ratio_vs_all": c.get("ratio"), f"{q}_ratio_ci_low": (c.get("ratio_ci") or [None])[0],
-                        f"{q}_ratio_ci_high": (c.get("ratio_ci") or [None, None])[1],
+            row.update({f"{q}_std_ratio_vs_all": c.get("ratio"), **_ci_cols(f"{q}_ratio", c.get("ratio_ci")),
                         f"{q}_f_test_p": c.get("f_test_p"), f"{q}_brown_forsythe_p": c.get("brown_forsythe_p"),
                         f"{q}_replicas_for_80pct_power": c.get("replicas_for_80pct_power")})
-        for name in ("disagreement", "pearson", "spearman", "ensemble_gain_accuracy", "ensemble_gain_cross_entropy",
-                     "cka", "weight_distance", "lmc_barrier"):
-            row[name] = m[name]["mean"] if name in m else None
+        for name, unit in _PAIR_COLUMNS.items():
+            scale = _x100 if unit == "_pct" else (lambda v: v)
+            row[f"{name}{unit}"] = scale(m[name]["mean"]) if name in m else None
             if name != "lmc_barrier":  # same units as the mean; empty where "n/a" (R < 3)
-                ci = (m.get(name) or {}).get("ci") or [None, None]
-                row[f"{name}_ci_low"], row[f"{name}_ci_high"] = (_finite(c) for c in ci)
+                row.update(_ci_cols(name, (m.get(name) or {}).get("ci"), unit, scale))
         row.update({"strategy": a["strategy"], "seconds": a["seconds"]})
         rows.append(row)
     return rows
+
+
+def replica_rows(rows: list[dict]) -> list[dict]:
+    """The stored per-replica rows (fractions, as in ``arms/<arm>.json``) in the tables' units: the
+    ``replicas.csv`` table and ``StudyResult.rows``."""
+    units = {"test_accuracy": "_pct", "train_accuracy": "_pct", "test_loss": "_nats", "train_loss": "_nats"}
+    return [{k + units.get(k, ""): (_x100(v) if units.get(k) == "_pct" else v) for k, v in row.items()}
+            for row in rows]
 
 
 def _finite(x):

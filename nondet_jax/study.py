@@ -77,31 +77,81 @@ def check_arms_active(config: Config, arms: list[Arm], dataset: str, image_size:
 
 
 class Progress:
-    """A rich progress bar per arm (replica-epochs, with ETA); silent when stderr is not a terminal."""
+    """A rich progress bar per arm (replica-epochs, with ETA); silent when stderr is not a terminal.
+
+    Until an arm's first epoch is done its line says what it waits for: XLA compiling (seconds and
+    programs so far, from JAX's compile events as they come) and programs loaded from the persistent
+    compilation cache, which lets the next identical run skip the compile."""
+
+    COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+    CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
         self._bar = None
+        self._waiting = None  # the task still before its first epoch
+        self._compiled, self._seconds, self._cached = 0, 0.0, 0
 
     def __enter__(self):
         if self.enabled:
+            import jax
             from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn, \
                 TimeRemainingColumn
 
             self._bar = Bar(TextColumn("{task.description:<14}"), BarColumn(), MofNCompleteColumn(),
-                            TextColumn("replica-epochs"), TimeElapsedColumn(), TimeRemainingColumn(), transient=False)
+                            TextColumn("replica-epochs"), TimeElapsedColumn(), TimeRemainingColumn(),
+                            TextColumn("[dim]{task.fields[note]}"), transient=False)
             self._bar.__enter__()
+            jax.monitoring.register_event_duration_secs_listener(self._on_duration)
+            jax.monitoring.register_event_listener(self._on_event)
         return self
 
     def __exit__(self, *exc):
         if self._bar is not None:
+            import jax
+
+            jax.monitoring.unregister_event_duration_listener(self._on_duration)
+            jax.monitoring.unregister_event_listener(self._on_event)
             self._bar.__exit__(*exc)
+
+    def _on_duration(self, event: str, duration_secs: float, **kwargs):
+        if event == self.COMPILE_EVENT:
+            self._compiled, self._seconds = self._compiled + 1, self._seconds + duration_secs
+            self._note()
+
+    def _on_event(self, event: str, **kwargs):
+        if event == self.CACHE_HIT_EVENT:
+            self._cached += 1
+            self._note()
+
+    def _note(self):
+        if self._waiting is None:
+            return
+        parts = [f"compiling: {self._seconds:.0f} s, {self._compiled} programs"] if self._compiled else []
+        parts += [f"{self._cached} programs loaded from the compilation cache"] if self._cached else []
+        self._bar.update(self._waiting, note="; ".join(parts))
+
+    @staticmethod
+    def first_note() -> str:
+        import jax
+
+        cache = jax.config.jax_compilation_cache_dir if jax.config.jax_enable_compilation_cache else None
+        return "compiling" + (" (once: the compilation cache keeps it for later runs)" if cache else "")
 
     def arm(self, name: str, total: int):
         if self._bar is None:
             return lambda n: None
-        task = self._bar.add_task(name, total=total)
-        return lambda n: self._bar.advance(task, n)
+        first = not self._bar.tasks  # later arms mostly reuse the programs the first one compiled
+        self._compiled, self._seconds, self._cached = 0, 0.0, 0
+        task = self._waiting = self._bar.add_task(name, total=total, note=self.first_note() if first else "")
+
+        def advance(n: int):
+            if self._waiting == task:
+                self._waiting = None
+                self._bar.update(task, note="")
+            self._bar.advance(task, n)
+
+        return advance
 
 
 def parse_arms(config: Config) -> list[Arm]:
@@ -417,9 +467,9 @@ def write_run_files(store, config: Config, data, fns, command: str | None, model
 
 def finish_study(store, log) -> dict:
     """After the arms: ``replicas.csv`` over every finished arm of the folder, then the report."""
-    from nondet_jax.report import format_table, write_report
+    from nondet_jax.report import format_table, replica_rows, write_report
 
-    store.write_rows([row for a in store.arms if store.arm_done(a) for row in store.load_arm(a)["rows"]])
+    store.write_rows(replica_rows([row for a in store.arms if store.arm_done(a) for row in store.load_arm(a)["rows"]]))
     summary = write_report(store.root)
     log(format_table(summary))
     log(f"report: {store.paths.report}")
@@ -433,13 +483,15 @@ def log_accuracy(log, arm: Arm, record: dict) -> None:
 
 
 def run(config: Config, out: str | Path | None = None, progress: bool | None = None, log=print,
-        command: str | None = None, recompute: tuple[str, ...] = (), parts: Parts = Parts(), data=None) -> dict:
+        command: str | None = None, recompute: tuple[str, ...] = (), parts: Parts = Parts(), data=None,
+        after_arm=None) -> dict:
     """Run a study: train every arm not yet finished in ``out``, then write the report.
 
     Arms that vary ``hardware`` run in a child process with XLA's determinism flags off; the
     others run here, under this process's flags. Returns the summary (also in ``summary.json``).
     Arms named in ``recompute`` are deleted (results and checkpoints) and trained again.
-    ``parts`` and ``data`` are the user's own (see :func:`prepare`).
+    ``parts`` and ``data`` are the user's own (see :func:`prepare`). ``after_arm(out, arm_name)``, when
+    given, runs once each arm is stored (or found finished), e.g. to export it to TensorBoard.
     Raises UsageError on bad input before anything is written.
     """
     import jax
@@ -485,6 +537,8 @@ def run(config: Config, out: str | Path | None = None, progress: bool | None = N
             for arm in arms:
                 if store.arm_done(arm.name):
                     log(f"arm {arm.name}: already finished in {out}, reusing it")
+                    if after_arm is not None:
+                        after_arm(out, arm.name)
                     continue
                 if arm.name in hardware_arms and study.hardware_processes == "replica":
                     from nondet_jax.hardware import train_arm_per_process
@@ -499,6 +553,8 @@ def run(config: Config, out: str | Path | None = None, progress: bool | None = N
                                        bar.arm(arm.name, study.replicas * config.train.epochs), log)
                 if not progress:
                     log_accuracy(log, arm, record)
+                if after_arm is not None:
+                    after_arm(out, arm.name)
         summary = finish_study(store, log)
     control = summary["arms"].get("control")
     if control and not control["replicas_bitwise_identical"] and backend == "cpu":

@@ -64,12 +64,18 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser(prog: str = "python -m nondet_jax.sweep") -> argparse.ArgumentParser:
+    from nondet_jax.sources import IMPLEMENTED
+
     p = _Parser(prog=prog,
-                description="Train R replicas per arm, varying only the arm's randomness sources, and write a run folder.")
-    p.add_argument("--arms", help="comma list: control (nothing varies), a source (init, data_order, augmentation, "
-                                  "dropout, bitflip, batch_order), a+b combination, or all. Default: the preset's")
+                description="Train R replicas per arm, varying only the arm's randomness sources, and write a run "
+                            f"folder. Defaults shown are the {DEFAULT_PRESET} preset's; --preset and --config change "
+                            "them, flags and --set override both.")
+    p.add_argument("--arms", help=f"comma list: control (nothing varies), a source ({', '.join(IMPLEMENTED)}, "
+                                  "hardware: the backend's own nondeterminism), a+b combination, all (every seeded "
+                                  "source), all+hardware; ARM@snapshotK (K >= 2) trains ARM as a K-cycle snapshot "
+                                  "ensemble")
     p.add_argument("--replicas", type=int, help="replicas per arm (R)")
-    p.add_argument("--epochs", type=int)
+    p.add_argument("--epochs", type=int, help="training epochs")
     p.add_argument("--model", help="mlp, resnet8/14/20/32/56, resnet18, resnet18_imagenet, resnet50, resnet29v2, "
                                    "vgg11, shufflenetv2, or your own Flax module as PACKAGE.MODULE:ATTR (a class or "
                                    "factory taking num_classes=, imported from PYTHONPATH; see docs/api.md)")
@@ -80,7 +86,7 @@ def build_parser(prog: str = "python -m nondet_jax.sweep") -> argparse.ArgumentP
                                      "holding x_train, y_train, x_test, y_test (images NHWC or (N, features))")
     p.add_argument("--data-dir", help="TFDS data directory")
     p.add_argument("--augment", help="auto (on for cifar10), on, off")
-    p.add_argument("--batch-size", type=int)
+    p.add_argument("--batch-size", type=int, help="mini-batch size per replica and step")
     p.add_argument("--optimizer", help="sgd or adamw")
     p.add_argument("--lr", type=float, help="peak learning rate")
     p.add_argument("--seed", type=int, help="study seed (root of every key)")
@@ -107,8 +113,27 @@ def build_parser(prog: str = "python -m nondet_jax.sweep") -> argparse.ArgumentP
     p.add_argument("--distributed", choices=["auto"], help="multi-process run with the cluster's settings detected "
                    "by jax.distributed.initialize (Slurm, Open MPI, Cloud TPU)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
+    p.add_argument("--log", choices=["tensorboard"], help="also write TensorBoard event files, one run per replica, "
+                   "into OUT/tensorboard as each arm finishes (needs tensorboardX: pip install "
+                   "\"nondet_jax[tensorboard]\"); view with tensorboard --logdir OUT/tensorboard")
     p.add_argument("--child-arm", help=argparse.SUPPRESS)
+    _show_defaults(p)
     return p
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Append the default preset's value to the help of each flag that sets a config key."""
+    flat = cfg.to_dict(cfg.from_flat(cfg.load_file(preset_path(DEFAULT_PRESET))))
+    for action in parser._actions:
+        key = FLAGS.get(action.dest)
+        if key is None:
+            continue
+        section, name = key.split(".")
+        value = flat[section][name]
+        if value is None:
+            continue
+        shown = ", ".join(value) if isinstance(value, list) else value
+        action.help = f"{action.help + ' ' if action.help else ''}(default: {shown})"
 
 
 def set_pairs(groups: list[list[str]]) -> list[str]:
@@ -210,13 +235,17 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         recompute = tuple(a.strip() for a in (args.recompute or "").split(",") if a.strip())
         from nondet_jax import multihost
 
+        after_arm = tensorboard_logger() if args.log == "tensorboard" else None
         procs = multihost.initialize(args.coordinator, args.num_processes, args.process_id, args.distributed == "auto")
         if procs.count > 1:
             if recompute:
                 raise UsageError("--recompute runs in a single process; rerun it without --num-processes first")
-            study.run_distributed(config, args.out, procs, progress=progress, command=command)
+            summary = study.run_distributed(config, args.out, procs, progress=progress, command=command)
+            if summary is not None and after_arm is not None:  # process 0, once the arms are merged
+                for arm in summary["arms"]:
+                    after_arm(args.out or study.default_out(config), arm)
         else:
-            study.run(config, args.out, progress=progress, command=command, recompute=recompute)
+            study.run(config, args.out, progress=progress, command=command, recompute=recompute, after_arm=after_arm)
         print(f"done in {time.perf_counter() - t0:.0f} s")
     except UsageError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
@@ -229,6 +258,19 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         print(f"{prog}: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def tensorboard_logger():
+    """``after_arm`` for ``--log tensorboard``: exports each stored arm; UsageError now (before any training)
+    when tensorboardX is missing."""
+    from nondet_jax import tensorboard
+
+    tensorboard.writer_class()
+
+    def after_arm(out, arm: str) -> None:
+        print(f"arm {arm}: TensorBoard event files in {tensorboard.export_arm(out, arm)}")
+
+    return after_arm
 
 
 def set_determinism_flags() -> None:

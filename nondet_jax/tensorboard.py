@@ -25,7 +25,7 @@ from nondet_jax.config import UsageError
 FOLDER = "tensorboard"
 
 
-def _writer_class():
+def writer_class():
     try:
         from tensorboardX import SummaryWriter
     except ImportError:
@@ -73,7 +73,7 @@ def arm_scalars(run: Path, arm: str) -> list[dict[str, list[tuple[int, float]]]]
 
 def export_arm(run: str | Path, arm: str) -> Path:
     """Write (anew) the event files of one finished arm; returns its folder."""
-    writer_cls = _writer_class()
+    writer_cls = writer_class()
     run = Path(run)
     folder = run / FOLDER / arm
     shutil.rmtree(folder, ignore_errors=True)

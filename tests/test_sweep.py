@@ -52,12 +52,19 @@ def test_cli_writes_the_run_folder(run_dir):
     assert "python -m nondet_jax.sweep" in report and "![spread](figures/spread.png)" in report
     arms = list(csv.DictReader((out / "arms.csv").open()))
     assert [a["arm"] for a in arms] == ["control", "init"]
-    assert float(arms[0]["disagreement"]) == 0.0 and float(arms[1]["disagreement"]) > 0
+    assert float(arms[0]["disagreement_pct"]) == 0.0 and float(arms[1]["disagreement_pct"]) > 0
+    # One unit with the report: accuracy-like columns in % (named _pct), cross-entropy in nats (_nats)
+    summary = json.loads((out / "summary.json").read_text())
+    init = summary["arms"]["init"]["metrics"]
+    assert float(arms[1]["accuracy_mean_pct"]) == pytest.approx(100 * init["accuracy"]["mean"])
+    assert float(arms[1]["disagreement_pct"]) == pytest.approx(100 * init["disagreement"]["mean"])
+    assert float(arms[1]["cross_entropy_std_nats"]) == pytest.approx(init["cross_entropy"]["std"])
     assert arms[0]["accuracy_std_ratio_vs_all"] == ""  # no all arm here
     logits = np.load(out / "logits" / "init.npy")
     assert logits.shape == (2, 360, 10) and logits.dtype == np.float32
     rows = list(csv.DictReader((out / "replicas.csv").open()))
     assert [(r["arm"], r["replica"]) for r in rows] == [("control", "0"), ("control", "1"), ("init", "0"), ("init", "1")]
+    assert 1 < float(rows[2]["test_accuracy_pct"]) <= 100 and float(rows[2]["test_loss_nats"]) > 0
     env = json.loads((out / "environment.json").read_text())
     for key in ("jax_threefry_partitionable", "prng_impl", "backend", "device_kind", "xla_flags", "strategy", "versions"):
         assert key in env, key
@@ -197,6 +204,18 @@ def test_no_arguments_means_the_sources_preset():
     sources = sweep.config_from_args(sweep.build_parser().parse_args(["--preset", "sources"]))
     assert default == sources
     assert default.study.arms == ("control", "init", "data_order", "augmentation", "bitflip", "batch_order", "all")
+
+
+def test_help_shows_every_preset_every_arm_kind_and_the_defaults():
+    text = " ".join(sweep.build_parser().format_help().split("options:")[1].split())  # argparse wraps lines
+    for preset in sweep.preset_names():
+        assert preset in text
+    for word in ("hardware", "@snapshotK", "all+hardware", "batch_order"):
+        assert word in text, word
+    default = sweep.config_from_args(sweep.build_parser().parse_args([]))
+    assert f"(default: {default.train.epochs})" in text.split("--epochs EPOCHS")[1].split("--")[0]
+    assert f"(default: {default.optim.lr})" in text.split("--lr LR")[1].split("--")[0]
+    assert "(default: control, init," in text
 
 
 def test_report_rebuilds_from_stored_results(run_dir, tmp_path):

@@ -1,6 +1,7 @@
 """TensorBoard export: one run per replica, values equal to the stored results."""
 
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -29,12 +30,15 @@ def read_scalars(folder) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
-def test_report_exports_one_run_per_replica(tmp_path):
+def test_sweep_logs_and_report_exports_one_run_per_replica(tmp_path):
     out = tmp_path / "run"
     args = ["--model", "mlp", "--epochs", "2", "--replicas", "2", "--batch-size", "128", "--no-progress",
-            "--arms", "control,init", "--instruments", "Loss,GradNorm", "--out", str(out)]
+            "--arms", "control,init", "--instruments", "Loss,GradNorm", "--out", str(out), "--log", "tensorboard"]
     proc = subprocess.run([sys.executable, "-m", "nondet_jax.sweep", *args], capture_output=True, text=True, env=ENV)
     assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("TensorBoard event files in") == 2  # as each arm finishes
+    logged = read_scalars(out / "tensorboard" / "init" / "replica1")
+    shutil.rmtree(out / "tensorboard")
     proc = subprocess.run([sys.executable, "-m", "nondet_jax.report", str(out), "--tensorboard"],
                           capture_output=True, text=True, env=ENV)
     assert proc.returncode == 0, proc.stderr
@@ -50,3 +54,17 @@ def test_report_exports_one_run_per_replica(tmp_path):
     assert a != b
     a, b = (read_scalars(out / "tensorboard" / "control" / f"replica{r}")["train/loss"] for r in range(2))
     assert a == b
+    assert read_scalars(out / "tensorboard" / "init" / "replica1") == logged  # the sweep's log, rebuilt
+
+
+def test_log_tensorboard_without_tensorboardx_is_refused_before_training(tmp_path):
+    fake = tmp_path / "site" / "tensorboardX"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('no tensorboardX here')\n")
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "nondet_jax.sweep", "--model", "mlp", "--epochs", "1", "--replicas",
+                           "2", "--arms", "control", "--out", str(out), "--log", "tensorboard", "--no-progress"],
+                          capture_output=True, text=True, env={**ENV, "PYTHONPATH": str(tmp_path / "site")})
+    assert proc.returncode == 2, proc.stderr
+    assert "nondet_jax[tensorboard]" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not out.exists()

@@ -1,0 +1,39 @@
+"""The progress bar says what an arm waits for before its first epoch: XLA compiling (from JAX's own
+compile events) or programs loaded from the persistent compilation cache."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from nondet_jax.study import Progress
+
+
+def _note(bar: Progress, task: int = 0) -> str:
+    return bar._bar.tasks[task].fields["note"]
+
+
+def test_an_arm_waiting_for_its_first_epoch_shows_the_compile_then_the_bar_alone():
+    listeners = len(jax._src.monitoring.get_event_duration_listeners())
+    bar = Progress(True)
+    with bar:
+        advance = bar.arm("control", 4)
+        assert _note(bar).startswith("compiling")
+        x = jnp.arange(7.0)  # a shape no other test compiles, so XLA compiles it now
+        jax.jit(lambda v: jnp.sin(v) * 3.25 + v.sum())(x).block_until_ready()
+        note = _note(bar)
+        assert note.startswith("compiling: ") and "programs" in note, note
+        advance(1)
+        assert _note(bar) == ""  # training: the bar and its ETA say the rest
+        jax.jit(lambda v: jnp.cos(v) * 1.75)(x).block_until_ready()  # a compile after epoch 1 leaves it alone
+        assert _note(bar) == ""
+        bar.arm("init", 4)
+        assert _note(bar, 1) == ""  # later arms reuse the first one's programs: no claim of compiling
+    assert len(jax._src.monitoring.get_event_duration_listeners()) == listeners  # gone with the bar
+
+
+def test_a_disabled_bar_registers_nothing():
+    before = len(jax._src.monitoring.get_event_duration_listeners())
+    with Progress(False) as bar:
+        assert len(jax._src.monitoring.get_event_duration_listeners()) == before
+        bar.arm("control", 2)(1)
