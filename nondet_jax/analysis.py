@@ -64,7 +64,8 @@ def arm_metrics(result, data, fns: TrainFns, cfg: MetricsConfig) -> tuple[dict, 
         "weight_distance": result.weight_distance[-1],
     })
     for name in PAIRWISE:
-        out[name] = {"mean": float(arrays[name].mean()), "ci": list(S.pairwise_mean_ci(arrays[name], r))}
+        ci = S.pairwise_mean_ci(arrays[name], r, bounds=M.PAIRWISE_RANGE.get(name, (-np.inf, np.inf)))
+        out[name] = {"mean": float(arrays[name].mean()), "ci": list(ci)}
     pairs = lmc_pairs(r, cfg.lmc_pairs)
     if pairs:
         x_bn = np.asarray(data.x_train[: cfg.bn_examples])

@@ -64,14 +64,14 @@ def _pairwise_disagreement(rng, r, t, n=200):
 
     a, b = pair_indices(r)
     y = draw(rng, (t, r))
-    return _hit(S.pairwise_mean_ci((y[:, a] != y[:, b]).mean(-1), r), truth)
+    return _hit(S.pairwise_mean_ci((y[:, a] != y[:, b]).mean(-1), r, bounds=(0.0, 1.0)), truth)
 
 
 def _pairwise_abs_difference(rng, r, t):
     """A stress case: one |X_a − X_b| per pair of standard normal X (skewed, no averaging inside a pair)."""
     a, b = pair_indices(r)
     x = rng.normal(size=(t, r))
-    return _hit(S.pairwise_mean_ci(np.abs(x[:, a] - x[:, b]), r), 2 / np.sqrt(np.pi))
+    return _hit(S.pairwise_mean_ci(np.abs(x[:, a] - x[:, b]), r, bounds=(0.0, np.inf)), 2 / np.sqrt(np.pi))
 
 
 def _difference(rng, r, t):  # unequal spreads: Welch's case

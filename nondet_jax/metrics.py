@@ -25,6 +25,11 @@ from scipy.stats import rankdata
 PAIR_CHUNK = 64  # pairs per vectorised block
 CHUNK_ELEMENTS = 1 << 24  # and at most this many float64 elements per block (128 MiB)
 
+# The possible range of each pairwise metric: their intervals are clipped to it (stats.pairwise_mean_ci).
+# Ensemble gains are differences of accuracies or losses and can have either sign.
+PAIRWISE_RANGE = {"disagreement": (0.0, 1.0), "pearson": (-1.0, 1.0), "spearman": (-1.0, 1.0), "cka": (0.0, 1.0),
+                  "weight_distance": (0.0, np.inf)}
+
 
 def pair_indices(r: int) -> tuple[np.ndarray, np.ndarray]:
     """Indices (a, b) of the R(R-1)/2 unordered pairs a < b, row-major."""

@@ -71,7 +71,7 @@ def variant_metrics(logits, labels) -> dict:
            "independent_errors_std": M.independent_errors_std(logits, labels)}
     if r >= 2:
         for name, values in (("disagreement", M.disagreement(logits)), ("pearson", M.pearson(logits))):
-            out[name] = {"mean": float(values.mean()), "ci": list(S.pairwise_mean_ci(values, r))}
+            out[name] = {"mean": float(values.mean()), "ci": list(S.pairwise_mean_ci(values, r, bounds=M.PAIRWISE_RANGE[name]))}
     return out
 
 

@@ -104,12 +104,14 @@ def std_ci(x, level: float = LEVEL) -> tuple:
             _out(s * math.sqrt(d / sps.chi2.ppf(0.5 - level / 2, d))))
 
 
-def pairwise_mean_ci(values, replicas: int, level: float = LEVEL) -> tuple:
+def pairwise_mean_ci(values, replicas: int, level: float = LEVEL, bounds: tuple[float, float] = (-np.inf, np.inf)) -> tuple:
     """CI of the mean of a pairwise metric over R replicas, respecting that pairs share replicas.
 
     ``values`` holds one value per pair in :func:`nondet_jax.metrics.pair_indices` order (last
     axis). The mean over pairs is a U-statistic of the replicas; its standard error comes from the
     jackknife over replicas (leave replica i and its R−1 pairs out), with t(R−1) quantiles.
+    The interval is clipped to ``bounds``, the metric's possible range (a disagreement is never
+    below 0): clipping never drops a possible true value, so coverage is unchanged.
     (nan, nan) below 3 replicas.
     """
     from nondet_jax.metrics import pair_indices
@@ -127,7 +129,7 @@ def pairwise_mean_ci(values, replicas: int, level: float = LEVEL) -> tuple:
     loo = (values.sum(-1, keepdims=True) - per_replica) / (len(a) - (r - 1))  # mean without replica i
     se = np.sqrt((r - 1) / r * ((loo - loo.mean(-1, keepdims=True)) ** 2).sum(-1))
     m, half = values.mean(-1), sps.t.ppf(0.5 + level / 2, r - 1) * se
-    return _out(m - half), _out(m + half)
+    return _out(np.clip(m - half, *bounds)), _out(np.clip(m + half, *bounds))
 
 
 def spread(x) -> dict:

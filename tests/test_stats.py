@@ -116,6 +116,20 @@ def test_pairwise_mean_ci_is_the_replica_jackknife():
         stats.pairwise_mean_ci(values[:-1], r)
 
 
+def test_pairwise_intervals_stay_inside_the_metric_range():
+    """A disagreement of one image in a few pairs: the jackknife's low end falls below 0 unclipped;
+    the interval printed is clipped to the metric's range [0, 1] and still holds the mean."""
+    from nondet_jax.metrics import PAIRWISE_RANGE, pair_indices
+
+    r = 4
+    values = np.zeros(len(pair_indices(r)[0]))
+    values[:2] = 0.003  # replica 0 disagrees with replicas 1 and 2 on one image in 360
+    raw = stats.pairwise_mean_ci(values, r)
+    assert raw[0] < 0
+    lo, hi = stats.pairwise_mean_ci(values, r, bounds=PAIRWISE_RANGE["disagreement"])
+    assert lo == 0.0 and hi == raw[1] and lo <= values.mean() <= hi
+
+
 def test_compare_spread_from_summary_reproduces_morin_willetts():
     """Their Table: accuracy stds 0.00302 vs 0.00346 and loss stds 0.01995 vs 0.02699, 50 runs each, ddof=0."""
     acc = stats.compare_spread_from_summary(0.00302, 50, 0.00346, 50, ddof=0)
