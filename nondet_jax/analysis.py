@@ -48,7 +48,7 @@ def arm_metrics(result, data, fns: TrainFns, cfg: MetricsConfig) -> tuple[dict, 
     labels = np.asarray(data.y_test)
     acc, ce = M.accuracy(result.logits, labels), M.cross_entropy(result.logits, labels)
     r = len(acc)
-    out = {"accuracy": S.spread(acc), "cross_entropy": S.spread(ce),
+    out = {"accuracy": S.spread(acc, std_max=S.ACCURACY_STD_MAX), "cross_entropy": S.spread(ce),
            "independent_errors_std": M.independent_errors_std(result.logits, labels)}
     arrays: dict[str, np.ndarray] = {"accuracy": acc, "cross_entropy": ce}
     if not cfg.pairwise or r < 2:

@@ -67,7 +67,7 @@ def variant_metrics(logits, labels) -> dict:
     logits, labels = np.asarray(logits), np.asarray(labels)
     acc, ce = M.accuracy(logits, labels), M.cross_entropy(logits, labels)
     r = len(acc)
-    out = {"replicas": r, "accuracy": S.spread(acc), "cross_entropy": S.spread(ce),
+    out = {"replicas": r, "accuracy": S.spread(acc, std_max=S.ACCURACY_STD_MAX), "cross_entropy": S.spread(ce),
            "independent_errors_std": M.independent_errors_std(logits, labels)}
     if r >= 2:
         for name, values in (("disagreement", M.disagreement(logits)), ("pearson", M.pearson(logits))):

@@ -318,16 +318,26 @@ def make_figures(run: Path, summary: dict, records: dict[str, dict]) -> list[str
         spread = [summary["arms"][a]["metrics"].get(q, {}) for a in arms]  # {} for an arm that fully diverged
         s = np.array([m.get("std", np.nan) for m in spread], dtype=float) * scale
         ci = np.array([m.get("std_ci", [np.nan, np.nan]) for m in spread], dtype=float) * scale
-        err = np.clip(np.abs(np.stack([s - ci[:, 0], ci[:, 1] - s])), 0, None)
+        base = np.array([summary["arms"][a]["metrics"].get("independent_errors_std", np.nan) for a in arms],
+                        dtype=float) * scale if q == "accuracy" else np.full(len(arms), np.nan)
+        # Few replicas give upper CI ends many times the std (32x at R=2): the axis stops at 3x the largest
+        # std, and a whisker that goes on is cut there with its end written above it.
+        top = 3 * np.nanmax(np.concatenate([s, base, [0.0]]))
+        cut = ci[:, 1] > top if top > 0 else np.zeros(len(arms), bool)
+        high = np.where(cut, top, ci[:, 1])
+        err = np.clip(np.abs(np.stack([s - ci[:, 0], high - s])), 0, None)
         ax.bar(x, s, yerr=err, capsize=4, color="C1")  # no bar where the CI is n/a (NaN), never a 0-width one
+        for i in np.flatnonzero(cut):
+            ax.annotate(f"↑ {ci[i, 1]:.3g}", (i, top), ha="center", va="bottom", fontsize=8, xytext=(0, 2),
+                        textcoords="offset points")
+        if cut.any():
+            ax.set_ylim(0, top * 1.12)
+        for i in np.flatnonzero(np.isnan(s)):
+            ax.text(i, 0, "n/a", ha="center", va="bottom", fontsize=8, color="C3")
         if q == "accuracy":
-            base = np.array([summary["arms"][a]["metrics"].get("independent_errors_std", np.nan) for a in arms],
-                            dtype=float) * scale
-            for i in np.flatnonzero(np.isnan(s)):
-                ax.text(i, 0, "n/a", ha="center", va="bottom", fontsize=8, color="C3")
             ax.scatter(x, base, marker="D", s=36, facecolor="white", edgecolor="k", zorder=3,
                        label="test-set sampling alone (independent-errors baseline)")
-            ax.legend(fontsize=8)
+            ax.legend(fontsize=8, loc="lower left", bbox_to_anchor=(0, 1.0), frameon=False)
         ax.set_xticks(x, arms, rotation=30, ha="right")
         ax.set_ylabel(label)
     fig.suptitle("Spread across replicas, with 95% chi-square CIs")

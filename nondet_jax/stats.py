@@ -89,19 +89,22 @@ def mean_ci(x, level: float = LEVEL) -> tuple:
     return _out(m - half), _out(m + half)
 
 
-def std_ci(x, level: float = LEVEL) -> tuple:
+def std_ci(x, level: float = LEVEL, std_max: float = np.inf) -> tuple:
     """Chi-square interval of the standard deviation of normal data (brackets ``std(x, ddof=1)``).
 
     ``(R−1)s²/σ² ~ χ²(R−1)``, so σ lies in ``s·√((R−1)/χ²_{(1+level)/2})`` to
     ``s·√((R−1)/χ²_{(1−level)/2})``; (nan, nan) below 2 values. Last axis: replicas.
+    ``std_max`` is the largest std the quantity can have (0.5 for a value in [0, 1], such as an
+    accuracy): the upper end is clipped to it, which keeps every possible true std (at R=2 the
+    unclipped upper end is 32 times the estimate).
     """
     x = np.asarray(x, dtype=np.float64)
     n = x.shape[-1]
     if n < MIN_REPLICAS["std"]:
         return _nan2(x.shape[:-1])
     s, d = std(x), n - 1
-    return (_out(s * math.sqrt(d / sps.chi2.ppf(0.5 + level / 2, d))),
-            _out(s * math.sqrt(d / sps.chi2.ppf(0.5 - level / 2, d))))
+    return (_out(np.minimum(s * math.sqrt(d / sps.chi2.ppf(0.5 + level / 2, d)), std_max)),
+            _out(np.minimum(s * math.sqrt(d / sps.chi2.ppf(0.5 - level / 2, d)), std_max)))
 
 
 def pairwise_mean_ci(values, replicas: int, level: float = LEVEL, bounds: tuple[float, float] = (-np.inf, np.inf)) -> tuple:
@@ -132,10 +135,15 @@ def pairwise_mean_ci(values, replicas: int, level: float = LEVEL, bounds: tuple[
     return _out(np.clip(m - half, *bounds)), _out(np.clip(m + half, *bounds))
 
 
-def spread(x) -> dict:
-    """Mean and std (ddof=1) of per-replica values with their intervals (t; chi-square)."""
+def spread(x, std_max: float = np.inf) -> dict:
+    """Mean and std (ddof=1) of per-replica values with their intervals (t; chi-square, its upper end
+    clipped to ``std_max``, see :func:`std_ci`)."""
     x = np.asarray(x, dtype=np.float64)
-    return {"mean": float(x.mean()), "mean_ci": list(mean_ci(x)), "std": std(x), "std_ci": list(std_ci(x))}
+    return {"mean": float(x.mean()), "mean_ci": list(mean_ci(x)), "std": std(x),
+            "std_ci": list(std_ci(x, std_max=std_max))}
+
+
+ACCURACY_STD_MAX = 0.5  # the largest std of a quantity in [0, 1]
 
 
 def _f_p(f: float, d1: int, d2: int) -> float:

@@ -206,3 +206,15 @@ def test_identical_values_have_exactly_zero_spread():
     assert stats.std(x) == 0.0 and stats.std_ci(x) == (0.0, 0.0)
     out = stats.compare_spread(x, np.random.default_rng(0).normal(0.98, 0.006, 12))
     assert out["ratio"] == 0.0 and out["replicas_for_80pct_power"] is None
+
+
+def test_accuracy_std_interval_ends_at_the_largest_possible_std():
+    """At R=2 the chi-square upper end is 32x the estimate: for an accuracy (in [0, 1], so its std is at
+    most 0.5) it is clipped to 0.5, which keeps every possible true std."""
+    acc = [0.80, 0.86]
+    raw = stats.std_ci(acc)
+    assert raw[1] > 1.0  # an impossible std of an accuracy
+    lo, hi = stats.spread(acc, std_max=stats.ACCURACY_STD_MAX)["std_ci"]
+    assert lo == raw[0] and hi == 0.5
+    assert stats.spread([0.80, 0.81, 0.82, 0.80, 0.79, 0.83], std_max=0.5)["std_ci"] == list(stats.std_ci(
+        [0.80, 0.81, 0.82, 0.80, 0.79, 0.83]))  # far from the bound: unchanged
