@@ -357,7 +357,9 @@ def make_figures(run: Path, summary: dict, records: dict[str, dict]) -> list[str
             ax.bar(x, vals, yerr=err, capsize=4, color="C2")
             ax.set_xticks(x, arms, rotation=30, ha="right")
             ax.set_title(label, fontsize=10)
-        fig.suptitle("Diversity between replicas (mean over pairs, replica-jackknife 95% CI)")
+        few = [a for a in arms if 0 < summary["arms"][a].get("replicas_used", summary["arms"][a]["replicas"]) < 3]
+        fig.suptitle("Diversity between replicas (mean over pairs, replica-jackknife 95% CI"
+                     + ("; no CI below 3 replicas: " + ", ".join(few) if few else "") + ")")
         save(fig, "diversity")
 
     # 4. weight divergence over training
