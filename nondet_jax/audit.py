@@ -98,9 +98,10 @@ def failed(run: dict) -> bool:
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     from nondet_jax.__main__ import prog_name
+    from nondet_jax.errors import OneLineParser
 
     prog = prog or prog_name("nondet_jax.audit", "nondet-jax-audit")
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    p = OneLineParser(prog=prog, description=__doc__.splitlines()[0].replace("``", ""))
     p.add_argument("--steps", type=int, default=5, help="training steps per run (default 5)")
     p.add_argument("--model", default="resnet8")
     p.add_argument("--dataset", default="digits")

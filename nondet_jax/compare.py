@@ -179,12 +179,11 @@ def format_result(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    import argparse
-
     from nondet_jax.__main__ import prog_name
+    from nondet_jax.errors import OneLineParser
 
     prog = prog or prog_name("nondet_jax.compare", "nondet-jax-compare")
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    p = OneLineParser(prog=prog, description=__doc__.splitlines()[0].replace("``", ""))
     p.add_argument("a", help="method A: a run folder or a CSV file of per-seed scores")
     p.add_argument("b", help="method B: same kind as A")
     p.add_argument("--arm", default="all", help="arm of each run folder (default: all)")

@@ -580,9 +580,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     from nondet_jax.__main__ import prog_name
 
     prog = prog or prog_name("nondet_jax.report", "nondet-jax-report")
-    import argparse
+    from nondet_jax.errors import OneLineParser
 
-    p = argparse.ArgumentParser(prog=prog,
+    p = OneLineParser(prog=prog,
                                 description="Rebuild the report of a run folder from its stored results.")
     p.add_argument("run_dir")
     p.add_argument("--tensorboard", action="store_true",

@@ -17,7 +17,7 @@ from pathlib import Path
 from nondet_jax import config as cfg
 from nondet_jax import study
 from nondet_jax.config import Config
-from nondet_jax.errors import UsageError
+from nondet_jax.errors import OneLineParser, UsageError
 from nondet_jax.store import RunPaths
 
 # CLI flag -> dotted config key
@@ -58,15 +58,10 @@ def preset_path(name: str) -> Path:
 
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2
-        self.exit(2, f"{self.prog}: error: {message}; see --help\n")
-
-
 def build_parser(prog: str = "python -m nondet_jax.sweep") -> argparse.ArgumentParser:
     from nondet_jax.sources import IMPLEMENTED
 
-    p = _Parser(prog=prog,
+    p = OneLineParser(prog=prog,
                 description="Train R replicas per arm, varying only the arm's randomness sources, and write a run "
                             f"folder. Defaults shown are the {DEFAULT_PRESET} preset's; --preset and --config change "
                             "them, flags and --set override both.")

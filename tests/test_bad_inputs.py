@@ -116,6 +116,9 @@ CASES: list[tuple[str, str]] = [
     ("report", "python -m nondet_jax.report <run>  (arms/init.json lacks rows)"),
     ("audit", "python -m nondet_jax.audit --json <tmp>/empty"),
     ("audit", "python -m nondet_jax.audit --seed 18446744073709551617"),
+    ("audit", "python -m nondet_jax.audit --steps x"),
+    ("report", "python -m nondet_jax.report"),
+    ("compare", "python -m nondet_jax.compare <tmp>/empty"),
     ("API", "config.from_flat({'model.nam': 'resnet8'})"),
     ("API", "sources.arm_sources('nosuch')"),
     ("API", "data.load_dataset('nosuch')"),
@@ -296,6 +299,10 @@ def run_case(where: str, text: str, ctx: Context, capsys) -> tuple[str, int, boo
             from nondet_jax import audit
 
             status = audit.main(args[3:])
+        elif where == "compare":
+            from nondet_jax import compare
+
+            status = compare.main(args[3:])
         else:
             status = sweep.main([*FAST.split(), *args] if "--resume" not in args else args)
     except SystemExit as e:  # argparse
@@ -307,7 +314,7 @@ def run_case(where: str, text: str, ctx: Context, capsys) -> tuple[str, int, boo
     err = [ln for ln in capsys.readouterr().err.splitlines()
            if ln.strip() and "Location" not in ln and not ln.startswith("WARNING:")]  # absl logging lines
     assert len(err) == 1, err
-    message = re.sub(r"^python -m nondet_jax\.(sweep|report|audit): error: ", "", err[0])
+    message = re.sub(r"^python -m nondet_jax\.(sweep|report|audit|compare): error: ", "", err[0])
     untouched = (_snapshot(folder) == before if folder else True) and _snapshot(outside) == outside_before
     return _normalize(message, tmp), status, untouched
 
