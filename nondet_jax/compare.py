@@ -8,11 +8,14 @@ run of B beats one run of A, ties counting half) with its interval, and the repl
 two-sample t-test needs to detect the observed difference with 80% power given the measured
 run-to-run std (:func:`nondet_jax.stats.compare_means`). Bad input: one line on stderr, exit 2.
 
+``--plot FILE.png`` also draws the scores and both intervals.
+
 Library use::
 
     from nondet_jax.compare import compare
     result = compare("runs/baseline", "runs/new", arm="all")     # or two .csv paths
     print(format_result(result))
+    plot_result(result).savefig("compare.png")
 """
 
 from __future__ import annotations
@@ -137,7 +140,59 @@ def compare(a: str | Path, b: str | Path, arm: str = "all", arm_b: str | None = 
         if not np.isfinite(x).all():
             raise UsageError(f"{w['source']} holds a non-finite score (NaN or inf); remove that seed or fix the file")
     result = S.compare_means(xa, xb, higher_is_better=True if higher_is_better is None else higher_is_better)
+    wa, wb = {**wa, "scores": xa.tolist()}, {**wb, "scores": xb.tolist()}
     return {**result, "a": wa, "b": wb, "methods": {k: S.METHODS[k] for k in ("difference", "probability_of_improvement")}}
+
+
+def plot_result(r: dict):
+    """The comparison as a figure (returned, not saved): each method's per-seed scores with the mean and
+    its t interval; the difference of means with its Welch interval against 0; the probability of
+    improvement with its interval against ½ (no difference)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401 - matplotlib.ticker.MaxNLocator below
+
+    fig, (ax, ad, ap) = plt.subplots(1, 3, figsize=(10, 3.6), gridspec_kw={"width_ratios": [1.2, 1, 1]})
+    what = r["a"].get("metric") or r["a"].get("column") or "score"
+    rng = np.random.default_rng(0)
+    for i, (name, w) in enumerate((("A", r["a"]), ("B", r["b"]))):
+        x = np.asarray(w["scores"])
+        lo, hi = S.mean_ci(x)
+        ax.scatter(i + rng.uniform(-0.1, 0.1, len(x)), x, s=16, alpha=0.8, color=f"C{i}")
+        ax.errorbar(i + 0.25, x.mean(), yerr=[[x.mean() - lo], [hi - x.mean()]], fmt="o", color="k", capsize=4)
+    ax.set_xticks([0, 1], [f"A (n={r['n_a']})", f"B (n={r['n_b']})"])
+    ax.set_xlim(-0.5, 1.6)
+    ax.set_ylabel(what)
+    ax.set_title("per-seed scores; mean, 95% t CI", fontsize=9)
+    for axis, value, (lo, hi), null, title in (
+            (ad, r["difference"], r["difference_ci"], 0.0, "difference of means B − A\n(Welch 95% CI)"),
+            (ap, r["probability_of_improvement"], r["probability_of_improvement_ci"], 0.5,
+             f"P(B {'>' if r['higher_is_better'] else '<'} A), one run each\n(Newcombe 95% CI)")):
+        axis.errorbar([value], [0], xerr=[[value - lo], [hi - value]], fmt="o", color="k", capsize=5)
+        axis.axvline(null, color="C3", lw=1, ls="--", label="no difference")
+        left, right = min(lo, null), max(hi, null)
+        pad = 0.1 * (right - left) or 0.01
+        axis.set_xlim(left - pad, right + pad)
+        axis.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(4))
+        axis.set_yticks([])
+        axis.set_title(title, fontsize=9)
+    ap.set_xlim(-0.02, 1.02)
+    ap.legend(fontsize=8, loc="lower left")
+    fig.suptitle(verdict(r), fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def _plot_path(path: str) -> Path:
+    """``--plot FILE``, checked before anything is computed."""
+    path = Path(path)
+    if path.suffix.lower() not in (".png", ".pdf", ".svg"):
+        raise UsageError(f"--plot {path}: name a .png, .pdf or .svg file")
+    if not path.parent.is_dir():
+        raise UsageError(f"--plot {path}: folder {path.parent} does not exist; create it or choose another path")
+    return path
 
 
 def _label(w: dict) -> str:
@@ -192,13 +247,24 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     p.add_argument("--column", default=None, help="CSV files: the score column (default: the only numeric one)")
     p.add_argument("--lower-is-better", action="store_true", help="scores are losses or errors (CSV files)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--plot", metavar="FILE", help="also draw the comparison (scores, difference, probability of "
+                   "improvement, each with its interval) into FILE (.png, .pdf or .svg)")
     args = p.parse_args(argv)
     try:
+        plot = _plot_path(args.plot) if args.plot else None
         r = compare(args.a, args.b, args.arm, args.arm_b, args.metric, args.column,
                     False if args.lower_is_better else None)
     except UsageError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
+    if plot is not None:
+        import io
+
+        from nondet_jax.store import atomic_write_bytes
+
+        buf = io.BytesIO()
+        plot_result(r).savefig(buf, format=plot.suffix[1:], dpi=110)
+        atomic_write_bytes(plot, buf.getvalue())
     if args.json:
         from nondet_jax.report import strict_json
 

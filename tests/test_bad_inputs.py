@@ -119,6 +119,7 @@ CASES: list[tuple[str, str]] = [
     ("audit", "python -m nondet_jax.audit --steps x"),
     ("report", "python -m nondet_jax.report"),
     ("compare", "python -m nondet_jax.compare <tmp>/empty"),
+    ("compare", "python -m nondet_jax.compare <tmp>/a.csv <tmp>/b.csv --plot <tmp>/nosuch/compare.png"),
     ("API", "config.from_flat({'model.nam': 'resnet8'})"),
     ("API", "sources.arm_sources('nosuch')"),
     ("API", "data.load_dataset('nosuch')"),

@@ -101,10 +101,11 @@ def test_summary_json_is_strict_and_arms_csv_has_pairwise_cis(runs):
     m = summary["arms"]["init"]["metrics"]
     assert len(m["disagreement"]["ci"]) == 2 and m["accuracy"]["std_ci"][0] <= m["accuracy"]["std"]
     row = next(r for r in csv.DictReader((a / "arms.csv").open()) if r["arm"] == "init")
-    for name in ("disagreement", "cka", "pearson", "weight_distance"):
-        lo, hi = float(row[f"{name}_ci_low"]), float(row[f"{name}_ci_high"])
-        assert lo <= float(row[name]) <= hi, name
-        assert (lo, hi) == pytest.approx(tuple(m[name]["ci"]))  # the report's units: as the mean column
+    for name, unit, scale in (("disagreement", "_pct", 100), ("cka", "", 1), ("pearson", "", 1),
+                              ("weight_distance", "", 1)):
+        lo, hi = float(row[f"{name}_ci_low{unit}"]), float(row[f"{name}_ci_high{unit}"])
+        assert lo <= float(row[name + unit]) <= hi, name
+        assert (lo, hi) == pytest.approx(tuple(scale * c for c in m[name]["ci"]))  # the mean column's units
 
 
 def test_strict_json_replaces_non_finite_values():
@@ -112,3 +113,21 @@ def test_strict_json_replaces_non_finite_values():
 
     out = strict_json({"a": [float("nan"), 1.0, np.float64("inf")], "b": (np.float32(2.5), None), "c": "x"})
     assert json.loads(json.dumps(out, allow_nan=False)) == {"a": [None, 1.0, None], "b": [2.5, None], "c": "x"}
+
+
+def test_plot_draws_the_intervals_it_prints(tmp_path):
+    from nondet_jax.compare import plot_result
+
+    (tmp_path / "a.csv").write_text("seed,acc\n0,0.981\n1,0.975\n2,0.979\n3,0.983\n")
+    (tmp_path / "b.csv").write_text("seed,acc\n0,0.986\n1,0.984\n2,0.990\n3,0.982\n")
+    png = tmp_path / "compare.png"
+    assert main([str(tmp_path / "a.csv"), str(tmp_path / "b.csv"), "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    r = compare(tmp_path / "a.csv", tmp_path / "b.csv")
+    assert r["a"]["scores"] == [0.981, 0.975, 0.979, 0.983]
+    fig = plot_result(r)
+    _, diff, poi = fig.axes
+    for axis, ci in ((diff, r["difference_ci"]), (poi, r["probability_of_improvement_ci"])):
+        (start, end), = [seg[:, 0] for seg in axis.collections[0].get_segments()]
+        assert (start, end) == pytest.approx(tuple(ci))
+    assert diff.get_xlim()[0] < 0 < diff.get_xlim()[1]  # the null value is on the axis
