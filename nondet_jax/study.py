@@ -13,6 +13,7 @@ import json
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -77,24 +78,33 @@ def check_arms_active(config: Config, arms: list[Arm], dataset: str, image_size:
 
 
 class Progress:
-    """A rich progress bar per arm (replica-epochs, with ETA); silent when stderr is not a terminal.
+    """Progress of the arms in replica-epochs: a rich bar per arm (with ETA) on a terminal, else a log
+    line every ``every`` seconds (batch jobs, Slurm logs), or nothing at all (``log=None``).
 
-    Until an arm's first epoch is done its line says what it waits for: XLA compiling (seconds and
+    Until an arm's first epoch is done the bar says what it waits for: XLA compiling (seconds and
     programs so far, from JAX's compile events as they come) and programs loaded from the persistent
-    compilation cache, which lets the next identical run skip the compile."""
+    compilation cache, which lets the next identical run skip the compile. Without a bar, the
+    compile is summarised in one line once the first epoch is done."""
 
     COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
     CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
+    def __init__(self, enabled: bool, log=None, every: float = 30.0):
+        self.enabled, self.log, self.every = enabled, log, every
         self._bar = None
+        self._listening = False
         self._waiting = None  # the task still before its first epoch
+        self._tasks = 0
         self._compiled, self._seconds, self._cached = 0, 0.0, 0
 
     def __enter__(self):
-        if self.enabled:
+        if self.enabled or self.log is not None:
             import jax
+
+            jax.monitoring.register_event_duration_secs_listener(self._on_duration)
+            jax.monitoring.register_event_listener(self._on_event)
+            self._listening = True
+        if self.enabled:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn, \
                 TimeRemainingColumn
 
@@ -102,34 +112,37 @@ class Progress:
                             TextColumn("replica-epochs"), TimeElapsedColumn(), TimeRemainingColumn(),
                             TextColumn("[dim]{task.fields[note]}"), transient=False)
             self._bar.__enter__()
-            jax.monitoring.register_event_duration_secs_listener(self._on_duration)
-            jax.monitoring.register_event_listener(self._on_event)
         return self
 
     def __exit__(self, *exc):
-        if self._bar is not None:
+        if self._listening:
             import jax
 
             jax.monitoring.unregister_event_duration_listener(self._on_duration)
             jax.monitoring.unregister_event_listener(self._on_event)
+            self._listening = False
+        if self._bar is not None:
             self._bar.__exit__(*exc)
 
     def _on_duration(self, event: str, duration_secs: float, **kwargs):
-        if event == self.COMPILE_EVENT:
+        if event == self.COMPILE_EVENT and self._waiting is not None:
             self._compiled, self._seconds = self._compiled + 1, self._seconds + duration_secs
             self._note()
 
     def _on_event(self, event: str, **kwargs):
-        if event == self.CACHE_HIT_EVENT:
+        if event == self.CACHE_HIT_EVENT and self._waiting is not None:
             self._cached += 1
             self._note()
 
-    def _note(self):
-        if self._waiting is None:
-            return
+    def compile_note(self) -> str:
+        """What the arm waited for before its first epoch, so far ('' when nothing was compiled or loaded)."""
         parts = [f"compiling: {self._seconds:.0f} s, {self._compiled} programs"] if self._compiled else []
         parts += [f"{self._cached} programs loaded from the compilation cache"] if self._cached else []
-        self._bar.update(self._waiting, note="; ".join(parts))
+        return "; ".join(parts)
+
+    def _note(self):
+        if self._bar is not None:
+            self._bar.update(self._waiting, note=self.compile_note())
 
     @staticmethod
     def first_note() -> str:
@@ -139,17 +152,33 @@ class Progress:
         return "compiling" + (" (once: the compilation cache keeps it for later runs)" if cache else "")
 
     def arm(self, name: str, total: int):
-        if self._bar is None:
+        """The callback that advances arm ``name`` by n replica-epochs (of ``total``)."""
+        if self._bar is None and self.log is None:
             return lambda n: None
-        first = not self._bar.tasks  # later arms mostly reuse the programs the first one compiled
+        first = self._tasks == 0  # later arms mostly reuse the programs the first one compiled
+        self._tasks += 1
         self._compiled, self._seconds, self._cached = 0, 0.0, 0
-        task = self._waiting = self._bar.add_task(name, total=total, note=self.first_note() if first else "")
+        task = self._waiting = (self._bar.add_task(name, total=total, note=self.first_note() if first else "")
+                                if self._bar is not None else name)
+        done, t0 = [0], time.perf_counter()
+        last = [t0]
 
         def advance(n: int):
             if self._waiting == task:
                 self._waiting = None
-                self._bar.update(task, note="")
-            self._bar.advance(task, n)
+                if self._bar is not None:
+                    self._bar.update(task, note="")
+                elif self._seconds >= 1 or self._cached:  # worth a line: the wait the user just had
+                    self.log(f"arm {name}: " + ", ".join(
+                        ([f"compiled {self._compiled} XLA program{'s' * (self._compiled != 1)} in "
+                          f"{self._seconds:.0f} s"] if self._compiled else [])
+                        + ([f"loaded {self._cached} from the compilation cache"] if self._cached else [])))
+            done[0] += n
+            if self._bar is not None:
+                self._bar.advance(task, n)
+            elif time.perf_counter() - last[0] >= self.every and done[0] < total:
+                last[0] = time.perf_counter()
+                self.log(f"arm {name}: {done[0]}/{total} replica-epochs, {last[0] - t0:.0f} s")
 
         return advance
 
@@ -437,7 +466,7 @@ def child_main(out: str, arm_name: str, progress: bool) -> int:
         env = environment()
         env["arm"] = arm.name
         store.write_json(RunPaths.rel("environments", arm.name), env)
-        with Progress(progress) as bar:
+        with Progress(progress, None if progress else print) as bar:
             train_arm(config, data, fns, store, arm, bar.arm(arm.name, config.study.replicas * config.train.epochs))
     return 0
 
@@ -533,7 +562,7 @@ def run(config: Config, out: str | Path | None = None, progress: bool | None = N
         for name in recompute:
             log(f"arm {name}: deleting its results and checkpoints to train it again (--recompute)")
             store.remove_arm(name)
-        with Progress(progress) as bar:
+        with Progress(progress, None if progress else log) as bar:
             for arm in arms:
                 if store.arm_done(arm.name):
                     log(f"arm {arm.name}: already finished in {out}, reusing it")
