@@ -468,11 +468,13 @@ NORMS = "auto"
 
 
 def ghost_is_cheaper(positions: int, fan_in: int, fan_out: int) -> bool:
-    """The rule of ``NORMS="auto"``: the two Gram matrices take ``positions^2 (fan_in + fan_out)``
-    multiply-adds, forming the gradient ``positions fan_in fan_out``; ghost when
-    ``positions^2 < fan_in fan_out`` (the issue's rule, which also counts that the Gram products are
-    smaller, worse-shaped GEMMs; measured on ResNet-8's layers, docs/instruments.md)."""
-    return positions == 1 or positions * positions < fan_in * fan_out
+    """The rule of ``NORMS="auto"``, by multiply-adds: the two Gram matrices take
+    ``positions^2 (fan_in + fan_out)``, forming the gradient ``positions fan_in fan_out``; ghost when
+    ``positions (fan_in + fan_out) < fan_in fan_out`` (or one position). Measured on ResNet-8's layers
+    (``benchmarks/instruments.py --kernel-timing``, docs/instruments.md) it picks the faster way on
+    every layer but where the two are within noise; the issue's ``positions^2 < fan_in fan_out``
+    picked ghost for a 1x1 shortcut (16 positions, 16 -> 32 channels) where it was 2x slower."""
+    return positions == 1 or positions * (fan_in + fan_out) < fan_in * fan_out
 
 
 def _sq_ghost_or_not(a, d, mode: str, precision=None):
@@ -601,11 +603,93 @@ def tape_projections_stacked(tape: Tape, tangents: tuple) -> jax.Array:
     return out
 
 
+def _layer_sq_and_proj(m, x, d, ts: list, mode: str):
+    """One layer, one chunk: ``(c,)`` squared per-example gradient norms and ``(T, c)`` projections onto
+    the tangents' weights ``ts``, sharing the layer's im2col patches between the two."""
+    c = d.shape[0]
+    if type(m) is nn.Conv:
+        g = m.feature_group_count
+        patches = _patches(m, x, d.shape[1:-1])  # (c, P, K, C)
+        _, p, k, cin = patches.shape
+        pk = patches.reshape(c, p, k, g, cin // g)
+        dg = d.reshape(c, p, g, -1)
+        sq = _sq_ghost_or_not(jnp.moveaxis(pk, 3, 2).reshape(c, p, g, k * (cin // g)), dg, mode, m.precision)
+        proj = jnp.zeros((len(ts), c), d.dtype)
+        if ts:
+            tk = jnp.stack([t["kernel"].reshape(k, cin // g, g, -1) for t in ts])  # (T, K, I, G, O)
+            y = jnp.einsum("bpkgi,tkigo->tbpgo", pk, tk, precision=m.precision)
+            proj = jnp.einsum("tbpgo,bpgo->tb", y, dg)
+        if m.use_bias:
+            db = d.reshape(c, p, -1).sum(1)
+            sq = sq + jnp.sum(jnp.square(db), axis=1)
+            if ts:
+                proj = proj + jnp.stack([t["bias"] for t in ts]) @ db.T
+        return sq, proj
+    if type(m) is nn.Dense:
+        x2, d2 = x.reshape(c, -1, x.shape[-1]), d.reshape(c, -1, d.shape[-1])
+        sq = _sq_ghost_or_not(x2[:, :, None], d2[:, :, None], mode, m.precision)
+        proj = jnp.zeros((len(ts), c), d.dtype)
+        if ts:
+            tk = jnp.stack([t["kernel"] for t in ts])  # (T, I, O)
+            proj = jnp.einsum("tbpo,bpo->tb", jnp.einsum("bpi,tio->tbpo", x2, tk, precision=m.precision), d2)
+        if m.use_bias:
+            db = d2.sum(1)
+            sq = sq + jnp.sum(jnp.square(db), axis=1)
+            if ts:
+                proj = proj + jnp.stack([t["bias"] for t in ts]) @ db.T
+        return sq, proj
+    d2 = d.reshape(c, -1, d.shape[-1])  # BatchNorm: the per-example gradient is C numbers, formed
+    parts = ([("scale", jnp.sum(d2 * x.reshape(d2.shape), axis=1))] if m.use_scale else []) + (
+        [("bias", d2.sum(1))] if m.use_bias else [])
+    sq = sum(jnp.sum(jnp.square(v), axis=1) for _, v in parts)
+    proj = jnp.zeros((len(ts), c), d.dtype)
+    for name, v in parts:
+        if ts:
+            proj = proj + jnp.stack([t[name] for t in ts]) @ v.T
+    return sq, proj
+
+
+def norm_only_chunk(tape: Tape, chunk: int, n_params: int, n_tangents: int, mode: str) -> int:
+    """Examples per chunk of the norm-only loop: as many as fit the memory ``chunk`` per-example
+    gradients would take (``chunk x n_params`` numbers), counting per example the largest layer's
+    im2col patches, its Gram matrices or per-example weight gradient, and its outputs under the
+    tangents. Fewer chunks run faster: XLA:CPU's rolled chunk loop costs 2x on ResNet-8 (batch 128:
+    25 ms in 4 chunks of 32, 12 ms in one; ``--kernel-timing``), and ResNet-8 fits in one."""
+    peak = 1
+    for path in tape.paths:
+        m, x, d = tape.calls[path].module, tape.records[path], tape.deltas[path]
+        p = int(np.prod(d.shape[1:-1])) if d.ndim > 2 else 1
+        k = int(np.prod(_kernel_size(m))) if type(m) is nn.Conv else 1
+        fan_in, fan_out = x.shape[-1] * k, d.shape[-1]
+        ghost = mode == "ghost" or (mode == "auto" and ghost_is_cheaper(p, fan_in, fan_out))
+        peak = max(peak, p * fan_in + (2 * p * p if ghost else fan_in * fan_out) + n_tangents * p * fan_out)
+    return max(chunk, chunk * n_params // peak)
+
+
 def tape_norm_stats(tape: Tape, sum_grad, chunk: int, *, tangents: tuple = (), mode: str | None = None
                     ) -> tuple[PerExampleStats, jax.Array | None]:
     """What NormTest, InnerTest, OrthoTest and Alpha need, with no per-example gradient formed:
-    ``stats`` (losses, ``sum_grad`` as given, the sum of squared norms by :func:`tape_sq_norms`; no
-    element-wise sums or histograms) and the projections ``g_i . t`` onto ``tangents`` ``(T, B)``."""
-    sq = tape_sq_norms(tape, chunk, mode)
-    proj = tape_projections_stacked(tape, tuple(tangents)) if tangents else None
+    ``stats`` (losses, ``sum_grad`` as given, the sum of the squared norms of :func:`tape_sq_norms`;
+    no element-wise sums or histograms) and the projections ``g_i . t`` onto ``tangents`` ``(T, B)``
+    (None without tangents), both in one loop over ``chunk`` examples at a time that builds each
+    convolution's im2col patches once."""
+    mode = mode or NORMS
+    if mode not in ("auto", "ghost", "materialise"):
+        raise ValueError(f"norms must be auto, ghost or materialise, got {mode!r}")
+    b = tape.losses.shape[0]
+    c = chunk_size(b, norm_only_chunk(tape, chunk, sum(a.size for a in jax.tree.leaves(sum_grad)), len(tangents),
+                                      mode))
+    ts = {path: [_layer_params(t, path) for t in tangents] for path in tape.paths}
+
+    def body(acc, chunk_data):
+        recs, ds = chunk_data
+        sq, proj = 0, 0
+        for path, r, d in zip(tape.paths, recs, ds):
+            s, pr = _layer_sq_and_proj(tape.calls[path].module, r, d, ts[path], mode)
+            sq, proj = sq + s, proj + pr
+        return acc, (sq, proj)
+
+    chunks = split_chunks(([tape.records[p] for p in tape.paths], [tape.deltas[p] for p in tape.paths]), c)
+    _, (sq, proj) = over_chunks(body, 0.0, chunks, convolutions=False)
+    proj = jnp.moveaxis(proj, 1, 0).reshape(len(tangents), b) if tangents else None  # (n, T, c) -> (T, B)
     return PerExampleStats(tape.losses, sum_grad, jnp.sum(sq), None, None, None), proj
