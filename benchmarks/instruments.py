@@ -98,8 +98,13 @@ def bench_workload(name: str, quick: bool, rounds: int, log, breakdown_ok=lambda
         for c in configs:
             for k in everies:
                 value, norms_of[f"{m}/{c}/every{k}"] = config_of(c)
-                variants[f"{m}/{c}/every{k}"] = ({"instruments.config": value, "instruments.every": k,
-                                                  "instruments.per_example": m}, k)
+                flat = {"instruments.config": value, "instruments.every": k, "instruments.per_example": m}
+                if norms_of[f"{m}/{c}/every{k}"]:
+                    # make_train is cached by config: a key the linear schedule ignores keeps the variant's own
+                    # program (built with its layerwise.NORMS) apart from the plain config's
+                    flat["instruments.log_points"] = 50 + ("auto", "ghost", "materialise").index(
+                        norms_of[f"{m}/{c}/every{k}"]) + 1
+                variants[f"{m}/{c}/every{k}"] = (flat, k)
     block1 = 2 if (quick and model == "resnet14") else 4
     progs, states, compile_s = {}, {}, {}
     for v, (flat, every) in variants.items():

@@ -467,14 +467,21 @@ def per_example_pass(losses_fn: Callable, params, batch, context, chunk: int, *,
 NORMS = "auto"
 
 
-def ghost_is_cheaper(positions: int, fan_in: int, fan_out: int) -> bool:
-    """The rule of ``NORMS="auto"``, by multiply-adds: the two Gram matrices take
-    ``positions^2 (fan_in + fan_out)``, forming the gradient ``positions fan_in fan_out``; ghost when
-    ``positions (fan_in + fan_out) < fan_in fan_out`` (or one position). Measured on ResNet-8's layers
-    (``benchmarks/instruments.py --kernel-timing``, docs/instruments.md) it picks the faster way on
-    every layer but where the two are within noise; the issue's ``positions^2 < fan_in fan_out``
-    picked ghost for a 1x1 shortcut (16 positions, 16 -> 32 channels) where it was 2x slower."""
-    return positions == 1 or positions * (fan_in + fan_out) < fan_in * fan_out
+def ghost_is_cheaper(positions: int, fan_in: int, fan_out: int, tangents: int = 0) -> bool:
+    """The rule of ``NORMS="auto"``, by multiply-adds per example: ghost costs the two Gram matrices,
+    ``positions^2 (fan_in + fan_out)``, plus ``tangents`` projections through the layer's outputs
+    under each tangent, ``tangents positions fan_in fan_out``; materialising costs forming the
+    gradient, ``positions fan_in fan_out``, plus ``(tangents + 1) fan_in fan_out`` for its norm and
+    projections. So with any projection to compute (InnerTest, OrthoTest, Alpha) forming the layer's
+    gradient wins (measured: ``benchmarks/instruments.py --kernel-timing``, docs/instruments.md);
+    without, ghost wins when ``positions (fan_in + fan_out) < fan_in fan_out`` (roughly; the issue's
+    ``positions^2 < fan_in fan_out`` picked ghost for a 1x1 shortcut, 16 positions, 16 -> 32
+    channels, where it measured 2x slower)."""
+    if positions == 1 and tangents == 0:
+        return True
+    ghost = positions * positions * (fan_in + fan_out) + tangents * positions * fan_in * fan_out
+    formed = positions * fan_in * fan_out + (tangents + 1) * fan_in * fan_out
+    return ghost < formed
 
 
 def _sq_ghost_or_not(a, d, mode: str, precision=None):
@@ -528,9 +535,9 @@ def _bn_sq_norms(m: nn.BatchNorm, xhat, delta, params, mode):  # C numbers per e
 SQ_NORMS = {nn.Conv: _conv_sq_norms, nn.Dense: _dense_sq_norms, nn.BatchNorm: _bn_sq_norms}
 
 
-def layer_modes(tape: Tape, mode: str | None = None) -> dict:
+def layer_modes(tape: Tape, mode: str | None = None, tangents: int = 0) -> dict:
     """``{path: "ghost" | "materialise" | "formed"}``: what the norm-only path does per recorded layer
-    (``formed``: BatchNorm, whose per-example gradient is C numbers)."""
+    with ``tangents`` projections to compute (``formed``: BatchNorm, whose per-example gradient is C numbers)."""
     mode = mode or NORMS
     out = {}
     for path in tape.paths:
@@ -540,7 +547,7 @@ def layer_modes(tape: Tape, mode: str | None = None) -> dict:
             continue
         p = int(np.prod(d.shape[1:-1])) if d.ndim > 2 else 1
         fan_in = tape.records[path].shape[-1] * (int(np.prod(_kernel_size(m))) if type(m) is nn.Conv else 1)
-        ghost = mode == "ghost" or (mode == "auto" and ghost_is_cheaper(p, fan_in, d.shape[-1]))
+        ghost = mode == "ghost" or (mode == "auto" and ghost_is_cheaper(p, fan_in, d.shape[-1], tangents))
         out[path] = "ghost" if ghost else "materialise"
     return out
 
@@ -605,47 +612,49 @@ def tape_projections_stacked(tape: Tape, tangents: tuple) -> jax.Array:
 
 def _layer_sq_and_proj(m, x, d, ts: list, mode: str):
     """One layer, one chunk: ``(c,)`` squared per-example gradient norms and ``(T, c)`` projections onto
-    the tangents' weights ``ts``, sharing the layer's im2col patches between the two."""
-    c = d.shape[0]
+    the tangents' weights ``ts``: by the ghost identity and the layer's outputs under the tangents, or
+    from the layer's own per-example weight gradient (never the whole model's), per ``mode`` and
+    :func:`ghost_is_cheaper`."""
+    c, n_t = d.shape[0], len(ts)
+    proj = jnp.zeros((n_t, c), d.dtype)
+    if type(m) is nn.BatchNorm:  # the per-example gradient is C numbers: formed
+        d2 = d.reshape(c, -1, d.shape[-1])
+        parts = ([("scale", jnp.sum(d2 * x.reshape(d2.shape), axis=1))] if m.use_scale else []) + (
+            [("bias", d2.sum(1))] if m.use_bias else [])
+        sq = sum(jnp.sum(jnp.square(v), axis=1) for _, v in parts)
+        for name, v in parts:
+            if ts:
+                proj = proj + jnp.stack([t[name] for t in ts]) @ v.T
+        return sq, proj
+    g = m.feature_group_count if type(m) is nn.Conv else 1
     if type(m) is nn.Conv:
-        g = m.feature_group_count
         patches = _patches(m, x, d.shape[1:-1])  # (c, P, K, C)
         _, p, k, cin = patches.shape
-        pk = patches.reshape(c, p, k, g, cin // g)
-        dg = d.reshape(c, p, g, -1)
-        sq = _sq_ghost_or_not(jnp.moveaxis(pk, 3, 2).reshape(c, p, g, k * (cin // g)), dg, mode, m.precision)
-        proj = jnp.zeros((len(ts), c), d.dtype)
+        a = jnp.moveaxis(patches.reshape(c, p, k, g, cin // g), 3, 2).reshape(c, p, g, k * (cin // g))
+    else:
+        a = x.reshape(c, -1, 1, x.shape[-1])
+        p = a.shape[1]
+    dg = d.reshape(c, p, g, -1)
+    fan_in, fan_out = a.shape[-1] * g, d.shape[-1]
+    ghost = mode == "ghost" or (mode == "auto" and ghost_is_cheaper(p, fan_in, fan_out, n_t))
+    kernels = [t["kernel"].reshape(-1) for t in ts]
+    if ghost:
+        sq = _sq_ghost_or_not(a, dg, "ghost", m.precision)
+        if ts:  # the layer's outputs under every tangent: one GEMM per group, (c P, I) x (I, T O/G)
+            tk = jnp.stack([kk.reshape(a.shape[-1], g, -1) if type(m) is nn.Conv else kk.reshape(a.shape[-1], 1, -1)
+                            for kk in kernels])  # (T, I, G, O/G), I in the patches' (K, C/G) order
+            y = jnp.einsum("bpgi,tigo->bpgto", a, tk, precision=m.precision)
+            proj = jnp.einsum("bpgto,bpgo->tb", y, dg)
+    else:
+        gk = jnp.einsum("bpgi,bpgo->bigo", a, dg, precision=m.precision).reshape(c, -1)  # kernel layout
+        sq = jnp.sum(jnp.square(gk), axis=1)
         if ts:
-            tk = jnp.stack([t["kernel"].reshape(k, cin // g, g, -1) for t in ts])  # (T, K, I, G, O)
-            y = jnp.einsum("bpkgi,tkigo->tbpgo", pk, tk, precision=m.precision)
-            proj = jnp.einsum("tbpgo,bpgo->tb", y, dg)
-        if m.use_bias:
-            db = d.reshape(c, p, -1).sum(1)
-            sq = sq + jnp.sum(jnp.square(db), axis=1)
-            if ts:
-                proj = proj + jnp.stack([t["bias"] for t in ts]) @ db.T
-        return sq, proj
-    if type(m) is nn.Dense:
-        x2, d2 = x.reshape(c, -1, x.shape[-1]), d.reshape(c, -1, d.shape[-1])
-        sq = _sq_ghost_or_not(x2[:, :, None], d2[:, :, None], mode, m.precision)
-        proj = jnp.zeros((len(ts), c), d.dtype)
+            proj = jnp.stack(kernels) @ gk.T
+    if m.use_bias:
+        db = d.reshape(c, p, -1).sum(1)
+        sq = sq + jnp.sum(jnp.square(db), axis=1)
         if ts:
-            tk = jnp.stack([t["kernel"] for t in ts])  # (T, I, O)
-            proj = jnp.einsum("tbpo,bpo->tb", jnp.einsum("bpi,tio->tbpo", x2, tk, precision=m.precision), d2)
-        if m.use_bias:
-            db = d2.sum(1)
-            sq = sq + jnp.sum(jnp.square(db), axis=1)
-            if ts:
-                proj = proj + jnp.stack([t["bias"] for t in ts]) @ db.T
-        return sq, proj
-    d2 = d.reshape(c, -1, d.shape[-1])  # BatchNorm: the per-example gradient is C numbers, formed
-    parts = ([("scale", jnp.sum(d2 * x.reshape(d2.shape), axis=1))] if m.use_scale else []) + (
-        [("bias", d2.sum(1))] if m.use_bias else [])
-    sq = sum(jnp.sum(jnp.square(v), axis=1) for _, v in parts)
-    proj = jnp.zeros((len(ts), c), d.dtype)
-    for name, v in parts:
-        if ts:
-            proj = proj + jnp.stack([t[name] for t in ts]) @ v.T
+            proj = proj + jnp.stack([t["bias"] for t in ts]) @ db.T
     return sq, proj
 
 
@@ -661,8 +670,8 @@ def norm_only_chunk(tape: Tape, chunk: int, n_params: int, n_tangents: int, mode
         p = int(np.prod(d.shape[1:-1])) if d.ndim > 2 else 1
         k = int(np.prod(_kernel_size(m))) if type(m) is nn.Conv else 1
         fan_in, fan_out = x.shape[-1] * k, d.shape[-1]
-        ghost = mode == "ghost" or (mode == "auto" and ghost_is_cheaper(p, fan_in, fan_out))
-        peak = max(peak, p * fan_in + (2 * p * p if ghost else fan_in * fan_out) + n_tangents * p * fan_out)
+        ghost = mode == "ghost" or (mode == "auto" and ghost_is_cheaper(p, fan_in, fan_out, n_tangents))
+        peak = max(peak, p * fan_in + (2 * p * p + n_tangents * p * fan_out if ghost else fan_in * fan_out))
     return max(chunk, chunk * n_params // peak)
 
 
@@ -693,3 +702,4 @@ def tape_norm_stats(tape: Tape, sum_grad, chunk: int, *, tangents: tuple = (), m
     _, (sq, proj) = over_chunks(body, 0.0, chunks, convolutions=False)
     proj = jnp.moveaxis(proj, 1, 0).reshape(len(tangents), b) if tangents else None  # (n, T, c) -> (T, B)
     return PerExampleStats(tape.losses, sum_grad, jnp.sum(sq), None, None, None), proj
+
