@@ -246,8 +246,9 @@ def kernel_timing(rounds: int, log) -> dict:
 
     * per layer, the squared per-example gradient norms by the ghost identity against forming the
       layer's per-example weight gradient (the rule of ``layerwise.ghost_is_cheaper``);
-    * the whole norm-only pass (ghost norms + 3 stacked projections) against the materialised tape pass
-      with the same outputs (``tape_stats`` without histograms);
+    * the recorded training gradient plus the norm-only path (auto, or ghost everywhere) against plus the
+      materialised tape pass with the same outputs (``tape_stats`` without histograms), with 0, 1 and 3
+      projections (NormTest; + InnerTest/OrthoTest; + Alpha's two);
     * GradHist2d's counting, (chunk x P) bin indices: ``bincount`` (a scatter-add) against
       ``jax.ops.segment_sum`` and a sort-based count (``searchsorted`` on the sorted indices)."""
     from nondet_jax.instruments import histograms, layerwise
@@ -275,19 +276,26 @@ def kernel_timing(rounds: int, log) -> dict:
         for mode in ("ghost", "materialise"):
             variants[f"{label} | {mode}"] = (jax.jit(lambda r, dd, m=m, fn=fn, mode=mode: fn(m, r, dd, None, mode)),
                                              (rec, d))
-    tangents = (grads, grads, grads)
-    variants["norm-only pass: ghost norms (auto) + 3 stacked projections"] = (
-        jax.jit(lambda t: layerwise.tape_norm_stats(tape, grads, 32, tangents=t, mode="auto")), (tangents,))
-    variants["norm-only pass, chunk 128 (one chunk)"] = (
-        jax.jit(lambda t: layerwise.tape_norm_stats(tape, grads, 128, tangents=t, mode="auto")), (tangents,))
-    variants["norm-only pass unfused: tape_sq_norms (auto) + tape_projections_stacked"] = (
-        jax.jit(lambda t: (layerwise.tape_sq_norms(tape, 32, "auto"), layerwise.tape_projections_stacked(tape, t))),
-        (tangents,))
-    variants["norm-only pass: materialised per layer + 3 stacked projections"] = (
-        jax.jit(lambda t: layerwise.tape_norm_stats(tape, grads, 32, tangents=t, mode="materialise")), (tangents,))
-    variants["tape_stats (per-example gradients formed) + 3 projections"] = (
-        jax.jit(lambda t: layerwise.tape_stats(tape, params, 32, grad_sq=False, hist1d=None, hist2d=None,
-                                               tangents=t)), (tangents,))
+    # The passes inside one jitted program with the recorded training gradient (as in a training step:
+    # closing over a concrete tape would make its arrays compile-time constants and mislead).
+    t2, t3 = jax.tree.map(lambda a: 0.5 * a, params), jax.tree.map(lambda a: 0.25 * a, params)
+
+    def in_step(kind, n_t, p, a, c):
+        (_, _), g, tp = train_pass_grad(fns.loss_fn, p, state.batch_stats, x, y, None)
+        tans = (g, a, c)[:n_t]
+        if kind == "gradient":
+            return g
+        if kind == "materialised":
+            return g, layerwise.tape_stats(tp, p, 32, grad_sq=False, hist1d=None, hist2d=None, tangents=tans)
+        return g, layerwise.tape_norm_stats(tp, g, 32, tangents=tans, mode=kind)
+
+    variants["recorded training gradient"] = (jax.jit(lambda p, a, c: in_step("gradient", 0, p, a, c)),
+                                              (params, t2, t3))
+    for n_t in (0, 1, 3):
+        for kind, label in (("materialised", "+ per-example gradients formed (tape_stats, chunk 32)"),
+                            ("auto", "+ norm-only path (auto)"), ("ghost", "+ norm-only path, ghost on every layer")):
+            variants[f"{label}, {n_t} projections"] = (
+                jax.jit(lambda p, a, c, kind=kind, n_t=n_t: in_step(kind, n_t, p, a, c)), (params, t2, t3))
     n_p = sum(a.size for a in jax.tree.leaves(params))
     idx = jax.random.randint(jax.random.key(0), (32 * n_p,), 0, 2000)
     variants["GradHist2d counts: bincount (scatter-add)"] = (

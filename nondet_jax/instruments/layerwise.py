@@ -658,12 +658,16 @@ def _layer_sq_and_proj(m, x, d, ts: list, mode: str):
     return sq, proj
 
 
+# True: the norm-only loop takes as many examples at a time as ``chunk`` per-example gradients' memory
+# holds (:func:`norm_only_chunk`; one chunk for ResNet-8). Off: measured slower (the comment in tape_norm_stats).
+NORM_CHUNK_BY_MEMORY = False
+
+
 def norm_only_chunk(tape: Tape, chunk: int, n_params: int, n_tangents: int, mode: str) -> int:
     """Examples per chunk of the norm-only loop: as many as fit the memory ``chunk`` per-example
     gradients would take (``chunk x n_params`` numbers), counting per example the largest layer's
     im2col patches, its Gram matrices or per-example weight gradient, and its outputs under the
-    tangents. Fewer chunks run faster: XLA:CPU's rolled chunk loop costs 2x on ResNet-8 (batch 128:
-    25 ms in 4 chunks of 32, 12 ms in one; ``--kernel-timing``), and ResNet-8 fits in one."""
+    tangents (used when :data:`NORM_CHUNK_BY_MEMORY`; otherwise ``chunk``)."""
     peak = 1
     for path in tape.paths:
         m, x, d = tape.calls[path].module, tape.records[path], tape.deltas[path]
@@ -672,7 +676,7 @@ def norm_only_chunk(tape: Tape, chunk: int, n_params: int, n_tangents: int, mode
         fan_in, fan_out = x.shape[-1] * k, d.shape[-1]
         ghost = mode == "ghost" or (mode == "auto" and ghost_is_cheaper(p, fan_in, fan_out, n_tangents))
         peak = max(peak, p * fan_in + (2 * p * p + n_tangents * p * fan_out if ghost else fan_in * fan_out))
-    return max(chunk, chunk * n_params // peak)
+    return max(chunk, chunk * n_params // peak) if NORM_CHUNK_BY_MEMORY else chunk
 
 
 def tape_norm_stats(tape: Tape, sum_grad, chunk: int, *, tangents: tuple = (), mode: str | None = None
@@ -699,7 +703,10 @@ def tape_norm_stats(tape: Tape, sum_grad, chunk: int, *, tangents: tuple = (), m
         return acc, (sq, proj)
 
     chunks = split_chunks(([tape.records[p] for p in tape.paths], [tape.deltas[p] for p in tape.paths]), c)
-    _, (sq, proj) = over_chunks(body, 0.0, chunks, convolutions=False)
+    # A rolled loop. In one chunk (straight-line code, or a loop of one trip, which XLA removes) inside a
+    # sparse schedule's branch, XLA:CPU slowed the *untracked* steps by 40% (ResNet-8, NormTest+InnerTest+
+    # OrthoTest every 16 steps: 1.42x against 1.03x in 4 chunks of 32; every step 1.54x against 1.47x).
+    _, (sq, proj) = jax.lax.scan(body, 0.0, chunks)
     proj = jnp.moveaxis(proj, 1, 0).reshape(len(tangents), b) if tangents else None  # (n, T, c) -> (T, B)
     return PerExampleStats(tape.losses, sum_grad, jnp.sum(sq), None, None, None), proj
 
