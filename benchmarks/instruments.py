@@ -47,7 +47,8 @@ TARGETS = {"economy": 1.3, "business": 1.8, "full": 6.0}  # every step (issue 17
 TARGETS_EVERY16 = {"economy": 1.1}
 # --configs items besides economy/business/full: quantity lists ("+"-joined, or these names), and an
 # "@materialise" / "@ghost" suffix: build that variant with layerwise.NORMS set so (the norm-only path
-# off, or ghost on every layer), so the path before issue 17 runs side by side with the new one.
+# off, or ghost on every layer); "@before": the norm-only path off and Alpha's train_pass projections
+# straight-line (core.END_LOOP off), the code paths before issue 17, side by side with the new ones.
 ALIASES = {"norms": "Alpha+Distance+GradNorm+InnerTest+Loss+NormTest+OrthoTest+UpdateSize"}  # economy - GradHist1d
 
 
@@ -90,7 +91,7 @@ def bench_workload(name: str, quick: bool, rounds: int, log, breakdown_ok=lambda
     n, b = len(x_np), 128
     varied = arm_sources("init")
     keys, perturb = replica_slice(arm_keys(0, varied, 1), 0), perturbations(varied)
-    from nondet_jax.instruments import layerwise
+    from nondet_jax.instruments import core, layerwise
 
     variants = {"off": ({}, 1)}
     norms_of = {}
@@ -102,7 +103,7 @@ def bench_workload(name: str, quick: bool, rounds: int, log, breakdown_ok=lambda
                 if norms_of[f"{m}/{c}/every{k}"]:
                     # make_train is cached by config: a key the linear schedule ignores keeps the variant's own
                     # program (built with its layerwise.NORMS) apart from the plain config's
-                    flat["instruments.log_points"] = 50 + ("auto", "ghost", "materialise").index(
+                    flat["instruments.log_points"] = 50 + ("auto", "ghost", "materialise", "before").index(
                         norms_of[f"{m}/{c}/every{k}"]) + 1
                 variants[f"{m}/{c}/every{k}"] = (flat, k)
     block1 = 2 if (quick and model == "resnet14") else 4
@@ -111,12 +112,14 @@ def bench_workload(name: str, quick: bool, rounds: int, log, breakdown_ok=lambda
         fns, step_fn = make_step(model, spec, flat)
         state = jax.jit(fns.init)(keys, perturb, x[:1])
         t0 = time.perf_counter()
-        saved = layerwise.NORMS
-        layerwise.NORMS = norms_of.get(v) or saved  # read while tracing, i.e. at the first call
+        saved = layerwise.NORMS, core.END_LOOP
+        before = norms_of.get(v) == "before"  # the code paths before issue 17
+        layerwise.NORMS = "materialise" if before else (norms_of.get(v) or saved[0])  # read while tracing
+        core.END_LOOP = not before
         try:
             state, _ = run_block(step_fn, state, x, y, keys, perturb, 0, 2, n, b)  # compile, a tracked + an end step
         finally:
-            layerwise.NORMS = saved
+            layerwise.NORMS, core.END_LOOP = saved
         compile_s[v] = time.perf_counter() - t0
         progs[v], states[v] = step_fn, state
         log(f"  {name} {v}: compiled + 2 steps in {compile_s[v]:.1f} s")
@@ -374,7 +377,8 @@ def main(argv=None):
     ap.add_argument("--configs", default=",".join(CONFIGS),
                     help="configurations to time: economy/business/full, quantities joined by '+', or 'norms' "
                          "(economy without GradHist1d); an '@materialise' or '@ghost' suffix builds the variant "
-                         "with that norm-only mode (e.g. norms,norms@materialise: after and before issue 17)")
+                         "with that norm-only mode, '@before' with the code paths before issue 17 "
+                         "(e.g. norms,norms@before)")
     ap.add_argument("--every", default=",".join(map(str, EVERY)), help="schedules to time: track every k steps")
     ap.add_argument("--modes", default=",".join(MODES), help="instruments.per_example modes to time")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the per-quantity breakdown")

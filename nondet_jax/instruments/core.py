@@ -74,6 +74,10 @@ HUTCHINSON = ("HessTrace", "TICDiag", "TICTrace")
 # gradient is formed (layerwise.tape_norm_stats, the ghost-norm identity). GradHist1d/2d and the
 # element-wise quantities (GRAD_SQ) need every per-example gradient element.
 NORM_ONLY = ("NormTest", "InnerTest", "OrthoTest")
+# train_pass projections for Alpha (its end point, and its start without per-example quantities) in a
+# rolled chunk loop; False: straight-line, as before issue 17 (the benchmark's "@before" variants).
+# Straight-line, XLA:CPU slowed every untracked step of a sparse schedule (docs/instruments.md).
+END_LOOP = True
 
 
 class InstrumentState(NamedTuple):
@@ -167,6 +171,8 @@ def make(quantities: str | tuple[str, ...], example_loss: Callable, *, schedule:
     need_alpha = has("Alpha")
     need_hvp = has("HessMaxEV", *HUTCHINSON)
 
+    every_step = getattr(schedule, "every_step", False)  # no branch: straight-line code measured faster
+
     def norm_only() -> bool:  # decided while tracing (layerwise.NORMS may change between builds)
         mode = norms or layerwise.NORMS
         return need_pe and mode != "materialise" and all(q in NORM_ONLY for q in names if q in PER_EXAMPLE)
@@ -251,7 +257,11 @@ def make(quantities: str | tuple[str, ...], example_loss: Callable, *, schedule:
 
         def end_only(state):  # the step after a tracked one that is not tracked itself: finish Alpha
             if tape is not None:
-                losses, proj = tape.losses, layerwise.tape_projections_stacked(tape, (state.direction,))[0]
+                losses = tape.losses
+                if END_LOOP:
+                    proj = layerwise.tape_norm_stats(tape, None, chunk, tangents=(state.direction,), mode="auto")[1][0]
+                else:
+                    proj = layerwise.tape_projections_stacked(tape, (state.direction,))[0]
             else:
                 ctx = get_context()
                 losses, proj = jax.jvp(lambda p: example_losses(p, ctx), (params,), (state.direction,))
@@ -278,6 +288,8 @@ def make(quantities: str | tuple[str, ...], example_loss: Callable, *, schedule:
                         hist2d=h2 if has("GradHist2d") else None, tangents=along)
                     gbar = jax.tree.map(lambda s: s / b, stats.sum_grad)
                     g_sq = sum(_sq_norms(gbar))
+                elif along and END_LOOP and not every_step:  # Alpha alone, in a branch: a rolled loop (END_LOOP)
+                    proj = layerwise.tape_norm_stats(tape, None, chunk, tangents=along, mode="auto")[1]
                 elif along:
                     proj = layerwise.tape_projections_stacked(tape, along)
             elif need_pe:
