@@ -39,7 +39,8 @@ schedule than under every-step tracking (see benchmarks/instruments.py).
 
 Value names: ``"Quantity"`` (a scalar), per-layer ``"Quantity/<parameter path>"`` for GradNorm,
 Distance, UpdateSize, HessTrace (their plain name holds the total: the norm over all parameters,
-or the summed trace), ``"GradHist1d"`` (bins,) and ``"GradHist2d"`` (gradient bins, parameter bins).
+or the summed trace), ``"GradHist1d"`` (bins,) and ``"GradHist2d"`` (gradient bins, parameter bins);
+with HessMaxEV also ``"HessMaxEVResidual"``, its relative residual ``||Hv - lambda v|| / |lambda|``.
 
 Alpha is a two-step quantity (Cockpit's ``SAVE_SHIFT = 1``): the start point is a tracked step
 ``t`` (its loss, and per-example derivatives along the update ``updates`` taken there); the end

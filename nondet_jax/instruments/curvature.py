@@ -2,9 +2,10 @@
 
 * :func:`hvp_operator`: linearise ``grad(loss)`` once; each product then reuses the stored
   forward/backward residuals.
-* :func:`lanczos_max_eigenvalue`: largest (algebraic) Hessian eigenvalue by ``k`` Lanczos steps with
-  full reorthogonalisation (memory ``k x P``), optionally warm-started from the previous top
-  eigenvector. Cockpit uses power iteration (up to 100 products); Lanczos reaches the extreme
+* :func:`lanczos_top` (and :func:`lanczos_max_eigenvalue`, value and vector only): largest
+  (algebraic) Hessian eigenvalue by at most ``k`` Lanczos steps with full reorthogonalisation
+  (memory ``k x P``), optionally warm-started from the previous top eigenvector, with its relative
+  residual ``||Hv - lambda v|| / |lambda|`` and an optional tolerance to stop early. Cockpit uses power iteration (up to 100 products); Lanczos reaches the extreme
   eigenvalue in far fewer products and, unlike power iteration, finds the largest *algebraic*
   eigenvalue even when a negative one has larger magnitude.
 * :func:`hutchinson`: Rademacher probes ``v``: ``E[v . Hv] = tr H`` and ``E[v * Hv] = diag H``
