@@ -45,6 +45,17 @@ EVERY = (1, 16)
 MODES = ("train_pass", "frozen_bn")  # instruments.per_example
 TARGETS = {"economy": 1.3, "business": 1.8, "full": 6.0}  # every step (issue 17)
 TARGETS_EVERY16 = {"economy": 1.1}
+# --configs items besides economy/business/full: quantity lists ("+"-joined, or these names), and an
+# "@materialise" / "@ghost" suffix: build that variant with layerwise.NORMS set so (the norm-only path
+# off, or ghost on every layer); "@before": the norm-only path off and Alpha's train_pass projections
+# straight-line (core.END_LOOP off), the code paths before issue 17, side by side with the new ones.
+ALIASES = {"norms": "Alpha+Distance+GradNorm+InnerTest+Loss+NormTest+OrthoTest+UpdateSize"}  # economy - GradHist1d
+
+
+def config_of(item: str) -> tuple[str, str | None]:
+    """(instruments.config value, layerwise.NORMS for the build or None) of a --configs item."""
+    name, _, norms = item.partition("@")
+    return ALIASES.get(name, name).replace("+", ","), norms or None
 
 
 def workload(name: str):
@@ -80,19 +91,35 @@ def bench_workload(name: str, quick: bool, rounds: int, log, breakdown_ok=lambda
     n, b = len(x_np), 128
     varied = arm_sources("init")
     keys, perturb = replica_slice(arm_keys(0, varied, 1), 0), perturbations(varied)
+    from nondet_jax.instruments import core, layerwise
+
     variants = {"off": ({}, 1)}
+    norms_of = {}
     for m in modes:
         for c in configs:
             for k in everies:
-                variants[f"{m}/{c}/every{k}"] = ({"instruments.config": c, "instruments.every": k,
-                                                  "instruments.per_example": m}, k)
+                value, norms_of[f"{m}/{c}/every{k}"] = config_of(c)
+                flat = {"instruments.config": value, "instruments.every": k, "instruments.per_example": m}
+                if norms_of[f"{m}/{c}/every{k}"]:
+                    # make_train is cached by config: a key the linear schedule ignores keeps the variant's own
+                    # program (built with its layerwise.NORMS) apart from the plain config's
+                    flat["instruments.log_points"] = 50 + ("auto", "ghost", "materialise", "before").index(
+                        norms_of[f"{m}/{c}/every{k}"]) + 1
+                variants[f"{m}/{c}/every{k}"] = (flat, k)
     block1 = 2 if (quick and model == "resnet14") else 4
     progs, states, compile_s = {}, {}, {}
     for v, (flat, every) in variants.items():
         fns, step_fn = make_step(model, spec, flat)
         state = jax.jit(fns.init)(keys, perturb, x[:1])
         t0 = time.perf_counter()
-        state, _ = run_block(step_fn, state, x, y, keys, perturb, 0, 2, n, b)  # compile, a tracked + an end step
+        saved = layerwise.NORMS, core.END_LOOP
+        before = norms_of.get(v) == "before"  # the code paths before issue 17
+        layerwise.NORMS = "materialise" if before else (norms_of.get(v) or saved[0])  # read while tracing
+        core.END_LOOP = not before
+        try:
+            state, _ = run_block(step_fn, state, x, y, keys, perturb, 0, 2, n, b)  # compile, a tracked + an end step
+        finally:
+            layerwise.NORMS, core.END_LOOP = saved
         compile_s[v] = time.perf_counter() - t0
         progs[v], states[v] = step_fn, state
         log(f"  {name} {v}: compiled + 2 steps in {compile_s[v]:.1f} s")
@@ -217,6 +244,91 @@ def pass_timing(rounds: int, log) -> dict:
     return res
 
 
+def kernel_timing(rounds: int, log) -> dict:
+    """Issue 17's measured choices, on ResNet-8 / digits (batch 128, chunk 32, the training pass's tape):
+
+    * per layer, the squared per-example gradient norms by the ghost identity against forming the
+      layer's per-example weight gradient (the rule of ``layerwise.ghost_is_cheaper``);
+    * the recorded training gradient plus the norm-only path (auto, or ghost everywhere) against plus the
+      materialised tape pass with the same outputs (``tape_stats`` without histograms), with 0, 1 and 3
+      projections (NormTest; + InnerTest/OrthoTest; + Alpha's two);
+    * GradHist2d's counting, (chunk x P) bin indices: ``bincount`` (a scatter-add) against
+      ``jax.ops.segment_sum`` and a sort-based count (``searchsorted`` on the sorted indices)."""
+    from nondet_jax.instruments import histograms, layerwise
+    from nondet_jax.instruments.trainer import train_pass_grad
+
+    model, x_np, y_np, spec = workload("resnet8_digits")
+    fns, _ = make_step(model, spec, {})
+    varied = arm_sources("init")
+    keys, perturb = replica_slice(arm_keys(0, varied, 1), 0), perturbations(varied)
+    x, y = jnp.asarray(x_np[:128]), jnp.asarray(y_np[:128])
+    state = jax.jit(fns.init)(keys, perturb, x[:1])
+    params = state.params
+    (_, _), grads, tape = train_pass_grad(fns.loss_fn, params, state.batch_stats, x, y, None)  # eager: concrete tape
+    variants = {}
+    modes = layerwise.layer_modes(tape, "auto")
+    for path in tape.paths:
+        m = tape.calls[path].module
+        if modes[path] == "formed":
+            continue
+        rec, d = tape.records[path][:32], tape.deltas[path][:32]
+        fn = layerwise.SQ_NORMS[type(m)]
+        p = int(np.prod(d.shape[1:-1])) if d.ndim > 2 else 1
+        fan_in = rec.shape[-1] * (int(np.prod(layerwise._kernel_size(m))) if type(m) is layerwise.nn.Conv else 1)
+        label = f"{'/'.join(path)} P={p} in={fan_in} out={d.shape[-1]} (auto: {modes[path]})"
+        for mode in ("ghost", "materialise"):
+            variants[f"{label} | {mode}"] = (jax.jit(lambda r, dd, m=m, fn=fn, mode=mode: fn(m, r, dd, None, mode)),
+                                             (rec, d))
+    # The passes inside one jitted program with the recorded training gradient (as in a training step:
+    # closing over a concrete tape would make its arrays compile-time constants and mislead).
+    t2, t3 = jax.tree.map(lambda a: 0.5 * a, params), jax.tree.map(lambda a: 0.25 * a, params)
+
+    def in_step(kind, n_t, p, a, c):
+        (_, _), g, tp = train_pass_grad(fns.loss_fn, p, state.batch_stats, x, y, None)
+        tans = (g, a, c)[:n_t]
+        if kind == "gradient":
+            return g
+        if kind == "materialised":
+            return g, layerwise.tape_stats(tp, p, 32, grad_sq=False, hist1d=None, hist2d=None, tangents=tans)
+        return g, layerwise.tape_norm_stats(tp, g, 32, tangents=tans, mode=kind)
+
+    variants["recorded training gradient"] = (jax.jit(lambda p, a, c: in_step("gradient", 0, p, a, c)),
+                                              (params, t2, t3))
+    for n_t in (0, 1, 3):
+        for kind, label in (("materialised", "+ per-example gradients formed (tape_stats, chunk 32)"),
+                            ("auto", "+ norm-only path (auto)"), ("ghost", "+ norm-only path, ghost on every layer")):
+            variants[f"{label}, {n_t} projections"] = (
+                jax.jit(lambda p, a, c, kind=kind, n_t=n_t: in_step(kind, n_t, p, a, c)), (params, t2, t3))
+    n_p = sum(a.size for a in jax.tree.leaves(params))
+    idx = jax.random.randint(jax.random.key(0), (32 * n_p,), 0, 2000)
+    variants["GradHist2d counts: bincount (scatter-add)"] = (
+        jax.jit(lambda i: jnp.bincount(i, length=2000).astype(jnp.float32)), (idx,))
+    variants["GradHist2d counts: segment_sum"] = (
+        jax.jit(lambda i: jax.ops.segment_sum(jnp.ones(i.shape, jnp.float32), i, 2000)), (idx,))
+    variants["GradHist2d counts: segment_sum, int32 ones"] = (
+        jax.jit(lambda i: jax.ops.segment_sum(jnp.ones(i.shape, jnp.int32), i, 2000).astype(jnp.float32)), (idx,))
+    idx100 = idx % 100
+    variants["GradHist1d counts (100 bins): bincount"] = (
+        jax.jit(lambda i: jnp.bincount(i, length=100).astype(jnp.float32)), (idx100,))
+    variants["GradHist1d counts (100 bins): segment_sum, int32 ones"] = (
+        jax.jit(lambda i: jax.ops.segment_sum(jnp.ones(i.shape, jnp.int32), i, 100).astype(jnp.float32)), (idx100,))
+    variants["GradHist2d counts: sort + searchsorted"] = (
+        jax.jit(lambda i: jnp.diff(jnp.searchsorted(jnp.sort(i), jnp.arange(2001), method="scan_unrolled"))
+                .astype(jnp.float32)), (idx,))
+    for f, a in variants.values():
+        jax.block_until_ready(f(*a))
+    times = {k: [] for k in variants}
+    for _ in range(rounds):
+        for k, (f, a) in variants.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*a))
+            times[k].append(time.perf_counter() - t0)
+    res = {k: 1e3 * float(np.median(t)) for k, t in times.items()}
+    for k, v in res.items():
+        log(f"  {k:90s} {v:9.3f} ms")
+    return res
+
+
 def compile_timing(variants: list[tuple[str, dict]], log, save=None) -> dict:
     """Compile and run time of one training epoch (``jit(train_epoch)``, the program a study compiles
     per arm) of the default study's model (ResNet-8 on digits, batch 128: 11 steps, unrolled on
@@ -262,7 +374,11 @@ def main(argv=None):
                                                "resnet14_random)")
     ap.add_argument("--breakdown-after-s", type=float, default=float("inf"),
                     help="skip the per-quantity breakdown when this many seconds have passed (a time-boxed run)")
-    ap.add_argument("--configs", default=",".join(CONFIGS), help="configurations to time")
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help="configurations to time: economy/business/full, quantities joined by '+', or 'norms' "
+                         "(economy without GradHist1d); an '@materialise' or '@ghost' suffix builds the variant "
+                         "with that norm-only mode, '@before' with the code paths before issue 17 "
+                         "(e.g. norms,norms@before)")
     ap.add_argument("--every", default=",".join(map(str, EVERY)), help="schedules to time: track every k steps")
     ap.add_argument("--modes", default=",".join(MODES), help="instruments.per_example modes to time")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the per-quantity breakdown")
@@ -273,7 +389,19 @@ def main(argv=None):
                     help="only time compiling one epoch of the default study (ResNet-8 digits) per variant: "
                          "comma list of label=key:value;key:value (e.g. 'off=,economy=instruments.config:economy'); "
                          "writes benchmarks/results/instruments_compile.json")
+    ap.add_argument("--kernel-timing", action="store_true",
+                    help="only time issue 17's choices (ghost vs materialised norms per layer, the norm-only pass, "
+                         "GradHist2d's counting); writes benchmarks/results/instruments_kernels.json")
     args = ap.parse_args(argv)
+    if args.kernel_timing:
+        log = lambda s: print(s, flush=True)  # noqa: E731
+        res = {"rounds": args.rounds or 7, "backend": jax.default_backend(), "cpu_count": os.cpu_count(),
+               "load_avg_at_start": os.getloadavg(), "jax": jax.__version__,
+               "ms": kernel_timing(args.rounds or 7, log)}
+        out = Path(args.out or "benchmarks/results/instruments_kernels.json")
+        atomic_write_json(out, res)
+        print(f"wrote {out}")
+        return
     if args.compile_timing:
         log = lambda s: print(s, flush=True)  # noqa: E731
         variants = []
@@ -321,16 +449,17 @@ def main(argv=None):
     results["ratios"] = {f"{m}/{c}_every{k}": default["modes"][m][c][f"every{k}_ratio"]
                          for m in modes for c in configs for k in everies}
     print()
-    print(f"{'workload':18s} {'mode':11s} {'config':9s} {'every 1':>9s} {'every 16':>9s} {'target@1':>9s} {'@16':>5s}")
+    print(f"{'workload':18s} {'mode':11s} {'config':18s} {'every 1':>9s} {'every 16':>9s} {'target@1':>9s} {'@16':>5s}")
     for w, r in results["workloads"].items():
-        print(f"{w:18s} {'off':11s} {'':9s} {r['step_ms_off']:7.1f}ms")
+        print(f"{w:18s} {'off':11s} {'':18s} {r['step_ms_off']:7.1f}ms")
         for m in modes:
             for c in configs:
                 row = r["modes"][m][c]
                 cells = " ".join(f"{row[f'every{k}_ratio']:8.2f}x" if f"every{k}_ratio" in row else f"{'-':>9s}"
                                  for k in EVERY)
                 t16 = f"{TARGETS_EVERY16[c]:4.1f}x" if c in TARGETS_EVERY16 else ""
-                print(f"{'':18s} {m:11s} {c:9s} {cells} {TARGETS[c]:8.1f}x {t16:>5s}")
+                t1 = f"{TARGETS[c]:8.1f}x" if c in TARGETS else f"{'':9s}"
+                print(f"{'':18s} {m:11s} {c:18s} {cells} {t1} {t16:>5s}")
     for w, r in results["workloads"].items():
         if "breakdown" not in r:
             continue

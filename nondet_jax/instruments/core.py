@@ -39,7 +39,8 @@ schedule than under every-step tracking (see benchmarks/instruments.py).
 
 Value names: ``"Quantity"`` (a scalar), per-layer ``"Quantity/<parameter path>"`` for GradNorm,
 Distance, UpdateSize, HessTrace (their plain name holds the total: the norm over all parameters,
-or the summed trace), ``"GradHist1d"`` (bins,) and ``"GradHist2d"`` (gradient bins, parameter bins).
+or the summed trace), ``"GradHist1d"`` (bins,) and ``"GradHist2d"`` (gradient bins, parameter bins);
+with HessMaxEV also ``"HessMaxEVResidual"``, its relative residual ``||Hv - lambda v|| / |lambda|``.
 
 Alpha is a two-step quantity (Cockpit's ``SAVE_SHIFT = 1``): the start point is a tracked step
 ``t`` (its loss, and per-example derivatives along the update ``updates`` taken there); the end
@@ -69,6 +70,15 @@ PER_EXAMPLE = ("NormTest", "InnerTest", "OrthoTest", "GradHist1d", "GradHist2d",
                "EarlyStopping", "CABS")
 GRAD_SQ = ("TICDiag", "TICTrace", "MeanGSNR", "EarlyStopping", "CABS")
 HUTCHINSON = ("HessTrace", "TICDiag", "TICTrace")
+# Per-example quantities that need only squared norms ||g_i||^2 and projections g_i . t: with a tape
+# (train_pass, or frozen_bn's layerwise pass) and none of the others asked for, no per-example
+# gradient is formed (layerwise.tape_norm_stats, the ghost-norm identity). GradHist1d/2d and the
+# element-wise quantities (GRAD_SQ) need every per-example gradient element.
+NORM_ONLY = ("NormTest", "InnerTest", "OrthoTest")
+# train_pass projections for Alpha (its end point, and its start without per-example quantities) in a
+# rolled chunk loop; False: straight-line, as before issue 17 (the benchmark's "@before" variants).
+# Straight-line, XLA:CPU slowed every untracked step of a sparse schedule (docs/instruments.md).
+END_LOOP = True
 
 
 class InstrumentState(NamedTuple):
@@ -110,7 +120,8 @@ def make(quantities: str | tuple[str, ...], example_loss: Callable, *, schedule:
          batch_loss_fn: Callable | None = None, context_fn: Callable | None = None, chunk: int = 32,
          hess_iters: int = 10, hess_probes: int = 1, seed: int = 0,
          hist1d: dict | None = None, hist2d: dict | None = None,
-         batched_example_loss: Callable | None = None) -> Instruments:
+         batched_example_loss: Callable | None = None, norms: str | None = None,
+         hess_tol: float | None = None) -> Instruments:
     """Build the instruments.
 
     Args:
@@ -133,12 +144,23 @@ def make(quantities: str | tuple[str, ...], example_loss: Callable, *, schedule:
         interact: per-example gradients then come from one batched backward pass and per-layer
         products (:mod:`.layerwise`) instead of ``vmap(grad(example_loss))``, when every parameter
         belongs to a layer type it supports (otherwise the vmap path runs, decided while tracing).
+      norms: when the per-example quantities asked for are only NormTest/InnerTest/OrthoTest and a
+        layerwise tape is available: "auto" (ghost norms per layer where cheaper, no per-example
+        gradient formed), "ghost" (ghost norms on every layer), "materialise" (form the per-example
+        gradients as for GradHist1d: the code before issue 17). None: :data:`.layerwise.NORMS` at trace time.
+      hess_tol: stop HessMaxEV's Lanczos steps once the relative residual ``||Hv - lambda v|| / |lambda|``
+        is below it (a while loop; at most ``hess_iters`` steps). None: always ``hess_iters`` steps.
+        Either way the residual is reported as ``"HessMaxEVResidual"``.
 
     Raises ValueError for unknown quantities or bad settings.
     """
     names = configurations.resolve(quantities)
     if not names:
         raise ValueError("no quantities to track; pass a configuration (economy, business, full) or quantity names")
+    if norms not in (None, "auto", "ghost", "materialise"):
+        raise ValueError(f"norms must be auto, ghost or materialise, got {norms!r}")
+    if hess_tol is not None and not hess_tol > 0:
+        raise ValueError(f"hess_tol must be > 0, got {hess_tol!r}")
     for label, v in (("chunk", chunk), ("hess_iters", hess_iters), ("hess_probes", hess_probes)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{label} must be an int >= 1, got {v!r}")
@@ -149,6 +171,12 @@ def make(quantities: str | tuple[str, ...], example_loss: Callable, *, schedule:
     need_pe = has(*PER_EXAMPLE)
     need_alpha = has("Alpha")
     need_hvp = has("HessMaxEV", *HUTCHINSON)
+
+    every_step = getattr(schedule, "every_step", False)  # no branch: straight-line code measured faster
+
+    def norm_only() -> bool:  # decided while tracing (layerwise.NORMS may change between builds)
+        mode = norms or layerwise.NORMS
+        return need_pe and mode != "materialise" and all(q in NORM_ONLY for q in names if q in PER_EXAMPLE)
 
     def mean_loss(params, batch, context):
         return jnp.mean(jax.vmap(example_loss, in_axes=(None, 0, None))(params, batch, context))
@@ -169,6 +197,8 @@ def make(quantities: str | tuple[str, ...], example_loss: Callable, *, schedule:
         layers = layer_names(params)
         for q in names:
             out.append(q)
+            if q == "HessMaxEV":
+                out.append("HessMaxEVResidual")
             if q in configurations.PER_LAYER:
                 out.extend(f"{q}/{n}" for n in layers)
         return out
@@ -228,7 +258,11 @@ def make(quantities: str | tuple[str, ...], example_loss: Callable, *, schedule:
 
         def end_only(state):  # the step after a tracked one that is not tracked itself: finish Alpha
             if tape is not None:
-                losses, proj = tape.losses, layerwise.tape_projections(tape, (state.direction,))[0]
+                losses = tape.losses
+                if END_LOOP:
+                    proj = layerwise.tape_norm_stats(tape, None, chunk, tangents=(state.direction,), mode="auto")[1][0]
+                else:
+                    proj = layerwise.tape_projections_stacked(tape, (state.direction,))[0]
             else:
                 ctx = get_context()
                 losses, proj = jax.jvp(lambda p: example_losses(p, ctx), (params,), (state.direction,))
@@ -244,14 +278,21 @@ def make(quantities: str | tuple[str, ...], example_loss: Callable, *, schedule:
             if tape is not None:  # train_pass: the training backward pass's per-example contributions
                 along = ((grads,) if has("InnerTest", "OrthoTest") else ()) + (
                     (updates, state.direction) if need_alpha else ())
-                if need_pe:
+                if need_pe and norm_only():  # no per-example gradient formed: ghost norms + projections
+                    stats, proj = layerwise.tape_norm_stats(tape, jax.tree.map(lambda g: g * b, grads), chunk,
+                                                            tangents=along, mode=norms)
+                    gbar = grads
+                    g_sq = sum(_sq_norms(gbar))
+                elif need_pe:
                     stats, proj = layerwise.tape_stats(
                         tape, params, chunk, grad_sq=has(*GRAD_SQ), hist1d=h1 if has("GradHist1d") else None,
                         hist2d=h2 if has("GradHist2d") else None, tangents=along)
                     gbar = jax.tree.map(lambda s: s / b, stats.sum_grad)
                     g_sq = sum(_sq_norms(gbar))
+                elif along and END_LOOP and not every_step:  # Alpha alone, in a branch: a rolled loop (END_LOOP)
+                    proj = layerwise.tape_norm_stats(tape, None, chunk, tangents=along, mode="auto")[1]
                 elif along:
-                    proj = layerwise.tape_projections(tape, along)
+                    proj = layerwise.tape_projections_stacked(tape, along)
             elif need_pe:
                 pe_args = dict(grad_sq=has(*GRAD_SQ), hist1d=h1 if has("GradHist1d") else None,
                                hist2d=h2 if has("GradHist2d") else None)
@@ -259,7 +300,7 @@ def make(quantities: str | tuple[str, ...], example_loss: Callable, *, schedule:
                     res = layerwise.per_example_pass(
                         batched_example_loss, params, batch, ctx, chunk, **pe_args,
                         tangents=(updates, state.direction) if need_alpha else (),
-                        project_mean=has("InnerTest", "OrthoTest"))
+                        project_mean=has("InnerTest", "OrthoTest"), norms_only=norm_only(), norms=norms)
                     if res is not None:
                         stats, proj = res
                 if stats is None:  # no batched loss, or a layer the layerwise path does not support
@@ -323,10 +364,11 @@ def make(quantities: str | tuple[str, ...], example_loss: Callable, *, schedule:
                 key = jax.random.fold_in(jax.random.key(seed), step)
                 hvp = curvature.hvp_operator(lambda p: curv_loss(p, batch, ctx), params)
                 if has("HessMaxEV"):
-                    ev, vec = curvature.lanczos_max_eigenvalue(hvp, params, jax.random.fold_in(key, 1), hess_iters,
-                                                               start=state.hess_vec)
-                    v["HessMaxEV"] = ev
-                    new_state = new_state._replace(hess_vec=vec)
+                    top = curvature.lanczos_top(hvp, params, jax.random.fold_in(key, 1), hess_iters,
+                                                start=state.hess_vec, tol=hess_tol)
+                    v["HessMaxEV"] = top.value
+                    v["HessMaxEVResidual"] = top.residual
+                    new_state = new_state._replace(hess_vec=top.vector)
                 if has(*HUTCHINSON):
                     traces, diag = curvature.hutchinson(hvp, params, jax.random.fold_in(key, 2), hess_probes)
                     per = jax.tree.leaves(traces)

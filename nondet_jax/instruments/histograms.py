@@ -22,8 +22,13 @@ def bin_index(values: jax.Array, bins: int, lo: float, hi: float) -> jax.Array:
 
 
 def counts(idx: jax.Array, length: int) -> jax.Array:
-    """How many times each bin index in ``[0, length)`` occurs in ``idx`` (float32)."""
-    return jnp.bincount(idx.ravel(), length=length).astype(jnp.float32)
+    """How many times each bin index in ``[0, length)`` occurs in ``idx`` (float32; exact: counted in int32).
+
+    A segment sum of ones, not ``jnp.bincount``: the same scatter-add in XLA, but on XLA:CPU 30% faster
+    for GradHist2d's 2000 bins (2.1 vs 3.0 ms for 32 x 78k indices) and equal for GradHist1d's 100
+    (``benchmarks/instruments.py --kernel-timing``)."""
+    flat = idx.ravel()
+    return jax.ops.segment_sum(jnp.ones(flat.shape, jnp.int32), flat, length).astype(jnp.float32)
 
 
 def hist1d(per_example_grads, bins: int = HIST1D_BINS, value_range=HIST1D_RANGE) -> jax.Array:
