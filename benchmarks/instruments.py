@@ -181,6 +181,16 @@ def breakdown(model, spec, x, y, keys, perturb, base_s, quick, log) -> dict:
     return res
 
 
+def _resnet8_batch():
+    """ResNet-8 on digits, one initialised replica and a batch of 128: (model, spec, fns, x, y, state)."""
+    model, x_np, y_np, spec = workload("resnet8_digits")
+    fns, _ = make_step(model, spec, {})
+    varied = arm_sources("init")
+    keys, perturb = replica_slice(arm_keys(0, varied, 1), 0), perturbations(varied)
+    x, y = jnp.asarray(x_np[:128]), jnp.asarray(y_np[:128])
+    return model, spec, fns, x, y, jax.jit(fns.init)(keys, perturb, x[:1])
+
+
 def pass_timing(rounds: int, log) -> dict:
     """The per-example pass alone against one training gradient (ResNet-8 on digits, batch 128,
     chunk 32), interleaved over ``rounds`` rounds: the training gradient, the inference-mode
@@ -190,12 +200,7 @@ def pass_timing(rounds: int, log) -> dict:
     from nondet_jax.instruments.trainer import model_losses, train_pass_grad
     from nondet_jax.models import make_model
 
-    model, x_np, y_np, spec = workload("resnet8_digits")
-    fns, _ = make_step(model, spec, {})
-    varied = arm_sources("init")
-    keys, perturb = replica_slice(arm_keys(0, varied, 1), 0), perturbations(varied)
-    x, y = jnp.asarray(x_np[:128]), jnp.asarray(y_np[:128])
-    state = jax.jit(fns.init)(keys, perturb, x[:1])
+    model, spec, fns, x, y, state = _resnet8_batch()
     params, stats = state.params, fns.recompute_batch_stats(state.params, state.batch_stats, x)
     example_loss, batched = model_losses(make_model(model, spec.num_classes))
     batch, h1 = (x, y, None), {"bins": histograms.HIST1D_BINS}
@@ -257,12 +262,7 @@ def kernel_timing(rounds: int, log) -> dict:
     from nondet_jax.instruments import histograms, layerwise
     from nondet_jax.instruments.trainer import train_pass_grad
 
-    model, x_np, y_np, spec = workload("resnet8_digits")
-    fns, _ = make_step(model, spec, {})
-    varied = arm_sources("init")
-    keys, perturb = replica_slice(arm_keys(0, varied, 1), 0), perturbations(varied)
-    x, y = jnp.asarray(x_np[:128]), jnp.asarray(y_np[:128])
-    state = jax.jit(fns.init)(keys, perturb, x[:1])
+    model, spec, fns, x, y, state = _resnet8_batch()
     params = state.params
     (_, _), grads, tape = train_pass_grad(fns.loss_fn, params, state.batch_stats, x, y, None)  # eager: concrete tape
     variants = {}
