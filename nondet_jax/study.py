@@ -134,11 +134,18 @@ class Progress:
             self._cached += 1
             self._note()
 
+    def _counts(self) -> str:
+        """'N XLA programs compiled, M loaded from the compilation cache' so far. JAX's compile event times
+        each program's compile-or-load, so programs found in the cache are counted there too."""
+        fresh = max(self._compiled - self._cached, 0)
+        parts = [f"{fresh} compiled"] if fresh else []
+        parts += [f"{self._cached} loaded from the compilation cache"] if self._cached else []
+        first = fresh or self._cached
+        return f"{first} XLA program{'s' * (first != 1)} " + ", ".join(parts).removeprefix(f"{first} ")
+
     def compile_note(self) -> str:
         """What the arm waited for before its first epoch, so far ('' when nothing was compiled or loaded)."""
-        parts = [f"compiling: {self._seconds:.0f} s, {self._compiled} programs"] if self._compiled else []
-        parts += [f"{self._cached} programs loaded from the compilation cache"] if self._cached else []
-        return "; ".join(parts)
+        return f"compiling: {self._seconds:.0f} s, {self._counts()}" if self._compiled else ""
 
     def _note(self):
         if self._bar is not None:
@@ -168,11 +175,8 @@ class Progress:
                 self._waiting = None
                 if self._bar is not None:
                     self._bar.update(task, note="")
-                elif self._seconds >= 1 or self._cached:  # worth a line: the wait the user just had
-                    self.log(f"arm {name}: " + ", ".join(
-                        ([f"compiled {self._compiled} XLA program{'s' * (self._compiled != 1)} in "
-                          f"{self._seconds:.0f} s"] if self._compiled else [])
-                        + ([f"loaded {self._cached} from the compilation cache"] if self._cached else [])))
+                elif self._seconds >= 1:  # worth a line: the wait the user just had
+                    self.log(f"arm {name}: {self._counts()} in {self._seconds:.0f} s before epoch 1")
             done[0] += n
             if self._bar is not None:
                 self._bar.advance(task, n)
