@@ -272,13 +272,12 @@ def kernel_timing(rounds: int, log) -> dict:
         if modes[path] == "formed":
             continue
         rec, d = tape.records[path][:32], tape.deltas[path][:32]
-        fn = layerwise.SQ_NORMS[type(m)]
         p = int(np.prod(d.shape[1:-1])) if d.ndim > 2 else 1
         fan_in = rec.shape[-1] * (int(np.prod(layerwise._kernel_size(m))) if type(m) is layerwise.nn.Conv else 1)
         label = f"{'/'.join(path)} P={p} in={fan_in} out={d.shape[-1]} (auto: {modes[path]})"
         for mode in ("ghost", "materialise"):
-            variants[f"{label} | {mode}"] = (jax.jit(lambda r, dd, m=m, fn=fn, mode=mode: fn(m, r, dd, None, mode)),
-                                             (rec, d))
+            variants[f"{label} | {mode}"] = (
+                jax.jit(lambda r, dd, m=m, mode=mode: layerwise._layer_sq_and_proj(m, r, dd, [], mode)[0]), (rec, d))
     # The passes inside one jitted program with the recorded training gradient (as in a training step:
     # closing over a concrete tape would make its arrays compile-time constants and mislead).
     t2, t3 = jax.tree.map(lambda a: 0.5 * a, params), jax.tree.map(lambda a: 0.25 * a, params)

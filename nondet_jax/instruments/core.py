@@ -262,7 +262,7 @@ def make(quantities: str | tuple[str, ...], example_loss: Callable, *, schedule:
                 if END_LOOP:
                     proj = layerwise.tape_norm_stats(tape, None, chunk, tangents=(state.direction,), mode="auto")[1][0]
                 else:
-                    proj = layerwise.tape_projections_stacked(tape, (state.direction,))[0]
+                    proj = layerwise.tape_projections(tape, (state.direction,))[0]
             else:
                 ctx = get_context()
                 losses, proj = jax.jvp(lambda p: example_losses(p, ctx), (params,), (state.direction,))
@@ -292,7 +292,7 @@ def make(quantities: str | tuple[str, ...], example_loss: Callable, *, schedule:
                 elif along and END_LOOP and not every_step:  # Alpha alone, in a branch: a rolled loop (END_LOOP)
                     proj = layerwise.tape_norm_stats(tape, None, chunk, tangents=along, mode="auto")[1]
                 elif along:
-                    proj = layerwise.tape_projections_stacked(tape, along)
+                    proj = layerwise.tape_projections(tape, along)
             elif need_pe:
                 pe_args = dict(grad_sq=has(*GRAD_SQ), hist1d=h1 if has("GradHist1d") else None,
                                hist2d=h2 if has("GradHist2d") else None)

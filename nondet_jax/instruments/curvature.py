@@ -2,7 +2,7 @@
 
 * :func:`hvp_operator`: linearise ``grad(loss)`` once; each product then reuses the stored
   forward/backward residuals.
-* :func:`lanczos_top` (and :func:`lanczos_max_eigenvalue`, value and vector only): largest
+* :func:`lanczos_top`: largest
   (algebraic) Hessian eigenvalue by at most ``k`` Lanczos steps with full reorthogonalisation
   (memory ``k x P``), optionally warm-started from the previous top eigenvector, with its relative
   residual ``||Hv - lambda v|| / |lambda|`` and an optional tolerance to stop early. Cockpit uses power iteration (up to 100 products); Lanczos reaches the extreme
@@ -112,13 +112,6 @@ def lanczos_top(hvp: Callable, params, key, iters: int, start=None, tol: float |
     # The basis rows past ``last`` are zero and drop out of the Ritz vector.
     value, s, res = top(alpha, beta, last)
     return TopEigen(value, basis.T @ s, res, last + 1)
-
-
-def lanczos_max_eigenvalue(hvp: Callable, params, key, iters: int, start=None):
-    """(largest eigenvalue estimate, its Ritz vector as a flat array): :func:`lanczos_top` without
-    the residual."""
-    out = lanczos_top(hvp, params, key, iters, start)
-    return out.value, out.vector
 
 
 def hutchinson(hvp: Callable, params, key, probes: int):

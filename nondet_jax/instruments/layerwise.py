@@ -303,53 +303,6 @@ def _example_grads(tape: Tape, recs, ds, layer_params, params):
     return jax.tree_util.tree_map_with_path(lambda kp, _: g[tuple(k.key for k in kp)], params)
 
 
-def _conv_proj(m: nn.Conv, x, delta, t):
-    g = m.feature_group_count
-    patches = _patches(m, x, delta.shape[1:-1])  # (c, P, K, C)
-    c, p, k, cin = patches.shape
-    d = delta.reshape(c, p, g, -1)
-    tk = t["kernel"].reshape(k, cin // g, g, -1)  # the kernel's HW...IO layout, output channels by group
-    y = jnp.einsum("bpkgi,kigo->bpgo", patches.reshape(c, p, k, g, cin // g), tk, precision=m.precision)
-    out = jnp.einsum("bpgo,bpgo->b", y, d)
-    if m.use_bias:
-        out = out + delta.reshape(c, p, -1).sum(1) @ t["bias"]
-    return out
-
-
-def _dense_proj(m: nn.Dense, x, delta, t):
-    c = x.shape[0]
-    x2, d2 = x.reshape(c, -1, x.shape[-1]), delta.reshape(c, -1, delta.shape[-1])
-    out = jnp.einsum("bpo,bpo->b", jnp.einsum("bpi,io->bpo", x2, t["kernel"], precision=m.precision), d2)
-    if m.use_bias:
-        out = out + d2.sum(1) @ t["bias"]
-    return out
-
-
-def _bn_proj(m: nn.BatchNorm, xhat, delta, t):
-    c = delta.shape[0]
-    d2 = delta.reshape(c, -1, delta.shape[-1])
-    out = jnp.zeros(c, delta.dtype)
-    if m.use_scale:
-        out = out + jnp.sum(d2 * xhat.reshape(d2.shape), axis=1) @ t["scale"]
-    if m.use_bias:
-        out = out + d2.sum(1) @ t["bias"]
-    return out
-
-
-PROJ = {nn.Conv: _conv_proj, nn.Dense: _dense_proj, nn.BatchNorm: _bn_proj}
-
-
-def tape_projections(tape: Tape, tangents: tuple) -> jax.Array:
-    """``(T, B)``: every example's contribution ``g_i`` projected onto each tangent ``t`` (params-like),
-    layer by layer from the tape without forming ``g_i`` (each layer's output under the tangent
-    weights, dotted with the example's output gradient)."""
-    rows = []
-    for t in tangents:
-        rows.append(sum(PROJ[type(tape.calls[p].module)](tape.calls[p].module, tape.records[p], tape.deltas[p],
-                                                         _layer_params(t, p)) for p in tape.paths))
-    return jnp.stack(rows)
-
-
 def _flat(tree, lead: tuple = ()) -> jax.Array:
     """Every leaf flattened (after ``lead`` leading axes) and joined, in ``jax.tree.leaves`` order."""
     return jnp.concatenate([x.reshape(lead + (-1,)) for x in jax.tree.leaves(tree)], axis=len(lead))
@@ -484,55 +437,14 @@ def ghost_is_cheaper(positions: int, fan_in: int, fan_out: int, tangents: int = 
     return ghost < formed
 
 
-def _sq_ghost_or_not(a, d, mode: str, precision=None):
-    """``(c,)`` per-example ``||A_i^T D_i||^2`` for ``a`` (c, P, G, I) and ``d`` (c, P, G, O) (G groups:
-    block-diagonal weights, summed over groups)."""
-    c, p, g, i = a.shape
-    o = d.shape[-1]
-    ghost = mode == "ghost" or (mode == "auto" and ghost_is_cheaper(p, i * g, o * g))
-    if p == 1:
-        return jnp.sum(jnp.square(a), axis=(1, 2, 3)) * jnp.sum(jnp.square(d), axis=(1, 2, 3)) if g == 1 else \
-            jnp.sum(jnp.sum(jnp.square(a), axis=(1, 3)) * jnp.sum(jnp.square(d), axis=(1, 3)), axis=1)
-    if ghost:
-        ga = jnp.einsum("bpgi,bqgi->bgpq", a, a, precision=precision)
-        gd = jnp.einsum("bpgo,bqgo->bgpq", d, d, precision=precision)
-        return jnp.sum(ga * gd, axis=(1, 2, 3))
-    gk = jnp.einsum("bpgi,bpgo->bgio", a, d, precision=precision)
-    return jnp.sum(jnp.square(gk), axis=(1, 2, 3))
-
-
-def _conv_sq_norms(m: nn.Conv, x, delta, params, mode):
-    g = m.feature_group_count
-    patches = _patches(m, x, delta.shape[1:-1])  # (c, P, K, C)
-    c, p, k, cin = patches.shape
-    a = jnp.moveaxis(patches.reshape(c, p, k, g, cin // g), 3, 2).reshape(c, p, g, k * (cin // g))
-    out = _sq_ghost_or_not(a, delta.reshape(c, p, g, -1), mode, m.precision)
-    if m.use_bias:
-        out = out + jnp.sum(jnp.square(delta.reshape(c, p, -1).sum(1)), axis=1)
-    return out
-
-
-def _dense_sq_norms(m: nn.Dense, x, delta, params, mode):
-    c = x.shape[0]
-    x2, d2 = x.reshape(c, -1, 1, x.shape[-1]), delta.reshape(c, -1, 1, delta.shape[-1])
-    out = _sq_ghost_or_not(x2, d2, mode, m.precision)
-    if m.use_bias:
-        out = out + jnp.sum(jnp.square(d2.sum(1)), axis=(1, 2))
-    return out
-
-
-def _bn_sq_norms(m: nn.BatchNorm, xhat, delta, params, mode):  # C numbers per example: always formed
-    c = delta.shape[0]
-    d2 = delta.reshape(c, -1, delta.shape[-1])
-    out = jnp.zeros(c, delta.dtype)
-    if m.use_scale:
-        out = out + jnp.sum(jnp.square(jnp.sum(d2 * xhat.reshape(d2.shape), axis=1)), axis=1)
-    if m.use_bias:
-        out = out + jnp.sum(jnp.square(d2.sum(1)), axis=1)
-    return out
-
-
-SQ_NORMS = {nn.Conv: _conv_sq_norms, nn.Dense: _dense_sq_norms, nn.BatchNorm: _bn_sq_norms}
+def _ghost_sq_norms(a, d, precision=None):
+    """``(c,)`` per-example ``||A_i^T D_i||^2`` by the ghost identity, for ``a`` (c, P, G, I) and ``d``
+    (c, P, G, O) (G groups: block-diagonal weights, summed over groups)."""
+    if a.shape[1] == 1:  # one position: ||a_i||^2 ||d_i||^2 per group
+        return jnp.sum(jnp.sum(jnp.square(a), axis=(1, 3)) * jnp.sum(jnp.square(d), axis=(1, 3)), axis=1)
+    ga = jnp.einsum("bpgi,bqgi->bgpq", a, a, precision=precision)
+    gd = jnp.einsum("bpgo,bqgo->bgpq", d, d, precision=precision)
+    return jnp.sum(ga * gd, axis=(1, 2, 3))
 
 
 def layer_modes(tape: Tape, mode: str | None = None, tangents: int = 0) -> dict:
@@ -557,26 +469,15 @@ def tape_sq_norms(tape: Tape, chunk: int, mode: str | None = None) -> jax.Array:
     forming ``g_i`` as one vector: per layer either the ghost-norm identity or the layer's own
     per-example weight gradient squared (``mode``: "auto", "ghost", "materialise"; default
     :data:`NORMS`), ``chunk`` examples at a time (the Gram matrices take ``chunk x positions^2``)."""
-    mode = mode or NORMS
-    if mode not in ("auto", "ghost", "materialise"):
-        raise ValueError(f"norms must be auto, ghost or materialise, got {mode!r}")
-    b = tape.losses.shape[0] if tape.losses is not None else tape.deltas[tape.paths[0]].shape[0]
-    c = chunk_size(b, chunk)
-
-    def body(acc, chunk_data):
-        recs, ds = chunk_data
-        sq = sum(SQ_NORMS[type(tape.calls[p].module)](tape.calls[p].module, r, d, None, mode)
-                 for p, r, d in zip(tape.paths, recs, ds))
-        return acc, sq
-
-    chunks = split_chunks(([tape.records[p] for p in tape.paths], [tape.deltas[p] for p in tape.paths]), c)
-    _, sq = over_chunks(body, 0.0, chunks, convolutions=False)
-    return sq.reshape(b)
+    return _norms_and_projections(tape, chunk, (), mode)[0]
 
 
-def tape_projections_stacked(tape: Tape, tangents: tuple) -> jax.Array:
-    """:func:`tape_projections` with all tangents in one product per layer (one GEMM of the layer's
-    input, or im2col patches, against the tangents' weights side by side): ``(T, B)``."""
+def tape_projections(tape: Tape, tangents: tuple) -> jax.Array:
+    """``(T, B)``: every example's contribution ``g_i`` projected onto each tangent ``t`` (params-like),
+    layer by layer from the tape without forming ``g_i``: each layer's output under the tangent weights
+    (all tangents side by side in one product with the layer's input or im2col patches), dotted with
+    the example's output gradient. Straight-line code; :func:`tape_norm_stats` gives the same in a
+    rolled chunk loop."""
     if not tangents:
         return jnp.zeros((0, tape.deltas[tape.paths[0]].shape[0]))
     out = 0
@@ -639,7 +540,7 @@ def _layer_sq_and_proj(m, x, d, ts: list, mode: str):
     ghost = mode == "ghost" or (mode == "auto" and ghost_is_cheaper(p, fan_in, fan_out, n_t))
     kernels = [t["kernel"].reshape(-1) for t in ts]
     if ghost:
-        sq = _sq_ghost_or_not(a, dg, "ghost", m.precision)
+        sq = _ghost_sq_norms(a, dg, m.precision)
         if ts:  # the layer's outputs under every tangent: one GEMM per group, (c P, I) x (I, T O/G)
             tk = jnp.stack([kk.reshape(a.shape[-1], g, -1) if type(m) is nn.Conv else kk.reshape(a.shape[-1], 1, -1)
                             for kk in kernels])  # (T, I, G, O/G), I in the patches' (K, C/G) order
@@ -658,40 +559,15 @@ def _layer_sq_and_proj(m, x, d, ts: list, mode: str):
     return sq, proj
 
 
-# True: the norm-only loop takes as many examples at a time as ``chunk`` per-example gradients' memory
-# holds (:func:`norm_only_chunk`; one chunk for ResNet-8). Off: measured slower (the comment in tape_norm_stats).
-NORM_CHUNK_BY_MEMORY = False
-
-
-def norm_only_chunk(tape: Tape, chunk: int, n_params: int, n_tangents: int, mode: str) -> int:
-    """Examples per chunk of the norm-only loop: as many as fit the memory ``chunk`` per-example
-    gradients would take (``chunk x n_params`` numbers), counting per example the largest layer's
-    im2col patches, its Gram matrices or per-example weight gradient, and its outputs under the
-    tangents (used when :data:`NORM_CHUNK_BY_MEMORY`; otherwise ``chunk``)."""
-    peak = 1
-    for path in tape.paths:
-        m, x, d = tape.calls[path].module, tape.records[path], tape.deltas[path]
-        p = int(np.prod(d.shape[1:-1])) if d.ndim > 2 else 1
-        k = int(np.prod(_kernel_size(m))) if type(m) is nn.Conv else 1
-        fan_in, fan_out = x.shape[-1] * k, d.shape[-1]
-        ghost = mode == "ghost" or (mode == "auto" and ghost_is_cheaper(p, fan_in, fan_out, n_tangents))
-        peak = max(peak, p * fan_in + (2 * p * p + n_tangents * p * fan_out if ghost else fan_in * fan_out))
-    return max(chunk, chunk * n_params // peak) if NORM_CHUNK_BY_MEMORY else chunk
-
-
-def tape_norm_stats(tape: Tape, sum_grad, chunk: int, *, tangents: tuple = (), mode: str | None = None
-                    ) -> tuple[PerExampleStats, jax.Array | None]:
-    """What NormTest, InnerTest, OrthoTest and Alpha need, with no per-example gradient formed:
-    ``stats`` (losses, ``sum_grad`` as given, the sum of the squared norms of :func:`tape_sq_norms`;
-    no element-wise sums or histograms) and the projections ``g_i . t`` onto ``tangents`` ``(T, B)``
-    (None without tangents), both in one loop over ``chunk`` examples at a time that builds each
-    convolution's im2col patches once."""
+def _norms_and_projections(tape: Tape, chunk: int, tangents: tuple, mode: str | None):
+    """``(B,)`` squared per-example gradient norms and ``(T, B)`` projections onto ``tangents`` (None
+    without), in one loop over ``chunk`` examples at a time that builds each convolution's im2col
+    patches once (:func:`_layer_sq_and_proj` per layer)."""
     mode = mode or NORMS
     if mode not in ("auto", "ghost", "materialise"):
         raise ValueError(f"norms must be auto, ghost or materialise, got {mode!r}")
-    b = tape.losses.shape[0]
-    c = chunk_size(b, norm_only_chunk(tape, chunk, sum(a.size for a in jax.tree.leaves(sum_grad)), len(tangents),
-                                      mode))
+    b = tape.deltas[tape.paths[0]].shape[0]
+    c = chunk_size(b, chunk)
     ts = {path: [_layer_params(t, path) for t in tangents] for path in tape.paths}
 
     def body(acc, chunk_data):
@@ -708,5 +584,14 @@ def tape_norm_stats(tape: Tape, sum_grad, chunk: int, *, tangents: tuple = (), m
     # OrthoTest every 16 steps: 1.42x against 1.03x in 4 chunks of 32; every step 1.54x against 1.47x).
     _, (sq, proj) = jax.lax.scan(body, 0.0, chunks)
     proj = jnp.moveaxis(proj, 1, 0).reshape(len(tangents), b) if tangents else None  # (n, T, c) -> (T, B)
-    return PerExampleStats(tape.losses, sum_grad, jnp.sum(sq), None, None, None), proj
+    return sq.reshape(b), proj
 
+
+def tape_norm_stats(tape: Tape, sum_grad, chunk: int, *, tangents: tuple = (), mode: str | None = None
+                    ) -> tuple[PerExampleStats, jax.Array | None]:
+    """What NormTest, InnerTest, OrthoTest and Alpha need, with no per-example gradient formed:
+    ``stats`` (losses, ``sum_grad`` as given, the sum of the squared norms of :func:`tape_sq_norms`;
+    no element-wise sums or histograms) and the projections ``g_i . t`` onto ``tangents`` ``(T, B)``
+    (None without tangents), from :func:`_norms_and_projections`."""
+    sq, proj = _norms_and_projections(tape, chunk, tangents, mode)
+    return PerExampleStats(tape.losses, sum_grad, jnp.sum(sq), None, None, None), proj
