@@ -37,6 +37,7 @@ from nondet_jax import instruments
 from nondet_jax.config import from_flat
 from nondet_jax.data import load_dataset
 from nondet_jax.sources import arm_keys, arm_sources, perturbations, replica_slice
+from nondet_jax import train as train_mod
 from nondet_jax.train import DataSpec, make_train
 from nondet_jax.store import atomic_write_json  # noqa: E402
 
@@ -328,37 +329,59 @@ def kernel_timing(rounds: int, log) -> dict:
     return res
 
 
-def compile_timing(variants: list[tuple[str, dict]], log, save=None) -> dict:
-    """Compile and run time of one training epoch (``jit(train_epoch)``, the program a study compiles
-    per arm) of the default study's model (ResNet-8 on digits, batch 128: 11 steps, unrolled on
-    CPU) per variant (a label and config overrides). Seconds: ``lower``, ``compile``, and one epoch
-    run twice after compiling (median)."""
-    model, x_np, y_np, spec = workload("resnet8_digits")
+def epoch_timing(variants: list[tuple[str, dict]], log, rounds: int = 16, workload_name: str = "resnet8_digits",
+                 save=None) -> dict:
+    """The program a study runs, per variant (a label and config overrides): one training epoch,
+    ``jit(train_epoch)`` (on CPU a short epoch is unrolled and economy-style instruments are measured
+    after its steps; the step benchmark above times ``train_step`` alone, which does neither).
+    Seconds to ``lower`` and ``compile`` each variant; then ``rounds`` interleaved rounds, each running
+    every variant's next epoch in turn (in reverse order every other round), so machine load hits all alike. Per variant: ms per training
+    step = the mean over the rounds (16 rounds are a whole every-16 schedule cycle whatever the epoch
+    length, since epoch ``e`` holds steps ``e*S .. e*S+S-1``), and its ratio to the first variant's."""
+    model, x_np, y_np, spec = workload(workload_name)
     x, y = jnp.asarray(x_np), jnp.asarray(y_np)
     varied = arm_sources("init")
     keys, perturb = replica_slice(arm_keys(0, varied, 1), 0), perturbations(varied)
-    res = {}
+    res, progs, states = {}, {}, {}
     for label, flat in variants:
+        flat = dict(flat)
+        sparse = flat.pop("sparse", "on") != "off"  # "sparse:off": every step's tape kept (the path before)
         cfg = from_flat({"model.name": model, "train.batch_size": 128, **flat})
         fns = make_train(cfg, spec)
         state = jax.jit(fns.init)(keys, perturb, x[:1])
         t0 = time.perf_counter()
-        lowered = jax.jit(fns.train_epoch).lower(state, x, y, keys, perturb, jnp.int32(0))
+        train_mod.SPARSE_DEFER = sparse  # read while tracing
+        try:
+            # a fresh function to trace: make_train is cached per config, and so would be jit's trace
+            lowered = jax.jit(lambda *a: fns.train_epoch(*a)).lower(state, x, y, keys, perturb, jnp.int32(0))
+        finally:
+            train_mod.SPARSE_DEFER = True
         t1 = time.perf_counter()
-        compiled = lowered.compile()
+        progs[label] = lowered.compile()
         t2 = time.perf_counter()
-        runs = []
-        for e in range(2):
-            t3 = time.perf_counter()
-            state, m = compiled(state, x, y, keys, perturb, jnp.int32(e))
-            jax.block_until_ready((state, m))
-            runs.append(time.perf_counter() - t3)
-        res[label] = {"overrides": flat, "steps": fns.steps_per_epoch, "unroll": fns.unroll, "lower_s": t1 - t0,
-                      "compile_s": t2 - t1, "epoch_s": float(np.median(runs))}
-        log(f"  {label:32s} lower {t1 - t0:6.1f} s  compile {t2 - t1:7.1f} s  epoch {res[label]['epoch_s']:6.2f} s "
-            f"({fns.steps_per_epoch} steps, unroll {fns.unroll})")
+        states[label] = state
+        res[label] = {"overrides": flat, "sparse_defer": sparse, "steps": fns.steps_per_epoch, "unroll": fns.unroll, "lower_s": t1 - t0,
+                      "compile_s": t2 - t1, "epoch_s": []}
+        log(f"  {label:24s} lower {t1 - t0:6.1f} s  compile {t2 - t1:7.1f} s  ({fns.steps_per_epoch} steps, "
+            f"unroll {fns.unroll})")
         if save is not None:
             save(res)  # after every variant: a run stopped early keeps what it measured
+    for e in range(rounds):
+        for label, _ in variants[::-1] if e % 2 else variants:  # the order alternates: no variant always follows the same one
+            t0 = time.perf_counter()
+            states[label], m = progs[label](states[label], x, y, keys, perturb, jnp.int32(e))
+            jax.block_until_ready((states[label], m))
+            res[label]["epoch_s"].append(time.perf_counter() - t0)
+        if save is not None:
+            save(res)
+    base = None
+    for label, _ in variants:
+        r = res[label]
+        r["step_ms"] = 1e3 * float(np.mean(r["epoch_s"])) / r["steps"]
+        base = base or r["step_ms"]
+        r["ratio"] = r["step_ms"] / base
+        log(f"  {label:24s} {r['step_ms']:8.1f} ms per step  {r['ratio']:5.2f}x  (compile {r['compile_s']:.1f} s, "
+            f"{r['compile_s'] / res[variants[0][0]]['compile_s']:.2f}x)")
     return res
 
 
@@ -384,10 +407,13 @@ def main(argv=None):
     ap.add_argument("--pass-timing", action="store_true",
                     help="only time the per-example pass against a training gradient (ResNet-8 digits; "
                          "writes benchmarks/results/instruments_pass.json)")
-    ap.add_argument("--compile-timing", metavar="VARIANTS",
-                    help="only time compiling one epoch of the default study (ResNet-8 digits) per variant: "
-                         "comma list of label=key:value;key:value (e.g. 'off=,economy=instruments.config:economy'); "
-                         "writes benchmarks/results/instruments_compile.json")
+    ap.add_argument("--epoch-timing", metavar="VARIANTS",
+                    help="only time the program a study runs, one epoch (jit(train_epoch)) per variant: compile "
+                         "time, then --rounds (default 16) interleaved epochs; VARIANTS: comma list of "
+                         "label=key:value;key:value, the first the baseline (e.g. 'off=,economy=instruments.config:economy'; "
+                         "instruments.config takes the --configs spelling, e.g. norms or NormTest+Alpha; sparse:off keeps every "
+                         "step's tape as before the sparse deferred epoch); "
+                         "workload: the first of --workloads; writes benchmarks/results/instruments_epoch.json")
     ap.add_argument("--kernel-timing", action="store_true",
                     help="only time issue 17's choices (ghost vs materialised norms per layer, the norm-only pass, "
                          "GradHist2d's counting); writes benchmarks/results/instruments_kernels.json")
@@ -401,17 +427,23 @@ def main(argv=None):
         atomic_write_json(out, res)
         print(f"wrote {out}")
         return
-    if args.compile_timing:
+    if args.epoch_timing:
         log = lambda s: print(s, flush=True)  # noqa: E731
         variants = []
-        for item in args.compile_timing.split(","):
+        for item in args.epoch_timing.split(","):
             label, _, spec = item.partition("=")
-            variants.append((label, dict(kv.split(":", 1) for kv in spec.split(";") if kv)))
-        log("one epoch of ResNet-8 on digits (batch 128), jit(train_epoch): lower, compile, run:")
+            flat = dict(kv.split(":", 1) for kv in spec.split(";") if kv)
+            if "instruments.config" in flat:  # the --configs spelling: aliases, quantities joined by '+'
+                flat["instruments.config"] = config_of(flat["instruments.config"])[0]
+            variants.append((label, flat))
+        w = args.workloads.split(",")[0]
+        rounds = args.rounds or 16
+        log(f"one epoch of {w} (batch 128), jit(train_epoch): lower, compile, then {rounds} interleaved epochs:")
         res = {"backend": jax.default_backend(), "cpu_count": os.cpu_count(), "platform": platform.platform(),
-               "jax": jax.__version__, "load_avg_at_start": os.getloadavg()}
-        out = Path(args.out or "benchmarks/results/instruments_compile.json")
-        res["epoch"] = compile_timing(variants, log, lambda r: atomic_write_json(out, {**res, "epoch": r}))
+               "jax": jax.__version__, "load_avg_at_start": os.getloadavg(), "workload": w, "rounds": rounds}
+        out = Path(args.out or "benchmarks/results/instruments_epoch.json")
+        res["epoch"] = epoch_timing(variants, log, rounds, w, lambda r: atomic_write_json(out, {**res, "epoch": r}))
+        res["load_avg_at_end"] = os.getloadavg()
         atomic_write_json(out, res)
         print(f"wrote {out}")
         return

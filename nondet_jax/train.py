@@ -29,6 +29,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from nondet_jax.config import Config, OptimConfig, StudyConfig
@@ -44,6 +45,10 @@ from nondet_jax.sources import Perturbations, ReplicaKeys, bitflip
 # fully unrolled, compile 3.6 s vs 14.7 s (benchmarks/scan_unroll.py). So on CPU short epochs
 # are unrolled.
 CPU_UNROLL_MAX_STEPS = 16
+# A deferred epoch (below) whose schedule reads fewer steps than it has keeps only those steps' tapes
+# and measures only them; False: every step's tape is kept and measured, as before (read while
+# tracing; the "sparse:off" variants of benchmarks/instruments.py --epoch-timing).
+SPARSE_DEFER = True
 
 
 class DataSpec(NamedTuple):
@@ -238,6 +243,7 @@ def _make_train(config: Config, spec: DataSpec, parts: Parts) -> TrainFns:
     unroll = scan_unroll(config.train.unroll, steps)
     inst, defer = None, False
     if config.instruments.config != "none":  # Cockpit's quantities, computed only at tracked steps
+        from nondet_jax.instruments.schedules import most_in_epoch
         from nondet_jax.instruments.trainer import defer_in_epoch, for_model
 
         if parts != Parts() or not model.per_example_dropout:
@@ -249,6 +255,8 @@ def _make_train(config: Config, spec: DataSpec, parts: Parts) -> TrainFns:
         # An unrolled epoch would hold one copy of the instruments per step (a tiny economy study spent
         # minutes compiling them): measure after the steps instead, where their work has no convolution.
         defer = unroll > 1 and defer_in_epoch(inst)
+        alpha = "Alpha" in inst.quantities
+        most_read = most_in_epoch(inst.schedule, steps, alpha)  # steps of an epoch the instruments read
 
     def variables(params, batch_stats):
         return {"params": params, "batch_stats": batch_stats}
@@ -299,18 +307,18 @@ def _make_train(config: Config, spec: DataSpec, parts: Parts) -> TrainFns:
         return TrainState(params, bs, opt_state, state.health), (loss, acc)
 
     tape_calls = {}  # the recorded layers (static), from the trace of a deferred step
+    from nondet_jax.instruments.layerwise import LazyTape, Tape
 
     def measure(istate, seen: _Seen, tape=None):
         """The instruments' update for one step from what the step saw: ``(istate, values)``."""
-        if tape is None and seen.tape is not None:
-            from nondet_jax.instruments.layerwise import Tape
-
-            tape = Tape(tape_calls["calls"], *seen.tape)
         return inst.update(istate, seen.params, seen.batch, step=seen.step, context=seen.batch_stats,
                            updates=seen.updates, lr=lr_at(seen.step), grads=seen.grads, loss=seen.loss, tape=tape)
 
     def train_epoch(state: TrainState, x_train, y_train, keys: ReplicaKeys, perturb: Perturbations, epoch):
         idx = epoch_indices(keys.data_order, epoch, spec.n_train, b)
+        if defer and most_read < steps and SPARSE_DEFER:
+            new, out = sparse_deferred_epoch(state, x_train, y_train, keys, perturb, epoch, idx)
+            return guard(state, new, out[0], epoch * steps), epoch_metrics(out)
 
         def step(state: TrainState, inputs):
             i, batch_idx = inputs
@@ -322,16 +330,76 @@ def _make_train(config: Config, spec: DataSpec, parts: Parts) -> TrainFns:
         else:
             new, out = jax.lax.scan(step, state, (jnp.arange(steps), idx), unroll=unroll)
         if defer:
-            # The instruments of every step in one rolled scan after the unrolled training steps: one
-            # copy of their program instead of one per unrolled step (compile time), and their work
-            # (products of recorded activations, no convolution) runs as fast in a loop.
+            # Every step is read (out[2] holds what each saw): the instruments of every step in one rolled
+            # scan after the unrolled training steps: one copy of their program instead of one per unrolled
+            # step (a tiny economy study spent minutes compiling them), and their work (products of
+            # recorded activations, no convolution) runs as fast in a loop.
             def measure_step(istate, seen):
-                istate, values = measure(istate, seen)
+                tape = None if seen.tape is None else Tape(tape_calls["calls"], *seen.tape)
+                istate, values = measure(istate, seen, tape)
                 return istate, (values, inst.schedule(seen.step))
 
             istate, (values, tracked) = jax.lax.scan(measure_step, state.instruments, out[2])
             new, out = new._replace(instruments=istate), (out[0], out[1], values, tracked)
         return guard(state, new, out[0], epoch * steps), epoch_metrics(out)
+
+    def sparse_deferred_epoch(state: TrainState, x_train, y_train, keys: ReplicaKeys, perturb: Perturbations, epoch,
+                              idx):
+        """A deferred epoch (see train_epoch) whose schedule reads at most ``most_read`` of its steps
+        (tracked ones, and the step after each for Alpha): only those keep their tape, one flat row each
+        in a buffer written under a ``lax.cond``, and the instruments run ``most_read`` times. Keeping
+        every step's tape cost an untracked step about 40% of a training step on XLA:CPU; see
+        ``benchmarks/instruments.py --epoch-timing``."""
+        slots = most_read
+
+        def read(g):  # whether the instruments read step g
+            return inst.schedule(g) | ((g >= 1) & inst.schedule(g - 1)) if alpha else inst.schedule(g)
+
+        def recorded(*a):  # (records, deltas) of a step's tape; None without one (a layer the tape cannot record)
+            t = train_step(*a, later=True)[1][2].tape
+            return None if t is None else t[:2]
+
+        shapes = jax.eval_shape(recorded, state, x_train, y_train, keys, perturb, epoch, jnp.int32(0), idx[0])
+        leaves, treedef = jax.tree.flatten(shapes)
+        sizes = [a.size for a in leaves]
+        dtype = jnp.result_type(*leaves) if leaves else jnp.float32
+        buf0 = jnp.zeros((slots, sum(sizes)), dtype)  # the tapes of the steps read, each as one flat row
+
+        def step(carry, inputs):
+            state, buf, count = carry
+            i, batch_idx = inputs
+            state, (loss, acc, seen) = train_step(state, x_train, y_train, keys, perturb, epoch, i, batch_idx,
+                                                  later=True)
+            keep = read(seen.step)
+            if leaves:
+                row = lambda: jnp.concatenate([a.ravel().astype(dtype) for a in jax.tree.leaves(seen.tape[:2])])  # noqa: E731
+                buf = jax.lax.cond(keep, lambda bf: jax.lax.dynamic_update_index_in_dim(bf, row(), count, 0),
+                                   lambda bf: bf, buf)
+            # the steps nobody reads are measured as step -2: tracked by no schedule, after no tracked step
+            seen = seen._replace(tape=None if seen.tape is None else seen.tape[2], step=jnp.where(keep, seen.step, -2))
+            return (state, buf, count + keep.astype(jnp.int32)), (loss, acc, seen, keep)
+
+        (new, buf, count), (losses, accs, seen_all, kept) = jax.lax.scan(
+            step, (state, buf0, jnp.int32(0)), (jnp.arange(steps), idx), unroll=unroll)
+        # the steps read, in order, then steps nobody reads (measured as step -2: no work, no state change)
+        order = jnp.argsort(~kept, stable=True)[:slots]
+
+        def unflat(row):
+            parts = jnp.split(row, np.cumsum(sizes)[:-1])
+            return jax.tree.unflatten(treedef, [p.reshape(a.shape).astype(a.dtype) for p, a in zip(parts, leaves)])
+
+        def measure_slot(istate, j):
+            seen = jax.tree.map(lambda a: a[order[j]], seen_all)
+            # the tape is sliced and unflattened only where a branch reads it
+            tape = None if not leaves else LazyTape(tape_calls["calls"], lambda: unflat(buf[j]), seen.tape)
+            return measure(istate, seen, tape)
+
+        istate, values = jax.lax.scan(measure_slot, state.instruments, jnp.arange(slots))
+        at = jnp.where(jnp.arange(slots) < count, order, steps)  # unused slots are dropped
+        values = jax.tree.map(lambda v: jnp.full((steps,) + v.shape[1:], jnp.nan, v.dtype).at[at].set(v, mode="drop"),
+                              values)
+        tracked = jax.vmap(inst.schedule)(epoch * steps + jnp.arange(steps))
+        return new._replace(instruments=istate), (losses, accs, values, tracked)
 
     eval_b = config.train.eval_batch_size
 

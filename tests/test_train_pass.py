@@ -191,31 +191,62 @@ def test_unsupported_model_falls_back_to_a_plain_gradient_and_no_tape():
             np.testing.assert_array_equal(a, r)
 
 
-def test_unrolled_epoch_measures_after_its_steps_with_the_same_values(small_digits):
+@pytest.mark.parametrize("flat", [
+    # every step of the 4-step epoch is read (Alpha reads the step after each tracked one): one measurement per step
+    {"instruments.config": "economy,MeanGSNR", "instruments.every": 3, "train.batch_size": 64},
+    # 16 steps, every 5th tracked: 8 steps read at most, so only those keep their tape (the sparse path);
+    # epoch 1 starts with the step after epoch 0's last tracked one (Alpha's end point across epochs)
+    {"instruments.config": "economy", "instruments.every": 5, "train.batch_size": 16},
+    # the logarithmic schedule: its tracked steps are listed, not a residue class
+    {"instruments.config": "Alpha,NormTest,GradNorm", "instruments.schedule": "log", "instruments.log_points": 6,
+     "train.batch_size": 16},
+])
+def test_unrolled_epoch_measures_after_its_steps_with_the_same_values(small_digits, flat):
     """On CPU a short epoch is unrolled and, in train_pass mode without curvature, its instruments run
-    after the steps in one rolled scan: the values equal those of the steps run one by one."""
+    after the steps in one rolled scan (only over the steps the schedule reads when that is fewer than
+    the epoch's): the values equal those of the steps run one by one, over two epochs."""
     from nondet_jax.data.pipeline import epoch_indices
     from nondet_jax.sources import arm_keys, arm_sources, perturbations, replica_slice
     from nondet_jax.train import make_train
     from tests.conftest import spec_of, tiny_config
 
-    config = tiny_config(**{"instruments.config": "economy,MeanGSNR", "instruments.every": 3, "model.dropout": 0.2})
+    config = tiny_config(**{"model.dropout": 0.2, **flat})
     fns = make_train(config, spec_of(small_digits))
     assert fns.unroll == fns.steps_per_epoch > 1
     varied = arm_sources("init")
     keys, perturb = replica_slice(arm_keys(0, varied, 2), 1), perturbations(varied)
     x, y = jnp.asarray(small_digits.x_train), jnp.asarray(small_digits.y_train)
     state0 = jax.jit(fns.init)(keys, perturb, x[:1])
-    epoch_out = jax.jit(fns.train_epoch)(state0, x, y, keys, perturb, 0)
-    idx = epoch_indices(keys.data_order, 0, len(small_digits.x_train), fns.batch_size)
+    epoch = jax.jit(fns.train_epoch)
     step = jax.jit(fns.train_step)
-    state, rows = state0, []
-    for i in range(fns.steps_per_epoch):
-        state, out = step(state, x, y, keys, perturb, 0, i, idx[i])
-        rows.append(out)
-    (_, m) = epoch_out
-    np.testing.assert_array_equal(m["tracked"], [r[3] for r in rows])
-    for k, v in m["instruments"].items():
-        np.testing.assert_allclose(v, np.stack([r[2][k] for r in rows]), rtol=2e-4, atol=1e-6, err_msg=k)
-    for a, b in zip(jax.tree.leaves(epoch_out[0].params), jax.tree.leaves(state.params)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    by_epoch, by_step = state0, state0
+    for e in range(2):
+        by_epoch, m = epoch(by_epoch, x, y, keys, perturb, e)
+        idx = epoch_indices(keys.data_order, e, len(small_digits.x_train), fns.batch_size)
+        rows = []
+        for i in range(fns.steps_per_epoch):
+            by_step, out = step(by_step, x, y, keys, perturb, e, i, idx[i])
+            rows.append(out)
+        tracked = np.array([r[3] for r in rows])
+        np.testing.assert_array_equal(m["tracked"], tracked)
+        assert 0 < tracked.sum() < len(tracked) or flat.get("instruments.every") == 3
+        for k, v in m["instruments"].items():
+            np.testing.assert_allclose(v, np.stack([r[2][k] for r in rows]), rtol=2e-4, atol=1e-6,
+                                       err_msg=f"{k}, epoch {e}")
+        for a, b in zip(jax.tree.leaves(by_epoch.params), jax.tree.leaves(by_step.params)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_most_in_epoch_bounds_the_steps_a_schedule_reads():
+    """The bound the sparse deferred epoch sizes its tape buffer by holds for every epoch (brute force)."""
+    from nondet_jax.instruments.schedules import linear, log_over_run, most_in_epoch
+
+    for sched in [linear(1), linear(5), linear(16), linear(3, 2), log_over_run(200, 20)]:
+        for steps in [1, 4, 11, 16, 23]:
+            for with_next in [False, True]:
+                g = np.arange(200 + steps)
+                t = np.asarray(jax.vmap(sched)(jnp.asarray(g)))
+                read = t | np.concatenate([[False], t[:-1]]) if with_next else t
+                per_epoch = [read[e * steps:(e + 1) * steps].sum() for e in range(200 // steps)]
+                bound = most_in_epoch(sched, steps, with_next)
+                assert max(per_epoch) <= bound <= steps, (sched.steps_description, steps, with_next)

@@ -252,6 +252,18 @@ class Tape:
         return Tape(self.calls, self.records, {k: d * factor for k, d in self.deltas.items()}, losses)
 
 
+class LazyTape(Tape):
+    """A tape whose records and output gradients come from ``load() -> (records, deltas)`` where they
+    are read (each read traces ``load`` again: a read inside a ``lax.switch`` branch loads inside that
+    branch only, so a step the branch skips loads nothing)."""
+
+    def __init__(self, calls: dict, load: Callable, losses: jax.Array):
+        self.calls, self.paths, self._load, self.losses = calls, sorted(calls), load, losses
+
+    records = property(lambda self: self._load()[0])
+    deltas = property(lambda self: self._load()[1])
+
+
 def value_grad_and_tape(fn: Callable, params, *args, training: bool = False):
     """``(value, aux), grads, tape`` of ``fn(params, *args) -> (scalar, aux)`` from ONE backward pass.
 

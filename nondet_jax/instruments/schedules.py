@@ -25,6 +25,7 @@ def linear(interval: int = 1, offset: int = 0) -> Schedule:
         return (shifted >= 0) & (shifted % interval == 0)
 
     schedule.steps_description = f"every {interval} steps from {offset}"
+    schedule.interval, schedule.offset = interval, offset
     schedule.every_step = interval == 1 and offset == 0  # lets update skip the branch altogether
     return schedule
 
@@ -48,3 +49,17 @@ def logarithmic(start: float, end: float, steps: int = 300, base: float = 10, in
 def log_over_run(total_steps: int, points: int = 50) -> Schedule:
     """A :func:`logarithmic` schedule covering steps ``0 .. total_steps - 1`` with ``points`` points."""
     return logarithmic(0.0, float(np.log10(max(total_steps - 1, 1))), points, 10, True)
+
+
+def most_in_epoch(schedule: Schedule, steps: int, with_next: bool = False) -> int:
+    """The most steps of one epoch (steps ``e * steps .. e * steps + steps - 1``) that ``schedule``
+    tracks, counting with ``with_next`` also the step after each tracked one (Alpha's end point): an
+    upper bound, ``steps`` when the schedule is not one of this module's."""
+    per = 2 if with_next else 1
+    if hasattr(schedule, "interval"):  # linear: at most ceil(steps / interval) of each residue
+        return min(steps, per * -(-steps // schedule.interval))
+    if hasattr(schedule, "tracked_steps"):
+        t = np.asarray(schedule.tracked_steps, np.int64)
+        needed = np.union1d(t, t + 1) if with_next else t
+        return min(steps, int(np.bincount(needed // steps).max()))
+    return steps
