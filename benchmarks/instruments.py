@@ -47,14 +47,14 @@ MODES = ("train_pass", "frozen_bn")  # instruments.per_example
 TARGETS = {"economy": 1.3, "business": 1.8, "full": 6.0}  # every step (issue 17)
 TARGETS_EVERY16 = {"economy": 1.1}
 # --configs items besides economy/business/full: quantity lists ("+"-joined, or these names), and an
-# "@materialise" / "@ghost" suffix: build that variant with layerwise.NORMS set so (the norm-only path
-# off, or ghost on every layer); "@before": the norm-only path off and Alpha's train_pass projections
+# "@materialise" / "@ghost" / "@auto" suffix: that variant with instruments.norms set so (the norm-only
+# path off, or ghost on every layer); "@before": the norm-only path off and Alpha's train_pass projections
 # straight-line (core.END_LOOP off), the code paths before issue 17, side by side with the new ones.
 ALIASES = {"norms": "Alpha+Distance+GradNorm+InnerTest+Loss+NormTest+OrthoTest+UpdateSize"}  # economy - GradHist1d
 
 
 def config_of(item: str) -> tuple[str, str | None]:
-    """(instruments.config value, layerwise.NORMS for the build or None) of a --configs item."""
+    """(instruments.config value, the instruments.norms suffix or "before" or None) of a --configs item."""
     name, _, norms = item.partition("@")
     return ALIASES.get(name, name).replace("+", ","), norms or None
 
@@ -92,20 +92,21 @@ def bench_workload(name: str, quick: bool, rounds: int, log, breakdown_ok=lambda
     n, b = len(x_np), 128
     varied = arm_sources("init")
     keys, perturb = replica_slice(arm_keys(0, varied, 1), 0), perturbations(varied)
-    from nondet_jax.instruments import core, layerwise
+    from nondet_jax.instruments import core
 
     variants = {"off": ({}, 1)}
     norms_of = {}
     for m in modes:
         for c in configs:
             for k in everies:
-                value, norms_of[f"{m}/{c}/every{k}"] = config_of(c)
+                value, norms = norms_of[f"{m}/{c}/every{k}"] = config_of(c)
                 flat = {"instruments.config": value, "instruments.every": k, "instruments.per_example": m}
-                if norms_of[f"{m}/{c}/every{k}"]:
-                    # make_train is cached by config: a key the linear schedule ignores keeps the variant's own
-                    # program (built with its layerwise.NORMS) apart from the plain config's
-                    flat["instruments.log_points"] = 50 + ("auto", "ghost", "materialise", "before").index(
-                        norms_of[f"{m}/{c}/every{k}"]) + 1
+                if norms:
+                    flat["instruments.norms"] = "materialise" if norms == "before" else norms
+                if norms == "before":
+                    # make_train is cached by config: a key the linear schedule ignores keeps this variant's
+                    # program (traced with core.END_LOOP off) apart from the @materialise one
+                    flat["instruments.log_points"] = 51
                 variants[f"{m}/{c}/every{k}"] = (flat, k)
     block1 = 2 if (quick and model == "resnet14") else 4
     progs, states, compile_s = {}, {}, {}
@@ -113,14 +114,13 @@ def bench_workload(name: str, quick: bool, rounds: int, log, breakdown_ok=lambda
         fns, step_fn = make_step(model, spec, flat)
         state = jax.jit(fns.init)(keys, perturb, x[:1])
         t0 = time.perf_counter()
-        saved = layerwise.NORMS, core.END_LOOP
-        before = norms_of.get(v) == "before"  # the code paths before issue 17
-        layerwise.NORMS = "materialise" if before else (norms_of.get(v) or saved[0])  # read while tracing
-        core.END_LOOP = not before
+        # the code paths before issue 17: norms materialised (in its config) and Alpha's projections
+        # straight-line (core.END_LOOP, read while tracing)
+        core.END_LOOP = norms_of.get(v, (None, None))[1] != "before"
         try:
             state, _ = run_block(step_fn, state, x, y, keys, perturb, 0, 2, n, b)  # compile, a tracked + an end step
         finally:
-            layerwise.NORMS, core.END_LOOP = saved
+            core.END_LOOP = True
         compile_s[v] = time.perf_counter() - t0
         progs[v], states[v] = step_fn, state
         log(f"  {name} {v}: compiled + 2 steps in {compile_s[v]:.1f} s")
@@ -260,7 +260,7 @@ def kernel_timing(rounds: int, log) -> dict:
       projections (NormTest; + InnerTest/OrthoTest; + Alpha's two);
     * GradHist2d's counting, (chunk x P) bin indices: ``bincount`` (a scatter-add) against
       ``jax.ops.segment_sum`` and a sort-based count (``searchsorted`` on the sorted indices)."""
-    from nondet_jax.instruments import histograms, layerwise
+    from nondet_jax.instruments import layerwise
     from nondet_jax.instruments.trainer import train_pass_grad
 
     model, spec, fns, x, y, state = _resnet8_batch()

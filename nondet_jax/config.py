@@ -94,6 +94,10 @@ class InstrumentsConfig:
     chunk: int = 32  # examples per per-example-gradient chunk (memory ~ chunk x parameters)
     hess_iters: int = 10  # Lanczos steps for HessMaxEV (warm-started from the last tracked step)
     hess_probes: int = 1  # Hutchinson probes for HessTrace, TICDiag, TICTrace
+    # stop HessMaxEV's Lanczos steps once ||Hv - lambda v|| / |lambda| is below this (0 = off: hess_iters steps)
+    hess_tol: float = 0.0
+    # NormTest/InnerTest/OrthoTest alone: auto (ghost norms per layer where cheaper) | ghost | materialise
+    norms: str = "auto"
     # train_pass: per-example contributions from the training backward pass (BatchNorm in training mode;
     # they sum to the batch gradient); frozen_bn: gradients of per-example losses with the batch's
     # BatchNorm statistics held fixed, from a second pass. See docs/instruments.md.
@@ -432,6 +436,10 @@ def _validate_instruments(config: Config) -> None:
     for key in ("every", "log_points", "chunk", "hess_iters", "hess_probes"):
         if getattr(ic, key) < 1:
             raise UsageError(f"instruments.{key} must be >= 1, got {getattr(ic, key)}; fix --set instruments.{key}")
+    if ic.norms not in ("auto", "ghost", "materialise"):
+        raise UsageError(f"unknown instruments.norms '{ic.norms}'; choose auto, ghost or materialise")
+    if ic.hess_tol < 0:
+        raise UsageError(f"instruments.hess_tol must be >= 0 (0 = off), got {ic.hess_tol}; fix --set instruments.hess_tol")
     plain = [q for q in names if q in configurations.PLAIN_SGD_ONLY]
     if plain and (o.name != "sgd" or o.momentum != 0 or o.nesterov or o.weight_decay != 0):
         raise UsageError(f"{' and '.join(plain)} assume plain SGD, as in Cockpit; use --set optim.name=sgd "

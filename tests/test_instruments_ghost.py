@@ -64,10 +64,9 @@ def test_norm_only_instruments_equal_the_materialised_path(mode):
         n_params = sum(a.size for a in jax.tree.leaves(params))
         out = {}
         for norms in ("materialise", "auto", "ghost"):
-            cfg = from_flat({"instruments.config": names, "instruments.chunk": 4,
-                             "instruments.per_example": mode}).instruments
+            cfg = from_flat({"instruments.config": names, "instruments.chunk": 4, "instruments.per_example": mode,
+                             "instruments.norms": norms}).instruments  # the study setting reaches the program
             inst = for_model(cfg, model, loss_fn, lambda p, s, xb: s, total_steps=10)
-            inst = inst._replace(update=_with_norms(inst, norms))
 
             def step(s, p, inst=inst):
                 if inst.value_grad_and_tape is not None:
@@ -87,17 +86,6 @@ def test_norm_only_instruments_equal_the_materialised_path(mode):
             for k, v in out["materialise"].items():
                 np.testing.assert_allclose(out[norms][k], v, rtol=1e-10, atol=1e-14, err_msg=f"{norms} {k}")
         assert np.isfinite(out["auto"]["NormTest@0"]) and np.isfinite(out["auto"]["Alpha"])
-
-
-def _with_norms(inst, norms):
-    """``inst.update`` with ``layerwise.NORMS`` set to ``norms`` while it traces."""
-    def update(*a, **kw):
-        old, layerwise.NORMS = layerwise.NORMS, norms
-        try:
-            return inst.update(*a, **kw)
-        finally:
-            layerwise.NORMS = old
-    return update
 
 
 def test_make_norms_option_and_economy_still_forms_gradients():
@@ -189,3 +177,27 @@ def test_warm_started_hess_max_ev_needs_fewer_steps_to_the_same_tolerance():
         for v in (v0, v1):
             assert float(v["HessMaxEVResidual"]) <= tol
             assert abs(float(v["HessMaxEV"]) - exact) / exact <= float(v["HessMaxEVResidual"]) + 1e-13
+
+
+def test_hess_tol_and_norms_are_study_settings():
+    """``instruments.hess_tol`` reaches HessMaxEV through a study's config (a loose tolerance stops Lanczos
+    early, at a residual below it); bad values of either setting are one-line usage errors."""
+    from nondet_jax.errors import UsageError
+
+    with pytest.raises(UsageError, match="instruments.norms"):
+        from_flat({"instruments.config": "NormTest", "instruments.norms": "cheap"})
+    with pytest.raises(UsageError, match="instruments.hess_tol"):
+        from_flat({"instruments.config": "HessMaxEV", "instruments.hess_tol": -0.5})
+    with jax.enable_x64(True):
+        model = make_model("mlp", 3)
+        params, stats, (x, y, _) = _setup(model, 12, (6,))
+        loss_fn = _train_loss(model)
+        residual = {}
+        for tol in (0.0, 0.5):
+            cfg = from_flat({"instruments.config": "HessMaxEV", "instruments.hess_iters": 8,
+                             "instruments.hess_tol": tol}).instruments
+            inst = for_model(cfg, model, loss_fn, lambda p, s, xb: s, total_steps=10)
+            _, v = jax.jit(lambda s, p: inst.update(s, p, (x, y, None), step=0, context=stats))(inst.init(params), params)
+            residual[tol] = float(v["HessMaxEVResidual"])
+        assert residual[0.5] < 0.5
+        assert residual[0.0] < residual[0.5] / 10, residual

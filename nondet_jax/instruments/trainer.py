@@ -101,8 +101,8 @@ def for_model(cfg, model: nn.Module, train_loss: Callable, batch_stats_of: Calla
 
     inst = make(cfg.config, example_loss, schedule=schedule_for(cfg, total_steps), batch_loss_fn=batch_loss,
                 context_fn=lambda params, batch, stats: batch_stats_of(params, stats, batch[0]), chunk=cfg.chunk,
-                hess_iters=cfg.hess_iters, hess_probes=cfg.hess_probes,
-                batched_example_loss=batched_example_loss if layerwise else None)
+                hess_iters=cfg.hess_iters, hess_probes=cfg.hess_probes, hess_tol=cfg.hess_tol or None,
+                norms=cfg.norms, batched_example_loss=batched_example_loss if layerwise else None)
     if cfg.per_example == "frozen_bn" or not layerwise:
         return inst
     return inst._replace(value_grad_and_tape=functools.partial(train_pass_grad, train_loss))
