@@ -96,3 +96,24 @@ def test_unknown_dtype_is_a_usage_error():
 
     with pytest.raises(UsageError, match="model.dtype"):
         validate(from_flat({"model.dtype": "float16"}))
+
+
+@pytest.mark.parametrize("vendor, flags, kind", [
+    ("GenuineIntel", "fpu avx2 avx512f", "x86_64-avx512-intel"),
+    ("AuthenticAMD", "fpu avx2 avx512f", "x86_64-avx512-amd"),
+    ("HygonGenuine", "fpu avx2 avx512f", "x86_64-avx512"),
+    ("AuthenticAMD", "fpu avx2", "x86_64-avx2"),
+])
+def test_cpu_type_tells_avx512_vendors_apart_and_the_table_follows_their_measurements(monkeypatch, vendor, flags,
+                                                                                       kind):
+    """The two vendors' AVX-512 machines measured differently (docs/performance.md), so they are two types:
+    the Intel rule turns YNNPACK's convolutions off, the AMD one adds nothing, an unmeasured vendor gets nothing."""
+    monkeypatch.setattr(xla_flags.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(xla_flags, "_cpuinfo", lambda: {"vendor_id": vendor, "flags": flags})
+    assert xla_flags.cpu_type() == kind
+    expected = {"x86_64-avx512-intel": ["--xla_cpu_experimental_ynn_fusion_type=-individual_convolution"],
+                "x86_64-avx512-amd": [], "x86_64-avx512": [],
+                "x86_64-avx2": ["--xla_cpu_experimental_ynn_fusion_type="]}[kind]
+    assert xla_flags.cpu_defaults() == expected
+    env = {}
+    assert xla_flags.apply_cpu_defaults(env) == expected
