@@ -273,7 +273,9 @@ def test_non_finite_outputs_with_finite_losses_count_as_divergence(in_process, t
 
 
 # sweep.main with the signal handling of nondet_jax.signals installed first, as the CLI's main does
-SWEEP_WITH_SIGNALS = ("import sys; from nondet_jax import signals, sweep; signals.install(); "
+# the handlers first, then the heavy imports, as the console scripts do (nondet_jax.__main__.run_command): a
+# signal sent during the seconds of importing flax and JAX on a loaded machine must find them installed
+SWEEP_WITH_SIGNALS = ("import sys; from nondet_jax import signals; signals.install(); from nondet_jax import sweep; "
                       "sys.exit(sweep.main(sys.argv[1:]))")
 COMPILE_FOREVER = """
 import sys
