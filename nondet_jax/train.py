@@ -243,6 +243,7 @@ def _make_train(config: Config, spec: DataSpec, parts: Parts) -> TrainFns:
     unroll = scan_unroll(config.train.unroll, steps)
     inst, defer = None, False
     if config.instruments.config != "none":  # Cockpit's quantities, computed only at tracked steps
+        from nondet_jax.instruments.layerwise import LazyTape, Tape
         from nondet_jax.instruments.schedules import most_in_epoch
         from nondet_jax.instruments.trainer import defer_in_epoch, for_model
 
@@ -307,7 +308,6 @@ def _make_train(config: Config, spec: DataSpec, parts: Parts) -> TrainFns:
         return TrainState(params, bs, opt_state, state.health), (loss, acc)
 
     tape_calls = {}  # the recorded layers (static), from the trace of a deferred step
-    from nondet_jax.instruments.layerwise import LazyTape, Tape
 
     def measure(istate, seen: _Seen, tape=None):
         """The instruments' update for one step from what the step saw: ``(istate, values)``."""
