@@ -28,7 +28,7 @@ from pathlib import Path
 CHILD = r"""
 import sys, time
 t0 = float(sys.argv[1])
-from nondet_jax.sweep import enable_compile_cache
+from nondet_jax.cli.sweep import enable_compile_cache
 enable_compile_cache(sys.argv[2])
 import jax, jax.numpy as jnp
 from nondet_jax.config import from_flat

@@ -1,6 +1,6 @@
 """Simulated coverage of every interval nondet_jax prints, at R=4, 8 and 12 (nominal 95%).
 
-For each case of :data:`nondet_jax.coverage.CASES` (an interval, its method and a data model with a
+For each case of :data:`nondet_jax.analysis.coverage.CASES` (an interval, its method and a data model with a
 known true value), draws ``--trials`` seeded simulated studies per replica count and prints the
 fraction whose interval contains the truth. Writes benchmarks/results/coverage.json.
 
@@ -18,9 +18,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from nondet_jax import coverage  # noqa: E402
-from nondet_jax.stats import METHODS  # noqa: E402
-from nondet_jax.store import atomic_write_json  # noqa: E402
+from nondet_jax.analysis import coverage
+from nondet_jax.analysis.stats import METHODS
+from nondet_jax.store.io import atomic_write_json
 
 
 def percentile_bootstrap(statistic: str, replicas: int, trials: int, seed: int, resamples: int = 1000) -> float:

@@ -44,7 +44,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from nondet_jax.store import atomic_write_json  # noqa: E402
+
+from nondet_jax.store.io import atomic_write_json
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BATCH = 128

@@ -9,7 +9,7 @@ Three parts, each in its own processes (XLA flags are read when a backend starts
 2. **cost**: steady-state step time of ResNet-14 and ResNet-18 (CIFAR stem) at batch 128 and
    512 on synthetic 32x32x3 images, once in a process with the determinism flags on and once
    with them off; the ratio is the price of determinism. Skipped on CPU (the flags are GPU flags).
-3. **audit**: ``python -m nondet_jax.audit`` on ResNet-14: N steps twice, per-tensor ulp
+3. **audit**: ``python -m nondet_jax audit`` on ResNet-14: N steps twice, per-tensor ulp
    differences, with the default flags and with determinism on.
 
 Usage (about 6-8 minutes on one H200; ``--quick`` for a smoke run anywhere)::
@@ -96,7 +96,11 @@ def timing_child(steps: int) -> None:
 
 
 def part_cost(quick: bool) -> dict:
-    from nondet_jax.determinism import DETERMINISM_OFF, DETERMINISM_ON, with_flags
+    from nondet_jax.machine.determinism import (
+        DETERMINISM_OFF,
+        DETERMINISM_ON,
+        with_flags,
+    )
 
     steps = "3" if quick else "20"
     res = {}
@@ -113,7 +117,7 @@ def part_cost(quick: bool) -> dict:
 
 def part_audit(quick: bool, tmp: Path) -> dict:
     out = tmp / "audit.json"
-    proc = sh(["-m", "nondet_jax.audit", "--steps", "2" if quick else "5", "--model", "resnet14", "--json", str(out)])
+    proc = sh(["-m", "nondet_jax", "audit", "--steps", "2" if quick else "5", "--model", "resnet14", "--json", str(out)])
     if not out.exists():
         return {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1], "exit_status": proc.returncode}
     runs = json.loads(out.read_text())["runs"]
@@ -138,8 +142,8 @@ def main() -> int:
         return 0
     import jax
 
-    from nondet_jax.determinism import NONDETERMINISTIC_BACKENDS, environment
-    from nondet_jax.store import atomic_write_json
+    from nondet_jax.machine.determinism import NONDETERMINISTIC_BACKENDS, environment
+    from nondet_jax.store.io import atomic_write_json
 
     backend = jax.default_backend()
     result: dict = {"environment": environment(), "quick": args.quick, "skipped": {}}

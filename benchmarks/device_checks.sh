@@ -14,7 +14,7 @@
 #                                    `python benchmarks/vmap_convs.py --table-from <its json>` makes it
 #                                    the GPU table in nondet_jax/measured.json
 #     2. benchmarks/gpu_bench.py     whole training steps: sequential, vmap with each formulation forced,
-#                                    float32 and bfloat16, R = 16 then 64 (issue 6's and 16's GPU tables)
+#                                    float32 and bfloat16, R = 16 then 64 (docs/benchmarks.md's GPU tables)
 #     3. gpu_flags                   sequential R=1 ResNet-14 steps (the small programs) under XLA GPU flag sets
 #                                    for small programs (command buffers incl. cuDNN convolutions, autotune
 #                                    level), one process per set (an unknown flag fails its set only)

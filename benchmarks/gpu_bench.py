@@ -10,9 +10,9 @@ and writes the JSON after every one, so a cut-short run still leaves its rows)::
       sequential  R = 1               jit(train_epoch); a loop over replicas runs this program R
                                       times, so its replica-images/s does not depend on R
       sharded     R = 16              jit(shard_map(vmap(train_epoch))) over a 1-device mesh
-                                      (nondet_jax.sharding.programs): the overhead of the mesh
+                                      (nondet_jax.replicas.sharded.programs): the overhead of the mesh
       vmap_<form> R in 16, 64         vmap with every replica-batched conv (forward and both
-                                      gradients) computed by one formulation of nondet_jax.convs
+                                      gradients) computed by one formulation of nondet_jax.models.convs
                                       (grouped, map, im2col, shifted), whatever the table says;
                                       plain ``vmap`` follows the measured table
 
@@ -55,8 +55,8 @@ import time
 import traceback
 from pathlib import Path
 
-from nondet_jax.convs import FORMULATIONS, forced
-from nondet_jax.store import atomic_write_json
+from nondet_jax.models.convs import FORMULATIONS, forced
+from nondet_jax.store.io import atomic_write_json
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CLASSES = 10
@@ -108,7 +108,7 @@ def measure(cfg: dict, batch: int, steps: int, epochs: int, sharded_devices: int
     from jax.sharding import PartitionSpec as P
 
     from nondet_jax.config import from_flat
-    from nondet_jax.sharding import AXIS, programs
+    from nondet_jax.replicas.sharded import AXIS, programs
     from nondet_jax.sources import arm_keys, arm_sources, perturbations
     from nondet_jax.train import DataSpec, make_train
 
@@ -201,8 +201,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.quick:  # a smoke test: compile time dominates on CPU
         jax.config.update("jax_disable_most_optimizations", True)
-    from nondet_jax.determinism import environment
-    from nondet_jax.sharding import programs
+    from nondet_jax.machine.determinism import environment
+    from nondet_jax.replicas.sharded import programs
 
     replicas = [int(v) for v in args.replicas.split(",")]
     configs = grid(args.models.split(","), args.dtypes.split(","), replicas, args.strategies.split(","))

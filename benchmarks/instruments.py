@@ -37,24 +37,22 @@ from nondet_jax import instruments
 from nondet_jax.config import from_flat
 from nondet_jax.data import load_dataset
 from nondet_jax.sources import arm_keys, arm_sources, perturbations, replica_slice
-from nondet_jax import train as train_mod
+from nondet_jax.store.io import atomic_write_json
 from nondet_jax.train import DataSpec, make_train
-from nondet_jax.store import atomic_write_json  # noqa: E402
 
 CONFIGS = ("economy", "business", "full")
 EVERY = (1, 16)
 MODES = ("train_pass", "frozen_bn")  # instruments.per_example
-TARGETS = {"economy": 1.3, "business": 1.8, "full": 6.0}  # every step (issue 17)
+TARGETS = {"economy": 1.3, "business": 1.8, "full": 6.0}  # every step
 TARGETS_EVERY16 = {"economy": 1.1}
 # --configs items besides economy/business/full: quantity lists ("+"-joined, or these names), and an
 # "@materialise" / "@ghost" / "@auto" suffix: that variant with instruments.norms set so (the norm-only
-# path off, or ghost on every layer); "@before": the norm-only path off and Alpha's train_pass projections
-# straight-line (core.END_LOOP off), the code paths before issue 17, side by side with the new ones.
+# path off, or ghost on every layer).
 ALIASES = {"norms": "Alpha+Distance+GradNorm+InnerTest+Loss+NormTest+OrthoTest+UpdateSize"}  # economy - GradHist1d
 
 
 def config_of(item: str) -> tuple[str, str | None]:
-    """(instruments.config value, the instruments.norms suffix or "before" or None) of a --configs item."""
+    """(instruments.config value, the instruments.norms suffix or None) of a --configs item."""
     name, _, norms = item.partition("@")
     return ALIASES.get(name, name).replace("+", ","), norms or None
 
@@ -92,21 +90,14 @@ def bench_workload(name: str, quick: bool, rounds: int, log, breakdown_ok=lambda
     n, b = len(x_np), 128
     varied = arm_sources("init")
     keys, perturb = replica_slice(arm_keys(0, varied, 1), 0), perturbations(varied)
-    from nondet_jax.instruments import core
-
     variants = {"off": ({}, 1)}
-    norms_of = {}
     for m in modes:
         for c in configs:
             for k in everies:
-                value, norms = norms_of[f"{m}/{c}/every{k}"] = config_of(c)
+                value, norms = config_of(c)
                 flat = {"instruments.config": value, "instruments.every": k, "instruments.per_example": m}
                 if norms:
-                    flat["instruments.norms"] = "materialise" if norms == "before" else norms
-                if norms == "before":
-                    # make_train is cached by config: a key the linear schedule ignores keeps this variant's
-                    # program (traced with core.END_LOOP off) apart from the @materialise one
-                    flat["instruments.log_points"] = 51
+                    flat["instruments.norms"] = norms
                 variants[f"{m}/{c}/every{k}"] = (flat, k)
     block1 = 2 if (quick and model == "resnet14") else 4
     progs, states, compile_s = {}, {}, {}
@@ -114,13 +105,7 @@ def bench_workload(name: str, quick: bool, rounds: int, log, breakdown_ok=lambda
         fns, step_fn = make_step(model, spec, flat)
         state = jax.jit(fns.init)(keys, perturb, x[:1])
         t0 = time.perf_counter()
-        # the code paths before issue 17: norms materialised (in its config) and Alpha's projections
-        # straight-line (core.END_LOOP, read while tracing)
-        core.END_LOOP = norms_of.get(v, (None, None))[1] != "before"
-        try:
-            state, _ = run_block(step_fn, state, x, y, keys, perturb, 0, 2, n, b)  # compile, a tracked + an end step
-        finally:
-            core.END_LOOP = True
+        state, _ = run_block(step_fn, state, x, y, keys, perturb, 0, 2, n, b)  # compile, a tracked + an end step
         compile_s[v] = time.perf_counter() - t0
         progs[v], states[v] = step_fn, state
         log(f"  {name} {v}: compiled + 2 steps in {compile_s[v]:.1f} s")
@@ -251,7 +236,7 @@ def pass_timing(rounds: int, log) -> dict:
 
 
 def kernel_timing(rounds: int, log) -> dict:
-    """Issue 17's measured choices, on ResNet-8 / digits (batch 128, chunk 32, the training pass's tape):
+    """The measured per-example norm choices, on ResNet-8 / digits (batch 128, chunk 32, the training pass's tape):
 
     * per layer, the squared per-example gradient norms by the ghost identity against forming the
       layer's per-example weight gradient (the rule of ``layerwise.ghost_is_cheaper``);
@@ -345,22 +330,16 @@ def epoch_timing(variants: list[tuple[str, dict]], log, rounds: int = 16, worklo
     res, progs, states = {}, {}, {}
     for label, flat in variants:
         flat = dict(flat)
-        sparse = flat.pop("sparse", "on") != "off"  # "sparse:off": every step's tape kept (the path before)
         cfg = from_flat({"model.name": model, "train.batch_size": 128, **flat})
         fns = make_train(cfg, spec)
         state = jax.jit(fns.init)(keys, perturb, x[:1])
         t0 = time.perf_counter()
-        train_mod.SPARSE_DEFER = sparse  # read while tracing
-        try:
-            # a fresh function to trace: make_train is cached per config, and so would be jit's trace
-            lowered = jax.jit(lambda *a: fns.train_epoch(*a)).lower(state, x, y, keys, perturb, jnp.int32(0))
-        finally:
-            train_mod.SPARSE_DEFER = True
+        lowered = jax.jit(fns.train_epoch).lower(state, x, y, keys, perturb, jnp.int32(0))
         t1 = time.perf_counter()
         progs[label] = lowered.compile()
         t2 = time.perf_counter()
         states[label] = state
-        res[label] = {"overrides": flat, "sparse_defer": sparse, "steps": fns.steps_per_epoch, "unroll": fns.unroll, "lower_s": t1 - t0,
+        res[label] = {"overrides": flat, "steps": fns.steps_per_epoch, "unroll": fns.unroll, "lower_s": t1 - t0,
                       "compile_s": t2 - t1, "epoch_s": []}
         log(f"  {label:24s} lower {t1 - t0:6.1f} s  compile {t2 - t1:7.1f} s  ({fns.steps_per_epoch} steps, "
             f"unroll {fns.unroll})")
@@ -386,7 +365,7 @@ def epoch_timing(variants: list[tuple[str, dict]], log, rounds: int = 16, worklo
 
 
 def main(argv=None):
-    from nondet_jax.memory import release_compiled
+    from nondet_jax.study.memory import release_compiled
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds and steps (about 10 minutes on 2 CPU cores)")
@@ -399,8 +378,7 @@ def main(argv=None):
     ap.add_argument("--configs", default=",".join(CONFIGS),
                     help="configurations to time: economy/business/full, quantities joined by '+', or 'norms' "
                          "(economy without GradHist1d); an '@materialise' or '@ghost' suffix builds the variant "
-                         "with that norm-only mode, '@before' with the code paths before issue 17 "
-                         "(e.g. norms,norms@before)")
+                         "with that norm-only mode (e.g. norms,norms@materialise)")
     ap.add_argument("--every", default=",".join(map(str, EVERY)), help="schedules to time: track every k steps")
     ap.add_argument("--modes", default=",".join(MODES), help="instruments.per_example modes to time")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the per-quantity breakdown")
@@ -411,11 +389,10 @@ def main(argv=None):
                     help="only time the program a study runs, one epoch (jit(train_epoch)) per variant: compile "
                          "time, then --rounds (default 16) interleaved epochs; VARIANTS: comma list of "
                          "label=key:value;key:value, the first the baseline (e.g. 'off=,economy=instruments.config:economy'; "
-                         "instruments.config takes the --configs spelling, e.g. norms or NormTest+Alpha; sparse:off keeps every "
-                         "step's tape as before the sparse deferred epoch); "
+                         "instruments.config takes the --configs spelling, e.g. norms or NormTest+Alpha); "
                          "workload: the first of --workloads; writes benchmarks/results/instruments_epoch.json")
     ap.add_argument("--kernel-timing", action="store_true",
-                    help="only time issue 17's choices (ghost vs materialised norms per layer, the norm-only pass, "
+                    help="only time the per-example norm choices (ghost vs materialised norms per layer, the norm-only pass, "
                          "GradHist2d's counting); writes benchmarks/results/instruments_kernels.json")
     args = ap.parse_args(argv)
     if args.kernel_timing:

@@ -1,5 +1,5 @@
 """Memory mappings held by one process running several studies in a row, with and without
-:func:`nondet_jax.memory.release_compiled` after each.
+:func:`nondet_jax.study.memory.release_compiled` after each.
 
     python benchmarks/map_count.py [--studies 6] [--model mlp] [--out benchmarks/results/map_count.json]
 
@@ -21,9 +21,9 @@ from pathlib import Path
 CHILD = r"""
 import json, sys, tempfile
 import jax
-from nondet_jax import memory
+from nondet_jax.study import memory
 from nondet_jax.config import from_flat
-from nondet_jax.sweep import run
+from nondet_jax.study.runner import run
 
 release, studies, model = sys.argv[1] == "release", int(sys.argv[2]), sys.argv[3]
 counts = [memory.map_count()]
@@ -45,7 +45,7 @@ def main() -> None:
     p.add_argument("--model", default="mlp")
     p.add_argument("--out")
     args = p.parse_args()
-    from nondet_jax.memory import max_map_count
+    from nondet_jax.study.memory import max_map_count
 
     rows = {}
     for mode in ("keep", "release"):

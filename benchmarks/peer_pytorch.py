@@ -9,8 +9,8 @@ ResNet-14 written here (same layers, He fan-out init, BatchNorm eps 1e-5 / momen
 What is timed
 -------------
 Every measurement runs in its own child process (XLA flags and the host device count are read
-when the backend starts). A jax child trains with ``nondet_jax.replicas.run_replicas`` (or
-``nondet_jax.sharding.run_sharded``) on one 128-image batch per epoch, so one epoch is one
+when the backend starts). A jax child trains with ``nondet_jax.replicas.choice.run_replicas`` (or
+``nondet_jax.replicas.sharded.run_sharded``) on one 128-image batch per epoch, so one epoch is one
 training step (the library's ``steps == 1`` path: no scan), ``--steps`` + 1 epochs; the first
 holds the compilation and is dropped. The ``progress`` callback timestamps each program call
 (sequential: one replica-epoch; vmap: all R; sharded: one round), giving one rate per call:
@@ -65,7 +65,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from convs import kernel_conv, matmul_conv  # noqa: E402  (benchmarks/convs.py)
-from nondet_jax.store import atomic_write_json  # noqa: E402
+
+from nondet_jax.store.io import atomic_write_json
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BATCH = 128
@@ -194,14 +195,14 @@ def patch_conv(kind: str) -> None:
 
         from nondet_jax.models.common import conv_init
 
-        resnet.conv_bn = lambda train, m: (partial(nn.Conv, use_bias=False, kernel_init=conv_init),
-                                           conv_bn(train, m)[1])
+        resnet.conv_bn = lambda train, m, dtype=None: (
+            partial(nn.Conv, use_bias=False, kernel_init=conv_init, dtype=dtype), conv_bn(train, m, dtype)[1])
         return
     # matmul: kh*kw shifted slices of the SAME-padded input, one dot_general each
     VariantConv = kernel_conv(nchw_conv if kind == "nchw" else matmul_conv)
 
-    def variant_conv_bn(train, bn_momentum):
-        _, norm = conv_bn(train, bn_momentum)
+    def variant_conv_bn(train, bn_momentum, dtype=None):  # the signature of models.common.conv_bn
+        _, norm = conv_bn(train, bn_momentum, dtype)
         return partial(VariantConv), norm
 
     resnet.conv_bn = variant_conv_bn
@@ -236,10 +237,10 @@ def jax_child(settings: dict, steps: int) -> dict:
 
     t0 = time.perf_counter()
     if settings["strategy"] == "sharded":
-        from nondet_jax.sharding import run_sharded
+        from nondet_jax.replicas.sharded import run_sharded
         result = run_sharded(fns, keys, perturb, data, epochs, progress, inner=settings["inner"])
     else:
-        from nondet_jax.replicas import run_replicas
+        from nondet_jax.replicas.choice import run_replicas
         result = run_replicas(fns, keys, perturb, data, epochs, settings["strategy"], progress)
     wall = time.perf_counter() - t0
     dt = np.diff([t0] + stamps)

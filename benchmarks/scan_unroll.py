@@ -68,7 +68,7 @@ def main() -> int:
         print(f"{name:<8} {r['unroll']:>6} {r['compile_s']:>10.1f} {r['steady_epoch_s']:>15.3f}")
     ratio = rows["rolled"]["steady_epoch_s"] / rows["auto"]["steady_epoch_s"]
     print(f"rolled / auto steady epoch time: {ratio:.1f}x ({rows['auto']['backend']})")
-    from nondet_jax.store import atomic_write_json
+    from nondet_jax.store.io import atomic_write_json
 
     atomic_write_json(Path(args.out), {"rows": rows, "ratio_rolled_over_auto": ratio})
     return 0

@@ -1,5 +1,5 @@
 """How long a process takes to leave after SIGINT / SIGTERM arrives during an XLA compilation,
-with and without :func:`nondet_jax.signals.install`.
+with and without :func:`nondet_jax.machine.signals.install`.
 
     python benchmarks/signal_latency.py [--modes on,off] [--ops 3000] [--delay 2] [--limit 600]
 
@@ -22,7 +22,7 @@ import time
 CHILD = r"""
 import sys
 if sys.argv[1] == "on":
-    from nondet_jax import signals
+    from nondet_jax.machine import signals
     signals.install()
 import jax, jax.numpy as jnp
 def f(x):

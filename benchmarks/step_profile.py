@@ -99,8 +99,8 @@ def profile_jax(steps: int, conv: str, top: int) -> dict:
         import flax.linen as nn
 
         from nondet_jax.models.common import conv_bn, conv_init
-        resnet.conv_bn = lambda train, m: (partial(nn.Conv, use_bias=False, kernel_init=conv_init),
-                                           conv_bn(train, m)[1])
+        resnet.conv_bn = lambda train, m, dtype=None: (
+            partial(nn.Conv, use_bias=False, kernel_init=conv_init, dtype=dtype), conv_bn(train, m, dtype)[1])
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((BATCH, 32, 32, 3), dtype=np.float32))
     y = jnp.asarray(rng.integers(0, CLASSES, BATCH).astype(np.int32))

@@ -1,9 +1,9 @@
-"""Replica-batched convolutions: each formulation of nondet_jax.convs per conv shape, per role.
+"""Replica-batched convolutions: each formulation of nondet_jax.models.convs per conv shape, per role.
 
 For every distinct convolution of the models given (traced from ``model.apply`` at the batch and
 image size given: input shape, kernel, stride, padding), and each role (``fwd`` the forward,
 ``lhs`` the input gradient, ``rhs`` the weight gradient), times each formulation
-(``nondet_jax.convs.FORMULATIONS``: grouped = what ``vmap`` does by itself, map, im2col, shifted)
+(``nondet_jax.models.convs.FORMULATIONS``: grouped = what ``vmap`` does by itself, map, im2col, shifted)
 on R replicas' operands (random, float32 or the dtype given): one jitted call, ``--reps`` timed
 calls after one warm-up, median milliseconds. The JSON is rewritten after every row, so a run cut
 short keeps what it measured; ``--budget-s`` stops starting new shapes after that many seconds.
@@ -35,8 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nondet_jax import convs
-from nondet_jax.store import atomic_write_json
+from nondet_jax.models import convs
+from nondet_jax.store.io import atomic_write_json
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -134,7 +134,7 @@ def best_per_family(rows: list[dict], min_gain: float) -> dict[str, str]:
 
 
 def write_table(record: dict, choices: dict, min_gain: float, out_path: Path) -> None:
-    from nondet_jax.measured import PATH, _backend_key
+    from nondet_jax.machine.measured import PATH, _backend_key
 
     tables = json.loads(PATH.read_text())
     tables["vmap_conv"][_backend_key(record["backend"])] = {

@@ -33,8 +33,9 @@ def train_arm_curves(config, data, fns, arm: str) -> dict:
     """Per-epoch pairwise disagreement, CKA and weight distance of one arm's replicas."""
     import jax.numpy as jnp
 
-    from nondet_jax import metrics as M
-    from nondet_jax.replicas import make_strategy, resolve_strategy, train_replicas
+    from nondet_jax.analysis import metrics as M
+    from nondet_jax.replicas.choice import make_strategy, resolve_strategy
+    from nondet_jax.replicas.loop import train_replicas
     from nondet_jax.sources import arm_keys, arm_sources, perturbations
 
     study = config.study
@@ -63,7 +64,7 @@ def train_arm_curves(config, data, fns, arm: str) -> dict:
 
 def run(epochs: int | None, out: Path) -> dict:
     from nondet_jax import config as cfg
-    from nondet_jax.sweep import prepare
+    from nondet_jax.study.prepare import prepare
 
     flat = cfg.load_file(PRESET)
     if epochs:
@@ -79,7 +80,7 @@ def run(epochs: int | None, out: Path) -> dict:
         print(f"training {arm} ({config.study.replicas} replicas, {config.train.epochs} epochs)", flush=True)
         result["arms"][arm] = train_arm_curves(config, data, fns, arm)
         out.parent.mkdir(parents=True, exist_ok=True)
-        from nondet_jax.store import atomic_write_json
+        from nondet_jax.store.io import atomic_write_json
 
         atomic_write_json(out, result)
     return result
@@ -87,7 +88,7 @@ def run(epochs: int | None, out: Path) -> dict:
 
 def table(result: dict) -> str:
     """Mean over pairs at a few epochs, with a 95% replica-jackknife t interval at the last one."""
-    from nondet_jax.stats import pairwise_mean_ci
+    from nondet_jax.analysis.stats import pairwise_mean_ci
 
     arms = result["arms"]
     last = min(len(a["epoch"]) for a in arms.values()) - 1

@@ -22,7 +22,7 @@ Run ``python experiments/instruments_showcase.py [out.png]`` (default docs/instr
 
 from __future__ import annotations
 
-import sys
+import argparse
 from pathlib import Path
 
 import jax
@@ -31,8 +31,8 @@ import numpy as np
 
 from nondet_jax.config import from_flat
 from nondet_jax.data import load_dataset
-from nondet_jax.sources import arm_keys, arm_sources, perturbations, replica_slice
 from nondet_jax.data.pipeline import epoch_indices
+from nondet_jax.sources import arm_keys, arm_sources, perturbations, replica_slice
 from nondet_jax.train import DataSpec, epoch_metrics, make_train
 
 LRS = {"too small": 0.003, "good": 0.1, "large": 1.6}
@@ -116,8 +116,9 @@ def figure(results: dict, path: Path) -> None:
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    out = Path(argv[0] if argv else "docs/instruments_showcase.png")
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out", nargs="?", type=Path, default=Path("docs/instruments_showcase.png"), help="figure path")
+    out = p.parse_args(argv).out
     data = load_dataset("digits")
     results = {}
     for name, lr in LRS.items():

@@ -16,7 +16,7 @@ import importlib
 __version__ = "0.1.0"
 
 _API = {"run_study": "nondet_jax.api", "replicate": "nondet_jax.api", "StudyResult": "nondet_jax.api",
-        "Parts": "nondet_jax.parts", "Config": "nondet_jax.config", "UsageError": "nondet_jax.errors"}
+        "Parts": "nondet_jax.models.parts", "Config": "nondet_jax.config", "UsageError": "nondet_jax.errors"}
 __all__ = [*_API, "metrics", "stats"]
 
 
@@ -25,5 +25,5 @@ def __getattr__(name: str):
     if name in _API:
         return getattr(importlib.import_module(_API[name]), name)
     if name in ("metrics", "stats"):
-        return importlib.import_module(f"nondet_jax.{name}")
+        return importlib.import_module(f"nondet_jax.analysis.{name}")
     raise AttributeError(f"module 'nondet_jax' has no attribute {name!r}")

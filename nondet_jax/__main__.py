@@ -1,62 +1,11 @@
-"""``python -m nondet_jax COMMAND ...`` (console script ``nondet-jax``): one entry for every command.
-
-Commands: ``sweep`` (train a study), ``report`` (rebuild a run folder's report), ``audit`` (is
-training bitwise reproducible here?), and ``compare`` when the installed version has it.
-"""
+"""``python -m nondet_jax COMMAND ...`` (console script ``nondet-jax``) and the per-command console
+scripts; the commands live in :mod:`nondet_jax.cli`."""
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import os
 import sys
 
-COMMANDS = {"sweep": "train R replicas per arm and write a run folder (the default study: no arguments)",
-            "report": "rebuild the report of a run folder from its stored results",
-            "audit": "is training bitwise reproducible on this machine? a per-tensor answer",
-            "compare": "compare two studies or methods"}
-
-
-def prog_name(module: str, script: str) -> str:
-    """How the user called a command, for usage lines: the console script's name, else ``python -m module``."""
-    return script if os.path.basename(sys.argv[0] or "") == script else f"python -m {module}"
-
-
-def available() -> dict[str, str]:
-    # compare is written separately: offered only where its module is installed (imported lazily).
-    return {c: h for c, h in COMMANDS.items() if importlib.util.find_spec(f"nondet_jax.{c}") is not None}
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    prog = prog_name("nondet_jax", "nondet-jax")
-    commands = available()
-    if not argv or argv[0] in ("-h", "--help"):
-        print(f"usage: {prog} COMMAND [options]   ({prog} COMMAND --help for each)\n\ncommands:")
-        for c, h in commands.items():
-            print(f"  {c:<8} {h}")
-        return 0 if argv else 2
-    command, rest = argv[0], argv[1:]
-    if command not in commands:
-        print(f"{prog}: error: unknown command '{command}'; choose one of: {', '.join(commands)}", file=sys.stderr)
-        return 2
-    return run_command(command, rest, f"{prog} {command}")
-
-
-INTERRUPTED = {"sweep": None,  # signals.MESSAGE: finished arms are kept, rerun to resume
-               "report": "interrupted: rerun the same command to rebuild the report",
-               "audit": "interrupted: nothing was written; rerun the same command",
-               "compare": "interrupted: nothing was written; rerun the same command"}
-
-
-def run_command(command: str, argv: list[str] | None = None, prog: str | None = None) -> int:
-    """Run a command's ``main`` with SIGINT/SIGTERM handled (one line, exit 130/143, even while XLA
-    compiles; see :mod:`nondet_jax.signals`)."""
-    from nondet_jax import signals
-
-    signals.install(INTERRUPTED.get(command) or signals.MESSAGE)
-    module = importlib.import_module(f"nondet_jax.{command}")
-    return module.main(argv, prog=prog) if prog else module.main(argv)
+from nondet_jax.cli import main, run_command
 
 
 def sweep() -> int:  # console scripts: nondet-jax-sweep, nondet-jax-report, nondet-jax-audit, nondet-jax-compare
@@ -74,6 +23,8 @@ def audit() -> int:
 def compare() -> int:
     return run_command("compare")
 
+
+__all__ = ["main", "run_command", "sweep", "report", "audit", "compare"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,4 +1,4 @@
-"""The public API's first two levels (the third is :mod:`nondet_jax.metrics` and :mod:`nondet_jax.stats`).
+"""The public API's first two levels (the third is :mod:`nondet_jax.analysis.metrics` and :mod:`nondet_jax.analysis.stats`).
 
 * :func:`run_study`: a whole study on your own model, data, optimiser, loss and augmentation,
   through the same study core, run folder, resume and report as ``python -m nondet_jax sweep``.
@@ -10,13 +10,24 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from nondet_jax import config as cfg
+from nondet_jax.data import ARRAY_NAMES, DATASETS, Dataset, from_arrays
 from nondet_jax.errors import UsageError
+from nondet_jax.models.parts import Parts, label_of
+from nondet_jax.replicas.choice import resolve_strategy
+from nondet_jax.report.summary import arm_rows, replica_rows
+from nondet_jax.sources import arm_keys, parse_arm, replica_slice
+from nondet_jax.store.paths import RunPaths
+from nondet_jax.study import runner
+from nondet_jax.study.prepare import default_out
 
 DEFAULT_ARMS = ("control", "init", "all")
 
@@ -36,8 +47,6 @@ class StudyResult:
     """
 
     def __init__(self, out: Path, summary: dict):
-        from nondet_jax.report import arm_rows, replica_rows
-        from nondet_jax.store import RunPaths
 
         self.out = Path(out)
         self._paths = RunPaths(out)
@@ -49,7 +58,6 @@ class StudyResult:
                                   list(summary["arms"]))
 
     def _record(self, arm: str) -> dict:
-        import json
 
         return json.loads(self._paths.arm_file("arms", arm).read_text())
 
@@ -86,8 +94,6 @@ class _LazyArrays(dict):
 
 def _dataset(data) -> tuple[Any, str | None]:
     """(Dataset or None, data.name): arrays, a Dataset, a catalogue name or a .npz path."""
-    from nondet_jax.data import ARRAY_NAMES, Dataset, from_arrays
-
     if data is None:
         return None, None
     if isinstance(data, (str, Path)):
@@ -107,7 +113,6 @@ def _dataset(data) -> tuple[Any, str | None]:
 
 
 def _catalogue_data() -> tuple[str, ...]:
-    from nondet_jax.data import DATASETS
 
     return DATASETS
 
@@ -128,8 +133,6 @@ def study_config(*, model=None, data_name: str | None = None, optimizer=None, ep
                  seed: int = 0, strategy: str = "auto", settings: dict | None = None,
                  base: cfg.Config | None = None) -> cfg.Config:
     """The :class:`~nondet_jax.config.Config` a :func:`run_study` call stands for."""
-    from nondet_jax.parts import label_of
-
     flat: dict[str, Any] = {"study.arms": arms, "study.replicas": replicas, "study.seed": seed,
                             "study.strategy": strategy}
     if isinstance(model, str):
@@ -185,21 +188,18 @@ def run_study(model=None, data=None, optimizer=None, loss: Callable | None = Non
         result = nj.run_study(model=MyCNN, data=(x_tr, y_tr, x_te, y_te), optimizer=optax.adam(1e-3),
                               epochs=3, batch_size=64, arms="control,init,all", replicas=3, out="runs/mine")
     """
-    from nondet_jax import study
-    from nondet_jax.parts import Parts
-
     dataset, data_name = _dataset(data)
     config = study_config(model=model, data_name=data_name, optimizer=optimizer, epochs=epochs,
                           batch_size=batch_size, arms=arms, replicas=replicas, seed=seed, strategy=strategy,
                           settings=settings, base=config)
     parts = Parts(model=None if model is None or isinstance(model, str) else model, optimizer=optimizer,
                   loss=loss, augment=augment, features=features)
-    out = Path(out) if out is not None else study.default_out(config)
+    out = Path(out) if out is not None else default_out(config)
     try:
-        summary = study.run(config, out, progress=progress, log=log, parts=parts, data=dataset,
+        summary = runner.run(config, out, progress=progress, log=log, parts=parts, data=dataset,
                             command=f"nondet_jax.run_study(model={config.model.name}, data={config.data.name}, ...)")
     finally:  # a notebook running study after study must not pile up compiled programs
-        from nondet_jax.memory import release_compiled
+        from nondet_jax.study.memory import release_compiled
 
         release_compiled()
     return StudyResult(out, summary)
@@ -230,11 +230,7 @@ def replicate(init: Callable, step: Callable, batches=None, *, steps: int | None
     Returns:
       ``{arm: state}``, every leaf with a leading replica axis R.
     """
-    import jax
-    import jax.numpy as jnp
 
-    from nondet_jax.replicas import resolve_strategy
-    from nondet_jax.sources import arm_keys, parse_arm, replica_slice
 
     arm_list = [a.strip() for a in arms.split(",") if a.strip()] if isinstance(arms, str) else list(arms)
     parsed = [parse_arm(a) for a in arm_list]

@@ -16,7 +16,12 @@ from typing import Any
 
 import yaml
 
-from nondet_jax.errors import UsageError  # re-exported: ``config.UsageError`` stays importable
+from nondet_jax import models, sources
+from nondet_jax.data import DATASETS, NEEDS_TRAIN_CAP
+from nondet_jax.errors import (
+    UsageError,  # re-exported: ``config.UsageError`` stays importable
+)
+from nondet_jax.instruments import configurations
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +76,7 @@ class StudyConfig:
     strategy: str = "auto"  # auto | vmap | sequential | sharded
     xla_determinism: bool = True  # CLI: XLA's determinism flags on (hardware arms run without them)
     hardware_processes: str = "replica"  # hardware arms: one fresh process per replica, caches off | "arm": one child
-    dynamics_every: int = 0  # > 0: trace replicas 0 and 1 of each arm every k steps (nondet_jax.dynamics)
+    dynamics_every: int = 0  # > 0: trace replicas 0 and 1 of each arm every k steps (nondet_jax.analysis.dynamics)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +85,7 @@ class MetricsConfig:
     lmc_pairs: int = 3  # disjoint replica pairs whose LMC barrier is measured (0 = none)
     lmc_points: int = 11  # interpolation points from one endpoint to the other
     bn_examples: int = 2048  # training examples that BatchNorm statistics are recomputed on
-    tta: tuple[str, ...] = ()  # test-time augmentation view sets evaluated per arm (nondet_jax.tta), e.g. flip,crop5
+    tta: tuple[str, ...] = ()  # test-time augmentation view sets evaluated per arm (nondet_jax.analysis.tta), e.g. flip,crop5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,7 +313,6 @@ def arm_config(config: Config, arm) -> Config:
 def validate(config: Config) -> None:
     """Check values that do not depend on the data set; raise UsageError naming the fix."""
     # Imported here: models and sources import nothing from config, config names their registries.
-    from nondet_jax import models, sources
 
     m, d, o, t, s = config.model, config.data, config.optim, config.train, config.study
     _validate_numbers(config)
@@ -321,7 +325,6 @@ def validate(config: Config) -> None:
         raise UsageError(f"dropout rate must be in [0, 1), got {m.dropout}; fix --set model.dropout")
     if m.dtype not in models.PRECISIONS:
         raise UsageError(f"unknown model dtype '{m.dtype}'; use --set model.dtype=float32 or bfloat16")
-    from nondet_jax.data import DATASETS
 
     if d.name not in DATASETS and not d.name.endswith(".npz") and not d.name.startswith(ARRAYS_PREFIX):
         raise UsageError(f"unknown dataset '{d.name}'; choose one of: {', '.join(DATASETS)}, or your own arrays as "
@@ -337,7 +340,6 @@ def validate(config: Config) -> None:
                          "(0 = default / all); fix the value")
     if d.name == "digits" and (d.image_size not in (0, 8) or d.max_train_examples or d.max_test_examples):
         raise UsageError("data.image_size and data.max_*_examples apply to TFDS data sets, not digits; leave them at 0")
-    from nondet_jax.data import NEEDS_TRAIN_CAP
 
     if d.name in NEEDS_TRAIN_CAP and d.max_train_examples == 0:
         raise UsageError(f"{d.name}'s training split does not fit in memory; set a subset size with "
@@ -422,7 +424,6 @@ def _validate_numbers(config: Config) -> None:
 
 
 def _validate_instruments(config: Config) -> None:
-    from nondet_jax.instruments import configurations
 
     ic, o = config.instruments, config.optim
     try:

@@ -33,11 +33,16 @@ import numpy as np
 import optax
 
 from nondet_jax.config import Config, OptimConfig, StudyConfig
-from nondet_jax.errors import UsageError
 from nondet_jax.data import AUGMENT_BY_DEFAULT, FLIP_BY_DEFAULT
-from nondet_jax.data.pipeline import augment, batch_permutation, default_crop_padding, epoch_indices
+from nondet_jax.data.pipeline import (
+    augment,
+    batch_permutation,
+    default_crop_padding,
+    epoch_indices,
+)
+from nondet_jax.errors import UsageError
 from nondet_jax.models import MODELS, compute_dtype
-from nondet_jax.parts import Parts, model_fns
+from nondet_jax.models.parts import Parts, model_fns
 from nondet_jax.sources import Perturbations, ReplicaKeys, bitflip
 
 # XLA:CPU runs convolutions inside a while-loop body on a much slower path than straight-line
@@ -45,10 +50,6 @@ from nondet_jax.sources import Perturbations, ReplicaKeys, bitflip
 # fully unrolled, compile 3.6 s vs 14.7 s (benchmarks/scan_unroll.py). So on CPU short epochs
 # are unrolled.
 CPU_UNROLL_MAX_STEPS = 16
-# A deferred epoch (below) whose schedule reads fewer steps than it has keeps only those steps' tapes
-# and measures only them; False: every step's tape is kept and measured, as before (read while
-# tracing; the "sparse:off" variants of benchmarks/instruments.py --epoch-timing).
-SPARSE_DEFER = True
 
 
 class DataSpec(NamedTuple):
@@ -128,8 +129,8 @@ class TrainFns(NamedTuple):
     instruments: Any = None  # the nondet_jax.instruments.Instruments (quantities, value names, edges) when on
     spec: Any = None  # the DataSpec the functions were made for
     loss_fn: Callable | None = None  # (params, batch_stats, x, y, dropout_keys) -> (loss, (logits, batch_stats))
-    parts: Any = None  # the nondet_jax.parts.Parts the functions were made with
-    model: Any = None  # the nondet_jax.parts.ModelFns of the model
+    parts: Any = None  # the nondet_jax.models.parts.Parts the functions were made with
+    model: Any = None  # the nondet_jax.models.parts.ModelFns of the model
 
 
 def epoch_metrics(out) -> dict:
@@ -316,7 +317,7 @@ def _make_train(config: Config, spec: DataSpec, parts: Parts) -> TrainFns:
 
     def train_epoch(state: TrainState, x_train, y_train, keys: ReplicaKeys, perturb: Perturbations, epoch):
         idx = epoch_indices(keys.data_order, epoch, spec.n_train, b)
-        if defer and most_read < steps and SPARSE_DEFER:
+        if defer and most_read < steps:  # keep and measure only the steps the schedule reads
             new, out = sparse_deferred_epoch(state, x_train, y_train, keys, perturb, epoch, idx)
             return guard(state, new, out[0], epoch * steps), epoch_metrics(out)
 

@@ -4,11 +4,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import spec_of, tiny_config
-from nondet_jax.analysis import arm_metrics, compare_arms, interpolation_error_fn, lmc_pairs
+
+from nondet_jax.analysis.arm import (
+    arm_metrics,
+    compare_arms,
+    interpolation_error_fn,
+    lmc_pairs,
+)
 from nondet_jax.config import MetricsConfig
-from nondet_jax.replicas import run_replicas
+from nondet_jax.replicas.choice import run_replicas
 from nondet_jax.sources import arm_keys, arm_sources, perturbations
 from nondet_jax.train import make_train
 

@@ -63,7 +63,8 @@ def test_run_study_on_own_module_optimizer_and_arrays(tmp_path):
 
 def test_features_from_model_named_intermediate_or_logits(digits):
     from conftest import spec_of, tiny_config
-    from nondet_jax.parts import Parts
+
+    from nondet_jax.models.parts import Parts
     from nondet_jax.sources import arm_keys, perturbations, replica_slice
     from nondet_jax.train import make_train
 

@@ -5,12 +5,13 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import tiny_config
-from nondet_jax.audit import audit_run, failed
-from nondet_jax.config import UsageError
-from nondet_jax.determinism import DETERMINISM_ON
 from test_sweep import ENV
+
+from nondet_jax.cli.audit import failed
+from nondet_jax.errors import UsageError
+from nondet_jax.machine.determinism import DETERMINISM_ON
+from nondet_jax.study.audit import audit_run
 
 
 def test_repeated_steps_are_bitwise_identical_on_cpu():
@@ -38,7 +39,7 @@ def test_too_many_steps_is_a_usage_error():
 
 def test_cli_runs_both_flag_settings(tmp_path):
     out = tmp_path / "audit.json"
-    proc = subprocess.run([sys.executable, "-m", "nondet_jax.audit", "--steps", "2", "--model", "mlp", "--json", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "nondet_jax", "audit", "--steps", "2", "--model", "mlp", "--json", str(out)],
                           capture_output=True, text=True, env=ENV, timeout=600)
     assert proc.returncode == 0, proc.stderr
     runs = json.loads(out.read_text())["runs"]
@@ -50,6 +51,6 @@ def test_cli_runs_both_flag_settings(tmp_path):
 
 
 def test_cli_bad_input_exits_2():
-    proc = subprocess.run([sys.executable, "-m", "nondet_jax.audit", "--steps", "0"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "nondet_jax", "audit", "--steps", "0"], capture_output=True, text=True,
                           env=ENV, timeout=300)
     assert proc.returncode == 2 and "--steps must be >= 1" in proc.stderr

@@ -114,12 +114,12 @@ CASES: list[tuple[str, str]] = [
     ("report", "python -m nondet_jax.report <run>  (figures a file)"),
     ("report", "python -m nondet_jax.report <run>  (environment.json not JSON)"),
     ("report", "python -m nondet_jax.report <run>  (arms/init.json lacks rows)"),
-    ("audit", "python -m nondet_jax.audit --json <tmp>/empty"),
-    ("audit", "python -m nondet_jax.audit --seed 18446744073709551617"),
-    ("audit", "python -m nondet_jax.audit --steps x"),
+    ("audit", "python -m nondet_jax audit --json <tmp>/empty"),
+    ("audit", "python -m nondet_jax audit --seed 18446744073709551617"),
+    ("audit", "python -m nondet_jax audit --steps x"),
     ("report", "python -m nondet_jax.report"),
-    ("compare", "python -m nondet_jax.compare <tmp>/empty"),
-    ("compare", "python -m nondet_jax.compare <tmp>/a.csv <tmp>/b.csv --plot <tmp>/nosuch/compare.png"),
+    ("compare", "python -m nondet_jax compare <tmp>/empty"),
+    ("compare", "python -m nondet_jax compare <tmp>/a.csv <tmp>/b.csv --plot <tmp>/nosuch/compare.png"),
     ("API", "config.from_flat({'model.nam': 'resnet8'})"),
     ("API", "sources.arm_sources('nosuch')"),
     ("API", "data.load_dataset('nosuch')"),
@@ -171,7 +171,7 @@ class Context:
     def finished_run(self) -> Path:
         import shutil
 
-        from nondet_jax import sweep
+        from nondet_jax.cli import sweep
 
         if self._run is None:
             self._run = self.tmp / "template"
@@ -186,8 +186,12 @@ def run_case(where: str, text: str, ctx: Context, capsys) -> tuple[str, int, boo
     """(normalised message, exit status, whether the touched folder was left byte-for-byte as it was)."""
     import numpy as np
 
-    from nondet_jax import config, data, memory, metrics, sources, sweep, train
-    from nondet_jax.config import UsageError, from_flat
+    from nondet_jax import config, data, sources, train
+    from nondet_jax.analysis import metrics
+    from nondet_jax.cli import sweep
+    from nondet_jax.config import from_flat
+    from nondet_jax.errors import UsageError
+    from nondet_jax.study import memory
 
     tmp = ctx.tmp
     if where == "API":
@@ -291,19 +295,20 @@ def run_case(where: str, text: str, ctx: Context, capsys) -> tuple[str, int, boo
             raise OSError(refuse, os.strerror(refuse))
 
         tempfile.mkstemp = mkstemp
+    cli_args = args[4:] if args[:3] == ["python", "-m", "nondet_jax"] else args[3:]  # python -m nondet_jax audit ... / nondet_jax.report
     try:
         if where == "report":
-            from nondet_jax import report
+            from nondet_jax.cli import report
 
-            status = report.main(args[3:])
+            status = report.main(cli_args)
         elif where == "audit":
-            from nondet_jax import audit
+            from nondet_jax.cli import audit
 
-            status = audit.main(args[3:])
+            status = audit.main(cli_args)
         elif where == "compare":
-            from nondet_jax import compare
+            from nondet_jax.cli import compare
 
-            status = compare.main(args[3:])
+            status = compare.main(cli_args)
         else:
             status = sweep.main([*FAST.split(), *args] if "--resume" not in args else args)
     except SystemExit as e:  # argparse
@@ -315,19 +320,19 @@ def run_case(where: str, text: str, ctx: Context, capsys) -> tuple[str, int, boo
     err = [ln for ln in capsys.readouterr().err.splitlines()
            if ln.strip() and "Location" not in ln and not ln.startswith("WARNING:")]  # absl logging lines
     assert len(err) == 1, err
-    message = re.sub(r"^python -m nondet_jax\.(sweep|report|audit|compare): error: ", "", err[0])
+    message = re.sub(r"^python -m nondet_jax[. ](sweep|report|audit|compare): error: ", "", err[0])
     untouched = (_snapshot(folder) == before if folder else True) and _snapshot(outside) == outside_before
     return _normalize(message, tmp), status, untouched
 
 
 def _folder_with_corrupt_checkpoint(ctx: Context) -> Path:
     """A run folder whose arm 'init' stopped after epoch 1 of 2, its checkpoint then damaged."""
-    from nondet_jax import sweep
+    from nondet_jax.cli import sweep
 
     folder = ctx.tmp / "ckpt_run"
     # Stop after epoch 1 the honest way: a 1-epoch study with checkpoints leaves none (they are deleted
     # when the arm finishes), so train 2 epochs and keep the checkpoint by failing the metrics step.
-    from nondet_jax import analysis
+    from nondet_jax.analysis import arm as analysis
 
     original = analysis.arm_metrics
 

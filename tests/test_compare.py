@@ -1,4 +1,4 @@
-"""``python -m nondet_jax.compare`` on real run folders and on CSV files, its one-line errors, and the
+"""``python -m nondet_jax compare`` on real run folders and on CSV files, its one-line errors, and the
 run folder's strict summary.json and arms.csv intervals."""
 
 import csv
@@ -10,8 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-from nondet_jax import stats
-from nondet_jax.compare import compare, main
+from nondet_jax.analysis import stats
+from nondet_jax.analysis.compare import compare
+from nondet_jax.cli.compare import main
 
 FAST = ["--model", "mlp", "--epochs", "1", "--replicas", "3", "--batch-size", "128", "--no-progress"]
 ENV = {**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1", "JAX_PLATFORMS": "cpu"}
@@ -109,14 +110,14 @@ def test_summary_json_is_strict_and_arms_csv_has_pairwise_cis(runs):
 
 
 def test_strict_json_replaces_non_finite_values():
-    from nondet_jax.report import strict_json
+    from nondet_jax.store.io import strict_json
 
     out = strict_json({"a": [float("nan"), 1.0, np.float64("inf")], "b": (np.float32(2.5), None), "c": "x"})
     assert json.loads(json.dumps(out, allow_nan=False)) == {"a": [None, 1.0, None], "b": [2.5, None], "c": "x"}
 
 
 def test_plot_draws_the_intervals_it_prints(tmp_path):
-    from nondet_jax.compare import plot_result
+    from nondet_jax.report.compare_figure import plot_result
 
     (tmp_path / "a.csv").write_text("seed,acc\n0,0.981\n1,0.975\n2,0.979\n3,0.983\n")
     (tmp_path / "b.csv").write_text("seed,acc\n0,0.986\n1,0.984\n2,0.990\n3,0.982\n")

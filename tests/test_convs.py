@@ -1,4 +1,4 @@
-"""The replica-batched convolution (nondet_jax.convs): every formulation is the plain vmap's value and
+"""The replica-batched convolution (nondet_jax.models.convs): every formulation is the plain vmap's value and
 derivatives within float tolerance; the choice follows the override, then the measured table."""
 
 import jax
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from nondet_jax import convs
+from nondet_jax.models import convs
 from nondet_jax.models.common import conv_general_dilated
 
 CASES = [  # kernel, stride, padding, rhs dilation
@@ -81,25 +81,25 @@ def test_choice_order_override_then_table_then_grouped(monkeypatch):
     assert convs.family("rhs", conv, shape) == "rhs/3x3/s1/c16"
     monkeypatch.delenv(convs.ENV, raising=False)
     table = {"rhs/3x3/s1/c16": "im2col", "fwd/3x3/s1": "map", "lhs": "shifted"}
-    monkeypatch.setattr("nondet_jax.measured.vmap_conv_choices", lambda backend: table)
+    monkeypatch.setattr("nondet_jax.machine.measured.vmap_conv_choices", lambda backend: table)
     assert convs.choose("rhs", conv, shape) == "im2col"  # exact family
     assert convs.choose("fwd", conv, shape) == "map"  # kernel and stride
     assert convs.choose("lhs", conv, shape) == "shifted"  # role
-    monkeypatch.setattr("nondet_jax.measured.vmap_conv_choices", lambda backend: {})
+    monkeypatch.setattr("nondet_jax.machine.measured.vmap_conv_choices", lambda backend: {})
     assert convs.choose("rhs", conv, shape) == "grouped"  # unmeasured: what vmap always did
     monkeypatch.setenv(convs.ENV, "map")
     assert convs.choose("rhs", conv, shape) == "map"
     with convs.forced("shifted"):
         assert convs.choose("rhs", conv, shape) == "shifted"
     monkeypatch.setenv(convs.ENV, "winograd")
-    from nondet_jax.config import UsageError
+    from nondet_jax.errors import UsageError
 
     with pytest.raises(UsageError, match="NONDET_JAX_VMAP_CONV"):
         convs.choose("rhs", conv, shape)
 
 
 def test_environment_records_the_conv_choice_and_cpu_flags():
-    from nondet_jax.determinism import environment
+    from nondet_jax.study.provenance import environment
 
     env = environment()
     assert env["vmap_conv"]["backend"] == jax.default_backend()

@@ -1,10 +1,10 @@
 """Every interval nondet_jax prints covers the truth at least 93% of the time at R=8 (nominal 95%),
-by seeded simulation (nondet_jax.coverage), and the old percentile bootstrap of a std did not."""
+by seeded simulation (nondet_jax.analysis.coverage), and the old percentile bootstrap of a std did not."""
 
 import numpy as np
 import pytest
 
-from nondet_jax import coverage, stats
+from nondet_jax.analysis import coverage, stats
 
 
 @pytest.mark.parametrize("case", [c for c in coverage.CASES if "stress" not in c])

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from nondet_jax.config import UsageError
 from nondet_jax.data import load_dataset
 from nondet_jax.data.pipeline import augment, batch_permutation, epoch_indices
+from nondet_jax.errors import UsageError
 
 
 def test_digits_split_is_fixed_and_stratified(digits):

@@ -4,8 +4,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from nondet_jax import determinism as D
-from nondet_jax.config import UsageError
+from nondet_jax.errors import UsageError
+from nondet_jax.machine import determinism as D
 
 f32 = np.float32
 

@@ -2,9 +2,9 @@
 
 import numpy as np
 import pytest
-
 from conftest import spec_of, tiny_config
-from nondet_jax.dynamics import divergence_trace, fit_growth_rate
+
+from nondet_jax.analysis.dynamics import divergence_trace, fit_growth_rate
 from nondet_jax.sources import arm_keys, arm_sources, perturbations
 from nondet_jax.train import make_train
 

@@ -1,4 +1,4 @@
-"""The hardware arm with one fresh process per replica (nondet_jax.hardware): on CPU the replicas
+"""The hardware arm with one fresh process per replica (nondet_jax.study.hardware): on CPU the replicas
 really come from distinct processes, without compilation caches, and are still bitwise identical."""
 
 import json
@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from nondet_jax import config as cfg
-from nondet_jax.determinism import DETERMINISM_OFF
-from nondet_jax.hardware import train_arm_per_process
-from nondet_jax.store import RunStore
-from nondet_jax.study import prepare
+from nondet_jax.machine.determinism import DETERMINISM_OFF
+from nondet_jax.store.run import RunStore
+from nondet_jax.study.hardware import train_arm_per_process
+from nondet_jax.study.prepare import prepare
 
 ENV = {**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1", "JAX_PLATFORMS": "cpu"}
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from nondet_jax import instruments
-from nondet_jax.config import UsageError, from_flat
+from nondet_jax.config import from_flat
+from nondet_jax.errors import UsageError
 from nondet_jax.instruments import configurations, curvature, formulas, histograms
 from nondet_jax.sources import arm_keys, arm_sources, perturbations, replica_slice
 from nondet_jax.train import make_train
@@ -264,7 +265,7 @@ def test_histogram_bins_clip_outliers_into_edge_bins():
 
 
 def _tracked_run(config, data, strategy, replicas=2):
-    from nondet_jax.replicas import run_replicas
+    from nondet_jax.replicas.choice import run_replicas
 
     varied = arm_sources("init")
     return run_replicas(make_train(config, spec_of(data)), arm_keys(0, varied, replicas), perturbations(varied), data,

@@ -1,4 +1,4 @@
-"""Issue 17, items 2-4 in float64: the norm-only path (ghost norms, no per-example gradient formed)
+"""In float64: the norm-only path (ghost norms, no per-example gradient formed)
 against the materialised one in both per-example modes, and HessMaxEV's warm start and reported
 residual against a dense eigendecomposition."""
 

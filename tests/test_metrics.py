@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from nondet_jax import metrics
+from nondet_jax.analysis import metrics
 
 R, N, C, D = 5, 40, 4, 6
 

@@ -3,9 +3,14 @@
 import numpy as np
 import pytest
 
-from nondet_jax.config import UsageError
-from nondet_jax.mitigations import mitigation_metrics, mitigation_table, snapshot_ensemble, snapshot_epochs, \
-    variant_metrics
+from nondet_jax.analysis.mitigations import (
+    mitigation_metrics,
+    mitigation_table,
+    snapshot_ensemble,
+    snapshot_epochs,
+    variant_metrics,
+)
+from nondet_jax.errors import UsageError
 
 LABELS = np.array([0, 0, 1, 1])
 

@@ -88,7 +88,8 @@ def test_vgg11_has_eight_convolutions_and_survives_8x8_inputs():
 @pytest.mark.parametrize("strategy", ["sequential", "vmap"])
 def test_every_model_trains_under_every_strategy(small_digits, name, strategy):
     from conftest import spec_of, tiny_config
-    from nondet_jax.replicas import run_replicas
+
+    from nondet_jax.replicas.choice import run_replicas
     from nondet_jax.sources import arm_keys, arm_sources, perturbations
     from nondet_jax.train import make_train
 

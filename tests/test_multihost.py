@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from nondet_jax.multihost import replica_block
-from nondet_jax.store import verify_arm_files
+from nondet_jax.store.run import verify_arm_files
+from nondet_jax.study.multihost import replica_block
 
 ENV = {**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1", "JAX_PLATFORMS": "cpu"}
 STUDY = ["--model", "mlp", "--epochs", "2", "--replicas", "3", "--batch-size", "256", "--arms", "control,init",

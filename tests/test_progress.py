@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from nondet_jax.study import Progress
+from nondet_jax.study.progress import Progress
 
 
 def _note(bar: Progress, task: int = 0) -> str:

@@ -14,11 +14,16 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-
 from conftest import spec_of, tiny_config, tree_equal
-from nondet_jax.checkpoint import ArmCheckpoints, CorruptCheckpoint, key_fingerprint
-from nondet_jax.replicas import Progress, make_strategy, train_replicas
+
+from nondet_jax.replicas.choice import make_strategy
+from nondet_jax.replicas.loop import Progress, train_replicas
 from nondet_jax.sources import arm_keys, arm_sources, perturbations
+from nondet_jax.store.checkpoint import (
+    ArmCheckpoints,
+    CorruptCheckpoint,
+    key_fingerprint,
+)
 from nondet_jax.train import make_train
 
 ENV = {**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1", "JAX_PLATFORMS": "cpu"}
@@ -176,7 +181,7 @@ def test_sigkill_at_random_moments_then_resume_gives_bitwise_the_uninterrupted_s
 
 
 def test_recompute_repairs_a_corrupt_arm_and_resume_reuses_the_folder(tmp_path, monkeypatch):
-    from nondet_jax import sweep
+    from nondet_jax.cli import sweep
 
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
     out = tmp_path / "run"
@@ -198,7 +203,7 @@ FAST = ["--model", "mlp", "--epochs", "2", "--batch-size", "256", "--no-progress
 @pytest.fixture
 def in_process(monkeypatch):
     """sweep.main in this process (its XLA_FLAGS edits undone afterwards)."""
-    from nondet_jax import sweep
+    from nondet_jax.cli import sweep
 
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
     return sweep
@@ -227,7 +232,7 @@ def _diverged_study_checks(out: Path, capsys, arms: dict[str, int]):
 
 
 def sweep_main_resume(out: Path) -> int:
-    from nondet_jax import sweep
+    from nondet_jax.cli import sweep
 
     return sweep.main(["--resume", str(out), "--no-progress"])
 
@@ -248,9 +253,9 @@ def test_one_replica_arm_fully_diverged_next_to_a_healthy_one(in_process, tmp_pa
 
 
 def test_non_finite_outputs_with_finite_losses_count_as_divergence(in_process, tmp_path, capsys, monkeypatch):
-    from nondet_jax import replicas
+    from nondet_jax.study import arm
 
-    real = replicas.make_strategy
+    real = arm.make_strategy
 
     def poisoned(fns, name):  # replica 1's test logits overflow although every training loss was finite
         s = real(fns, name)
@@ -263,7 +268,7 @@ def test_non_finite_outputs_with_finite_losses_count_as_divergence(in_process, t
 
         return s._replace(evaluate=evaluate_poisoned)
 
-    monkeypatch.setattr(replicas, "make_strategy", poisoned)
+    monkeypatch.setattr(arm, "make_strategy", poisoned)
     out = tmp_path / "run"
     assert in_process.main([*FAST, "--replicas", "3", "--arms", "init", "--out", str(out)]) == 0
     record = json.loads((out / "arms" / "init.json").read_text())
@@ -272,14 +277,14 @@ def test_non_finite_outputs_with_finite_losses_count_as_divergence(in_process, t
     _diverged_study_checks(out, capsys, {"init": 1})
 
 
-# sweep.main with the signal handling of nondet_jax.signals installed first, as the CLI's main does
-# the handlers first, then the heavy imports, as the console scripts do (nondet_jax.__main__.run_command): a
+# sweep.main with the signal handling of nondet_jax.machine.signals installed first, as the CLI's main does
+# the handlers first, then the heavy imports, as the console scripts do (nondet_jax.cli.run_command): a
 # signal sent during the seconds of importing flax and JAX on a loaded machine must find them installed
-SWEEP_WITH_SIGNALS = ("import sys; from nondet_jax import signals; signals.install(); from nondet_jax import sweep; "
+SWEEP_WITH_SIGNALS = ("import sys; from nondet_jax.machine import signals; signals.install(); from nondet_jax.cli import sweep; "
                       "sys.exit(sweep.main(sys.argv[1:]))")
 COMPILE_FOREVER = """
 import sys
-from nondet_jax import signals
+from nondet_jax.machine import signals
 signals.install()
 import jax, jax.numpy as jnp
 def f(x):
@@ -295,7 +300,7 @@ print("compiled", flush=True)
 @pytest.mark.slow
 @pytest.mark.parametrize("sig,status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_signal_during_compilation_exits_at_once_with_one_line(sig, status):
-    from nondet_jax.signals import MESSAGE
+    from nondet_jax.machine.signals import MESSAGE
 
     p = subprocess.Popen([sys.executable, "-c", COMPILE_FOREVER], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          env=ENV, text=True)
@@ -315,7 +320,7 @@ def test_signal_during_compilation_exits_at_once_with_one_line(sig, status):
 
 @pytest.mark.slow
 def test_sigint_and_sigterm_at_any_moment_then_resume_gives_bitwise_the_uninterrupted_study(tmp_path):
-    from nondet_jax.signals import MESSAGE
+    from nondet_jax.machine.signals import MESSAGE
 
     clean = tmp_path / "clean"
     assert sweep(*STUDY, "--out", str(clean)).returncode == 0
@@ -348,9 +353,9 @@ def test_sigint_and_sigterm_at_any_moment_then_resume_gives_bitwise_the_uninterr
 def test_compiled_programs_are_released_between_studies(tmp_path, monkeypatch):
     """A loop of studies with different settings in one process: with memory.release_compiled after
     each (the study core's call), the process's memory mappings stay bounded."""
-    from nondet_jax import memory
     from nondet_jax.config import from_flat
-    from nondet_jax.study import run
+    from nondet_jax.study import memory
+    from nondet_jax.study.runner import run
 
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
     counts = []
@@ -367,7 +372,7 @@ def test_compiled_programs_are_released_between_studies(tmp_path, monkeypatch):
 def test_write_refusals_are_recognised_behind_orbax_errors():
     import errno
 
-    from nondet_jax.checkpoint import write_refusal
+    from nondet_jax.store.checkpoint import write_refusal
 
     assert write_refusal(ValueError("Error writing local file: No space left on device")).errno == errno.ENOSPC
     try:
@@ -381,8 +386,12 @@ def test_write_refusals_are_recognised_behind_orbax_errors():
 
 
 def test_healthy_subset_of_one_replica_and_of_none():
-    from nondet_jax.health import bitwise_identical, flag_nonfinite_outputs, healthy_subset
-    from nondet_jax.replicas import ArmResult
+    from nondet_jax.analysis.health import (
+        bitwise_identical,
+        flag_nonfinite_outputs,
+        healthy_subset,
+    )
+    from nondet_jax.replicas.loop import ArmResult
     from nondet_jax.train import Health, TrainState
 
     def result(diverged, r, logits=None):
@@ -404,7 +413,7 @@ def test_healthy_subset_of_one_replica_and_of_none():
 
 @pytest.mark.parametrize("mask,mode", [(0o022, 0o644), (0o027, 0o640), (0o077, 0o600)])
 def test_result_files_get_the_umasks_permissions(tmp_path, mask, mode):
-    from nondet_jax.store import atomic_write_bytes
+    from nondet_jax.store.io import atomic_write_bytes
 
     old = os.umask(mask)
     try:

@@ -8,7 +8,8 @@ import numpy as np
 import optax
 import pytest
 
-from nondet_jax.config import UsageError, from_flat
+from nondet_jax.config import from_flat
+from nondet_jax.errors import UsageError
 from nondet_jax.models import make_model
 from nondet_jax.train import bias_bn_mask, make_optimizer, make_schedule
 

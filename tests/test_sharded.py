@@ -1,4 +1,4 @@
-"""The ``sharded`` strategy (nondet_jax.sharding) on 1, 2 and 4 forced host devices.
+"""The ``sharded`` strategy (nondet_jax.replicas.sharded) on 1, 2 and 4 forced host devices.
 
 The device count of XLA:CPU is fixed when the backend starts, and this process already started
 it with one device, so each device count runs in a child process (this file run as a script,
@@ -26,7 +26,7 @@ import jax
 import numpy as np
 import pytest
 
-from nondet_jax.sharding import plan
+from nondet_jax.replicas.sharded import plan
 from nondet_jax.sources import arm_keys, arm_sources, perturbations
 
 DEVICE_COUNTS = (1, 2, 4)
@@ -59,8 +59,9 @@ def child(n_devices: int, out: Path) -> None:
     """Body of one child process: train the arm every way the tests compare; save the results."""
     jax.config.update("jax_disable_most_optimizations", True)  # as conftest: compile time dominates
     from nondet_jax.data import load_dataset
-    from nondet_jax.replicas import make_strategy, train_replicas
-    from nondet_jax.sharding import sharded_strategy
+    from nondet_jax.replicas.choice import make_strategy
+    from nondet_jax.replicas.loop import train_replicas
+    from nondet_jax.replicas.sharded import sharded_strategy
 
     assert len(jax.devices()) == n_devices, jax.devices()
     d = load_dataset("digits")  # as conftest's small_digits
@@ -113,7 +114,7 @@ def children(tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def reference(small_digits) -> dict:
     """``sequential`` in this process (one device): the single-replica programs."""
-    from nondet_jax.replicas import run_replicas
+    from nondet_jax.replicas.choice import run_replicas
 
     fns, keys, perturb = _setup(small_digits)
     return _record(run_replicas(fns, keys, perturb, small_digits, 2, "sequential"))
@@ -194,8 +195,8 @@ def test_plan_rejects_bad_arguments():
 
 def test_one_device_in_process_equals_vmap(small_digits):
     """No subprocess: on this process's single device, sharded with inner vmap is vmap."""
-    from nondet_jax.replicas import run_replicas
-    from nondet_jax.sharding import run_sharded
+    from nondet_jax.replicas.choice import run_replicas
+    from nondet_jax.replicas.sharded import run_sharded
 
     fns, keys, perturb = _setup(small_digits)
     keys = jax.tree.map(lambda k: k[:2], keys)

@@ -6,9 +6,16 @@ import numpy as np
 import pytest
 
 from nondet_jax import sources
-from nondet_jax.config import UsageError
+from nondet_jax.errors import UsageError
 from nondet_jax.models import make_model
-from nondet_jax.sources import arm_keys, arm_sources, bitflip, replica_key, replica_slice, stream
+from nondet_jax.sources import (
+    arm_keys,
+    arm_sources,
+    bitflip,
+    replica_key,
+    replica_slice,
+    stream,
+)
 
 
 def key_data(k):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from nondet_jax import stats
+from nondet_jax.analysis import stats
 
 
 def test_std_ci_is_the_chi_square_interval():
@@ -98,7 +98,7 @@ def test_compare_spread_fields():
 
 
 def test_pairwise_mean_ci_is_the_replica_jackknife():
-    from nondet_jax.metrics import pair_indices
+    from nondet_jax.analysis.metrics import pair_indices
 
     rng = np.random.default_rng(10)
     r = 6
@@ -119,7 +119,7 @@ def test_pairwise_mean_ci_is_the_replica_jackknife():
 def test_pairwise_intervals_stay_inside_the_metric_range():
     """A disagreement of one image in a few pairs: the jackknife's low end falls below 0 unclipped;
     the interval printed is clipped to the metric's range [0, 1] and still holds the mean."""
-    from nondet_jax.metrics import PAIRWISE_RANGE, pair_indices
+    from nondet_jax.analysis.metrics import PAIRWISE_RANGE, pair_indices
 
     r = 4
     values = np.zeros(len(pair_indices(r)[0]))

@@ -11,9 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nondet_jax import study, sweep
-from nondet_jax.config import UsageError, from_flat
-from nondet_jax.store import RunStore
+from nondet_jax.cli import sweep
+from nondet_jax.config import from_flat
+from nondet_jax.errors import UsageError
+from nondet_jax.store.run import RunStore
+from nondet_jax.study import runner
+from nondet_jax.study.prepare import default_out
 
 FAST = ["--model", "mlp", "--epochs", "1", "--replicas", "2", "--batch-size", "128", "--no-progress"]
 ENV = {**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1", "JAX_PLATFORMS": "cpu"}
@@ -152,15 +155,15 @@ def test_corrupt_config_is_refused(tmp_path):
 def test_foreign_folder_is_refused(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(UsageError, match="not a nondet_jax run folder"):
-        study.run(from_flat({"model.name": "mlp", "train.epochs": 1}), tmp_path, progress=False, log=quiet)
+        runner.run(from_flat({"model.name": "mlp", "train.epochs": 1}), tmp_path, progress=False, log=quiet)
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
 def test_same_config_twice_gives_bitwise_identical_results(tmp_path):
     config = from_flat({"model.name": "mlp", "train.epochs": 2, "study.replicas": 2, "train.batch_size": 128,
                         "study.arms": "all", "model.dropout": 0.1, "data.augment": "on"})
-    study.run(config, tmp_path / "a", progress=False, log=quiet)
-    study.run(config, tmp_path / "b", progress=False, log=quiet)
+    runner.run(config, tmp_path / "a", progress=False, log=quiet)
+    runner.run(config, tmp_path / "b", progress=False, log=quiet)
     for name in ("logits/all.npy", "features/all.npy", "weights/all.npz", "replicas.csv"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
 
@@ -188,7 +191,7 @@ def test_default_out_depends_on_settings_not_arms():
     a = from_flat({"study.arms": "control"})
     b = from_flat({"study.arms": "init"})
     c = from_flat({"train.epochs": 3})
-    assert study.default_out(a) == study.default_out(b) != study.default_out(c)
+    assert default_out(a) == default_out(b) != default_out(c)
 
 
 @pytest.mark.parametrize("preset", ["sources", "morin", "bitflip"])
@@ -245,7 +248,7 @@ def test_report_on_folder_without_results_exits_2(tmp_path, make):
 
 
 def test_hardware_arm_trains_in_a_child_process_with_determinism_off(tmp_path):
-    from nondet_jax.determinism import DETERMINISM_OFF, DETERMINISM_ON
+    from nondet_jax.machine.determinism import DETERMINISM_OFF, DETERMINISM_ON
 
     out = tmp_path / "hw"  # one child for the whole arm (the default, one per replica: test_hardware_processes)
     proc = cli(*FAST, "--arms", "control,hardware", "--set", "study.hardware_processes=arm", "--out", str(out))
@@ -275,7 +278,7 @@ def test_unknown_xla_flag_is_a_clear_error(tmp_path):
 def test_dynamics_are_traced_stored_and_reported(tmp_path):
     config = from_flat({"model.name": "mlp", "train.epochs": 2, "study.replicas": 2, "train.batch_size": 128,
                         "study.arms": "control,bitflip", "study.dynamics_every": 3})
-    summary = study.run(config, tmp_path, progress=False, log=quiet)
+    summary = runner.run(config, tmp_path, progress=False, log=quiet)
     assert "dynamics" not in summary["arms"]["control"]
     dyn = summary["arms"]["bitflip"]["dynamics"]
     assert dyn["every"] == 3 and np.isfinite(dyn["rate_per_step"])

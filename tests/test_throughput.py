@@ -7,11 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import spec_of, tiny_config
-from nondet_jax import measured, xla_flags
-from nondet_jax.config import UsageError, from_flat
-from nondet_jax.replicas import resolve_strategy, run_replicas
+
+from nondet_jax.config import from_flat
+from nondet_jax.errors import UsageError
+from nondet_jax.machine import measured, xla_flags
+from nondet_jax.replicas.choice import resolve_strategy, run_replicas
 from nondet_jax.sources import arm_keys, arm_sources, perturbations
 from nondet_jax.train import make_train
 
@@ -50,7 +51,7 @@ def test_cpu_defaults_land_in_xla_flags_and_the_environment_record(monkeypatch):
     assert xla_flags.apply_cpu_defaults(env) == [] and "XLA_FLAGS" not in env
     # the record environment.json stores
     monkeypatch.setenv(xla_flags.APPLIED, flag)
-    from nondet_jax.determinism import environment
+    from nondet_jax.machine.determinism import environment
 
     rec = environment()["xla_cpu_defaults"]
     assert rec["added"] == [flag] and rec["rule"]["source"] == "test" and rec["cpu_type"] == xla_flags.cpu_type()
@@ -83,11 +84,11 @@ def test_mixed_precision_keeps_float32_state_and_trains(small_digits):
 
 
 def test_mixed_precision_study_records_its_dtype(tmp_path):
-    from nondet_jax import study
+    from nondet_jax.study.runner import run
 
     config = from_flat({"model.name": "mlp", "model.dtype": "bfloat16", "train.epochs": 1, "study.arms": "control",
                         "study.replicas": 2, "metrics.lmc_pairs": 0})
-    study.run(config, tmp_path, progress=False, log=lambda *a, **k: None)
+    run(config, tmp_path, progress=False, log=lambda *a, **k: None)
     assert json.loads((tmp_path / "config.json").read_text())["model"]["dtype"] == "bfloat16"
 
 

@@ -4,11 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import spec_of, tiny_config, tree_equal
+
 from nondet_jax.config import from_flat
 from nondet_jax.data.pipeline import augment, epoch_indices
-from nondet_jax.replicas import resolve_strategy, run_replicas
+from nondet_jax.replicas.choice import resolve_strategy, run_replicas
 from nondet_jax.sources import arm_keys, arm_sources, perturbations, replica_slice
 from nondet_jax.train import make_schedule, make_train
 

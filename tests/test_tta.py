@@ -4,12 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import spec_of, tiny_config
-from nondet_jax.config import UsageError
+
+from nondet_jax.analysis.tta import apply_view, stack_views, tta_logits, view_grid
+from nondet_jax.errors import UsageError
 from nondet_jax.sources import arm_keys, arm_sources, perturbations, replica_slice
 from nondet_jax.train import make_train
-from nondet_jax.tta import apply_view, stack_views, tta_logits, view_grid
 
 # A hand-made batch: 2 non-square images (5 x 7, so swapped axes show), 2 channels, no zeros.
 IMG = (np.arange(2 * 5 * 7 * 2, dtype=np.float32).reshape(2, 5, 7, 2) + 1)

@@ -10,6 +10,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from nondet_jax.errors import UsageError
+
 DATASETS = ("digits", "cifar10", "mnist", "fashion_mnist", "imagenette", "imagenet2012")
 # Variable-size photographs: resized (shorter side) and centre-cropped to data.image_size on loading.
 RESIZED = ("imagenette", "imagenet2012")
@@ -44,8 +46,6 @@ def from_arrays(name: str, x_train, y_train, x_test, y_test, num_classes: int | 
     """A :class:`Dataset` of the user's own arrays, checked: images (N, H, W, C) or any (N, features)
     array, integer labels in [0, classes); UsageError naming the problem otherwise. Arrays are used
     as given (cast to float32 / int32), not standardised."""
-    from nondet_jax.errors import UsageError
-
     arrays = {k: np.asarray(v) for k, v in zip(ARRAY_NAMES, (x_train, y_train, x_test, y_test))}
     for split in ("train", "test"):
         x, y = arrays[f"x_{split}"], arrays[f"y_{split}"]

@@ -19,7 +19,14 @@ import os
 
 import numpy as np
 
-from nondet_jax.data import DEFAULT_IMAGE_SIZE, NEEDS_TRAIN_CAP, RESIZED, Dataset, standardize
+from nondet_jax.data import (
+    DEFAULT_IMAGE_SIZE,
+    NEEDS_TRAIN_CAP,
+    RESIZED,
+    Dataset,
+    standardize,
+)
+from nondet_jax.errors import UsageError
 
 NUM_CLASSES = {"cifar10": 10, "mnist": 10, "fashion_mnist": 10, "imagenette": 10, "imagenet2012": 1000}
 # Imagenette's 320px variant: the 2019 70/30 train/validation split, a 1/5 of the full-size download,
@@ -150,7 +157,6 @@ def standardize_uint8(x_train: np.ndarray, x_test: np.ndarray, chunk: int = 1024
 
 
 def _check_memory(name: str, n_train: int, n_test: int, shape: tuple[int, int, int], cap_hint: str) -> None:
-    from nondet_jax.errors import UsageError
 
     need = (n_train + n_test) * int(np.prod(shape)) * 5  # uint8 while reading + float32 after
     try:

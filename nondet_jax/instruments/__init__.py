@@ -11,7 +11,7 @@
 """
 
 from nondet_jax.instruments.configurations import CONFIGURATIONS, QUANTITIES, resolve
-from nondet_jax.instruments.core import InstrumentState, Instruments, layer_names, make
+from nondet_jax.instruments.core import Instruments, InstrumentState, layer_names, make
 from nondet_jax.instruments.schedules import linear, log_over_run, logarithmic
 
 __all__ = ["CONFIGURATIONS", "QUANTITIES", "InstrumentState", "Instruments", "layer_names", "linear", "log_over_run",

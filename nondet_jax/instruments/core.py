@@ -62,7 +62,13 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
-from nondet_jax.instruments import configurations, curvature, formulas, histograms, layerwise
+from nondet_jax.instruments import (
+    configurations,
+    curvature,
+    formulas,
+    histograms,
+    layerwise,
+)
 from nondet_jax.instruments.per_example import per_example_pass
 from nondet_jax.instruments.schedules import Schedule, linear
 
@@ -75,10 +81,6 @@ HUTCHINSON = ("HessTrace", "TICDiag", "TICTrace")
 # gradient is formed (layerwise.tape_norm_stats, the ghost-norm identity). GradHist1d/2d and the
 # element-wise quantities (GRAD_SQ) need every per-example gradient element.
 NORM_ONLY = ("NormTest", "InnerTest", "OrthoTest")
-# train_pass projections for Alpha (its end point, and its start without per-example quantities) in a
-# rolled chunk loop; False: straight-line, as before issue 17 (the benchmark's "@before" variants).
-# Straight-line, XLA:CPU slowed every untracked step of a sparse schedule (docs/instruments.md).
-END_LOOP = True
 
 
 class InstrumentState(NamedTuple):
@@ -147,7 +149,7 @@ def make(quantities: str | tuple[str, ...], example_loss: Callable, *, schedule:
       norms: when the per-example quantities asked for are only NormTest/InnerTest/OrthoTest and a
         layerwise tape is available: "auto" (ghost norms per layer where cheaper, no per-example
         gradient formed), "ghost" (ghost norms on every layer), "materialise" (form the per-example
-        gradients as for GradHist1d: the code before issue 17). None: :data:`.layerwise.NORMS` at trace time.
+        gradients as for GradHist1d). None: "auto".
       hess_tol: stop HessMaxEV's Lanczos steps once the relative residual ``||Hv - lambda v|| / |lambda|``
         is below it (a while loop; at most ``hess_iters`` steps). None: always ``hess_iters`` steps.
         Either way the residual is reported as ``"HessMaxEVResidual"``.
@@ -174,9 +176,10 @@ def make(quantities: str | tuple[str, ...], example_loss: Callable, *, schedule:
 
     every_step = getattr(schedule, "every_step", False)  # no branch: straight-line code measured faster
 
-    def norm_only() -> bool:  # decided while tracing (layerwise.NORMS may change between builds)
-        mode = norms or layerwise.NORMS
-        return need_pe and mode != "materialise" and all(q in NORM_ONLY for q in names if q in PER_EXAMPLE)
+    norms = norms or "auto"
+
+    def norm_only() -> bool:
+        return need_pe and norms != "materialise" and all(q in NORM_ONLY for q in names if q in PER_EXAMPLE)
 
     def mean_loss(params, batch, context):
         return jnp.mean(jax.vmap(example_loss, in_axes=(None, 0, None))(params, batch, context))
@@ -259,10 +262,9 @@ def make(quantities: str | tuple[str, ...], example_loss: Callable, *, schedule:
         def end_only(state):  # the step after a tracked one that is not tracked itself: finish Alpha
             if tape is not None:
                 losses = tape.losses
-                if END_LOOP:
-                    proj = layerwise.tape_norm_stats(tape, None, chunk, tangents=(state.direction,), mode="auto")[1][0]
-                else:
-                    proj = layerwise.tape_projections(tape, (state.direction,))[0]
+                # in a rolled chunk loop: straight-line, XLA:CPU slowed every untracked step of a sparse
+                # schedule (docs/instruments.md)
+                proj = layerwise.tape_norm_stats(tape, None, chunk, tangents=(state.direction,), mode="auto")[1][0]
             else:
                 ctx = get_context()
                 losses, proj = jax.jvp(lambda p: example_losses(p, ctx), (params,), (state.direction,))
@@ -289,7 +291,7 @@ def make(quantities: str | tuple[str, ...], example_loss: Callable, *, schedule:
                         hist2d=h2 if has("GradHist2d") else None, tangents=along)
                     gbar = jax.tree.map(lambda s: s / b, stats.sum_grad)
                     g_sq = sum(_sq_norms(gbar))
-                elif along and END_LOOP and not every_step:  # Alpha alone, in a branch: a rolled loop (END_LOOP)
+                elif along and not every_step:  # Alpha alone, in a branch: a rolled loop
                     proj = layerwise.tape_norm_stats(tape, None, chunk, tangents=along, mode="auto")[1]
                 elif along:
                     proj = layerwise.tape_projections(tape, along)
@@ -397,7 +399,7 @@ def make(quantities: str | tuple[str, ...], example_loss: Callable, *, schedule:
         if getattr(schedule, "every_step", False):
             # Every step is tracked: no branch. (XLA:CPU runs convolutions inside a conditional, like
             # inside a loop, on a path about 6x slower: a ResNet-8 gradient took 617 ms in a
-            # lax.cond against 96 ms outside on the team's machine.)
+            # lax.cond against 96 ms outside on a loaded 2-core CPU.)
             return tracked(state)
         is_tracked = schedule(step)
         branches = [idle, tracked]

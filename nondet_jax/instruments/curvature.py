@@ -93,7 +93,7 @@ def lanczos_top(hvp: Callable, params, key, iters: int, start=None, tol: float |
     init = (jnp.zeros((k, n), dtype).at[0].set(v0), jnp.zeros(k, dtype), jnp.zeros(k, dtype))
     if tol is None:
         # Unrolled on CPU: XLA:CPU runs convolutions inside loops on a slow path (8 products: 6.0 s rolled,
-        # 1.3 s unrolled for ResNet-8 at batch 128 on the team's loaded 2-core machine).
+        # 1.3 s unrolled for ResNet-8 at batch 128 on a loaded 2-core CPU).
         unroll = jax.default_backend() == "cpu" and k <= 32
         basis, alpha, beta = jax.lax.fori_loop(0, k, body, init, unroll=unroll)
         last = jnp.asarray(k - 1)

@@ -42,19 +42,20 @@ from flax.linen import normalization
 from flax.linen.linear import canonicalize_padding
 
 from nondet_jax.instruments import histograms
-from nondet_jax.instruments.per_example import (PerExampleStats, chunk_size, matmul_sum,
-                                                over_chunks, split_chunks)
+from nondet_jax.instruments.per_example import (
+    PerExampleStats,
+    chunk_size,
+    matmul_sum,
+    over_chunks,
+    split_chunks,
+)
 from nondet_jax.models import common
-
 
 # Convolution functions an nn.Conv may be given that compute exactly lax.conv_general_dilated's
 # value (the CPU wrapper in models.common only changes how XLA schedules its weight gradient).
 SAME_AS_LAX_CONV = (None, jax.lax.conv_general_dilated, common.conv_general_dilated)
 
 
-# The chunk loop of :func:`tape_stats` runs no convolution (im2col by slices, then products), so it
-# may stay a rolled loop on CPU too: compile time grows with every unrolled copy.
-ROLLED_CHUNKS = True
 
 
 class Unsupported(Exception):
@@ -331,7 +332,7 @@ def _unflat(flat: jax.Array, like):
 
 
 def tape_stats(tape: Tape, params, chunk: int, *, grad_sq: bool, hist1d: dict | None, hist2d: dict | None,
-               tangents: tuple = (), rolled: bool = ROLLED_CHUNKS) -> tuple[PerExampleStats, jax.Array | None]:
+               tangents: tuple = (), rolled: bool = True) -> tuple[PerExampleStats, jax.Array | None]:
     """The sums of :func:`.per_example.per_example_pass` from a tape: per-example gradients formed
     ``chunk`` examples at a time by per-layer products; ``tangents``: params-like trees ``t`` whose
     projections ``g_i . t`` are returned as ``(T, B)`` (None without tangents).
@@ -428,12 +429,11 @@ def per_example_pass(losses_fn: Callable, params, batch, context, chunk: int, *,
 
 # Norm-only path: "auto" (per layer, the cheaper of ghost and materialised by :func:`ghost_is_cheaper`),
 # "ghost" (every layer with more than zero positions), "materialise" (per-example weight gradients
-# formed per layer and squared; the pre-issue-17 cost). :func:`.core.make`'s ``norms`` overrides it.
-NORMS = "auto"
+# formed per layer and squared). "auto" is the default of every ``mode`` argument below.
 
 
 def ghost_is_cheaper(positions: int, fan_in: int, fan_out: int, tangents: int = 0) -> bool:
-    """The rule of ``NORMS="auto"``, by multiply-adds per example: ghost costs the two Gram matrices,
+    """The rule of norms mode "auto", by multiply-adds per example: ghost costs the two Gram matrices,
     ``positions^2 (fan_in + fan_out)``, plus ``tangents`` projections through the layer's outputs
     under each tangent, ``tangents positions fan_in fan_out``; materialising costs forming the
     gradient, ``positions fan_in fan_out``, plus ``(tangents + 1) fan_in fan_out`` for its norm and
@@ -462,7 +462,7 @@ def _ghost_sq_norms(a, d, precision=None):
 def layer_modes(tape: Tape, mode: str | None = None, tangents: int = 0) -> dict:
     """``{path: "ghost" | "materialise" | "formed"}``: what the norm-only path does per recorded layer
     with ``tangents`` projections to compute (``formed``: BatchNorm, whose per-example gradient is C numbers)."""
-    mode = mode or NORMS
+    mode = mode or "auto"
     out = {}
     for path in tape.paths:
         m, d = tape.calls[path].module, tape.deltas[path]
@@ -480,7 +480,7 @@ def tape_sq_norms(tape: Tape, chunk: int, mode: str | None = None) -> jax.Array:
     """``(B,)``: every example's squared gradient norm ``||g_i||^2`` (all layers), from the tape, without
     forming ``g_i`` as one vector: per layer either the ghost-norm identity or the layer's own
     per-example weight gradient squared (``mode``: "auto", "ghost", "materialise"; default
-    :data:`NORMS`), ``chunk`` examples at a time (the Gram matrices take ``chunk x positions^2``)."""
+    "auto"), ``chunk`` examples at a time (the Gram matrices take ``chunk x positions^2``)."""
     return _norms_and_projections(tape, chunk, (), mode)[0]
 
 
@@ -575,7 +575,7 @@ def _norms_and_projections(tape: Tape, chunk: int, tangents: tuple, mode: str | 
     """``(B,)`` squared per-example gradient norms and ``(T, B)`` projections onto ``tangents`` (None
     without), in one loop over ``chunk`` examples at a time that builds each convolution's im2col
     patches once (:func:`_layer_sq_and_proj` per layer)."""
-    mode = mode or NORMS
+    mode = mode or "auto"
     if mode not in ("auto", "ghost", "materialise"):
         raise ValueError(f"norms must be auto, ghost or materialise, got {mode!r}")
     b = tape.deltas[tape.paths[0]].shape[0]

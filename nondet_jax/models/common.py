@@ -11,8 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from nondet_jax import convs
-
+from nondet_jax.models import convs
 
 # He (fan_out) init for convolutions, as torchvision's ResNets.
 conv_init = nn.initializers.variance_scaling(2.0, "fan_out", "normal")
@@ -22,7 +21,7 @@ def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, r
                          dimension_numbers=None, feature_group_count=1, batch_group_count=1, precision=None,
                          preferred_element_type=None):
     """``lax.conv_general_dilated`` with the same value and derivatives, computed through
-    :mod:`nondet_jax.convs`' primitive: a replica-batched call (``vmap`` over replicas) runs the
+    :mod:`nondet_jax.models.convs`' primitive: a replica-batched call (``vmap`` over replicas) runs the
     formulation the measured table chooses, and on XLA:CPU the weight gradient reads a materialized input.
 
     Why the CPU part: XLA computes a convolution's weight gradient as another convolution whose input

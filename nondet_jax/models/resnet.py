@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from nondet_jax.models.common import Head, conv_bn
 
+
 class BasicBlock(nn.Module):
     features: int
     stride: int = 1

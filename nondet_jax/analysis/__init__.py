@@ -1,0 +1,1 @@
+"""Statistics and metrics over replicas: diversity metrics, intervals, arm metrics, health, dynamics."""

@@ -1,0 +1,105 @@
+"""From a trained arm to numbers: per-arm diversity metrics with CIs, and comparisons between arms.
+
+``arm_metrics`` runs once per arm, right after training (it needs the model for the LMC
+barrier); ``compare_arms`` works on the stored records only, so the report can be rebuilt
+without training.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from nondet_jax.analysis import metrics as M
+from nondet_jax.analysis import stats as S
+from nondet_jax.config import MetricsConfig
+from nondet_jax.train import TrainFns, TrainState
+
+PAIRWISE = ("disagreement", "pearson", "spearman", "ensemble_gain_accuracy", "ensemble_gain_cross_entropy",
+            "cka", "weight_distance")
+
+
+def lmc_pairs(replicas: int, count: int) -> list[tuple[int, int]]:
+    """Disjoint pairs (0, 1), (2, 3), ... : independent barrier estimates, at most ``count``."""
+    return [(2 * i, 2 * i + 1) for i in range(min(count, replicas // 2))]
+
+
+def interpolation_error_fn(fns: TrainFns, batch_stats, x_bn, x_test, y_test):
+    """Jitted test error of weights, with BatchNorm statistics recomputed on ``x_bn`` first."""
+    y_test = np.asarray(y_test)
+
+    @jax.jit
+    def predictions(params):
+        bs = fns.recompute_batch_stats(params, batch_stats, x_bn)
+        logits, _ = fns.evaluate(TrainState(params, bs, None), x_test)
+        return logits.argmax(-1)
+
+    return lambda params: float((np.asarray(predictions(params)) != y_test).mean())
+
+
+def arm_metrics(result, data, fns: TrainFns, cfg: MetricsConfig) -> tuple[dict, dict[str, np.ndarray]]:
+    """Metrics of one trained arm: a JSON-ready dict and the per-pair arrays to store.
+
+    Accuracy and cross-entropy: mean and std (ddof=1) with t and chi-square 95% CIs. Pairwise
+    metrics (when ``cfg.pairwise``): mean over the R(R-1)/2 pairs with a replica-jackknife CI
+    (methods: ``stats.METHODS``).
+    LMC: barrier on up to ``cfg.lmc_pairs`` disjoint pairs, BatchNorm recomputed at each point.
+    """
+    labels = np.asarray(data.y_test)
+    acc, ce = M.accuracy(result.logits, labels), M.cross_entropy(result.logits, labels)
+    r = len(acc)
+    out = {"accuracy": S.spread(acc, std_max=S.ACCURACY_STD_MAX), "cross_entropy": S.spread(ce),
+           "independent_errors_std": M.independent_errors_std(result.logits, labels)}
+    arrays: dict[str, np.ndarray] = {"accuracy": acc, "cross_entropy": ce}
+    if not cfg.pairwise or r < 2:
+        return out, arrays
+    gain = M.ensemble_gain(result.logits, labels)
+    arrays.update({
+        "disagreement": M.disagreement(result.logits),
+        "pearson": M.pearson(result.logits),
+        "spearman": M.spearman(result.logits),
+        "ensemble_gain_accuracy": gain["accuracy"],
+        "ensemble_gain_cross_entropy": gain["cross_entropy"],
+        "cka": M.linear_cka(result.features),
+        "weight_distance": result.weight_distance[-1],
+    })
+    for name in PAIRWISE:
+        ci = S.pairwise_mean_ci(arrays[name], r, bounds=M.PAIRWISE_RANGE.get(name, (-np.inf, np.inf)))
+        out[name] = {"mean": float(arrays[name].mean()), "ci": list(ci)}
+    pairs = lmc_pairs(r, cfg.lmc_pairs)
+    if pairs:
+        x_bn = np.asarray(data.x_train[: cfg.bn_examples])
+        bs0 = jax.tree.map(lambda x: x[0], result.state.batch_stats)
+        error = interpolation_error_fn(fns, bs0, x_bn, np.asarray(data.x_test), labels)
+        alphas = np.linspace(0.0, 1.0, cfg.lmc_points)
+        take = lambda i: jax.tree.map(lambda x: x[i], result.state.params)  # noqa: E731
+        curves = np.stack([M.interpolation_curve(error, take(a), take(b), alphas) for a, b in pairs])
+        barriers = np.array([M.barrier(c) for c in curves])
+        arrays.update({"lmc_alphas": alphas, "lmc_curves": curves, "lmc_pairs": np.array(pairs),
+                       "lmc_barrier": barriers})
+        out["lmc_barrier"] = {"mean": float(barriers.mean()), "values": barriers.tolist(), "pairs": pairs}
+    return out, arrays
+
+
+def compare_arms(records: dict[str, dict], reference: str = "all") -> dict[str, dict]:
+    """Each arm's accuracy and cross-entropy std relative to the ``reference`` arm (F-test,
+    Brown-Forsythe, replicas for 80% power). Empty when the reference arm is absent."""
+    if reference not in records:
+        return {}
+    def healthy(rows):  # diverged replicas are left out of every metric
+        return [row for row in rows if row.get("diverged_at_step", -1) < 0]
+
+    ref = healthy(records[reference]["rows"])
+    ref_acc = np.array([row["test_accuracy"] for row in ref])
+    ref_ce = np.array([row["test_loss"] for row in ref])
+    out = {}
+    for arm, rec in records.items():
+        if arm == reference or len(ref) < 2:
+            continue
+        rows = healthy(rec["rows"])
+        if len(rows) < 2:
+            continue
+        acc = np.array([row["test_accuracy"] for row in rows])
+        ce = np.array([row["test_loss"] for row in rows])
+        out[arm] = {"accuracy": S.compare_spread(acc, ref_acc), "cross_entropy": S.compare_spread(ce, ref_ce)}
+    return out

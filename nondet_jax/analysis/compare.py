@@ -1,0 +1,165 @@
+"""Is my improvement real? Two studies' or methods' per-seed scores compared with intervals."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+
+from nondet_jax.analysis import stats as S
+from nondet_jax.errors import UsageError
+from nondet_jax.store.paths import RunPaths
+from nondet_jax.store.run import verify_arm_files
+
+INDEX_COLUMNS = ("seed", "replica", "run", "index")
+
+
+RUN_METRICS = {"test_accuracy": True, "test_loss": False, "train_loss": False, "train_accuracy": True}
+
+
+def _is_run(path: Path) -> bool:
+    return path.is_dir()
+
+
+def run_scores(run: str | Path, arm: str, metric: str = "test_accuracy") -> tuple[np.ndarray, dict]:
+    """Per-replica ``metric`` of ``arm`` in a run folder (replicas that diverged left out), and where it came from."""
+    run = Path(run)
+    if not (run / "config.json").is_file():
+        raise UsageError(f"{run} is not a nondet_jax run folder (no config.json); pass the --out folder of a sweep "
+                         "or a CSV file of per-seed scores")
+    if metric not in RUN_METRICS:
+        raise UsageError(f"unknown --metric '{metric}' for a run folder; use one of {', '.join(RUN_METRICS)}")
+    record_path = RunPaths(run).arm_file("arms", arm)  # read only: no lock, nothing written
+    if not record_path.exists():
+        finished = sorted(p.stem for p in (run / "arms").glob("*.json")) if (run / "arms").is_dir() else []
+        raise UsageError(f"arm '{arm}' has no finished results in {run} (finished: {', '.join(finished) or 'none'}); "
+                         "pick one with --arm")
+    try:
+        record = json.loads(record_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        raise UsageError(f"result file {record_path} is unreadable or corrupt; rerun its study with --recompute {arm} "
+                         "or pick another --arm") from None
+    record = verify_arm_files(run, arm, record)
+    rows = [r for r in record["rows"] if r.get("diverged_at_step", -1) < 0]
+    config = json.loads((run / "config.json").read_text())
+    where = {"source": str(run), "kind": "run", "arm": arm, "metric": metric, "dataset": config["data"]["name"],
+             "model": config["model"]["name"], "diverged_left_out": len(record["rows"]) - len(rows)}
+    return np.array([r[metric] for r in rows], dtype=np.float64), where
+
+
+def csv_scores(path: str | Path, column: str | None = None) -> tuple[np.ndarray, dict]:
+    """Per-seed scores from a CSV file: the named ``column``, or the only numeric column (a header
+    line is optional when the file holds one column of numbers)."""
+    path = Path(path)
+    try:
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}; pass a CSV file of per-seed scores") from None
+    rows = list(csv.reader(lines))
+    if not rows:
+        raise UsageError(f"{path} is empty; it needs one row per seed with a score")
+
+    def number(x):
+        try:
+            return float(x)
+        except ValueError:
+            return None
+
+    header = rows[0] if any(number(c) is None for c in rows[0]) else [f"column{i + 1}" for i in range(len(rows[0]))]
+    body = rows[1:] if header is rows[0] else rows
+    if any(len(r) != len(header) for r in body):
+        raise UsageError(f"{path} has rows with different numbers of fields; fix the file")
+    numeric = [i for i, _ in enumerate(header) if body and all(number(r[i]) is not None for r in body)]
+    if column is None:  # a seed or replica number is an index, not a score
+        numeric = [i for i in numeric if header[i].strip().lower() not in INDEX_COLUMNS]
+        if len(numeric) != 1:
+            names = ", ".join(header[i] for i in numeric) or "none"
+            raise UsageError(f"{path} has {len(numeric)} numeric columns ({names}); name the score with --column")
+        idx = numeric[0]
+    elif column not in header:
+        raise UsageError(f"{path} has no column '{column}' (columns: {', '.join(header)}); fix --column")
+    else:
+        idx = header.index(column)
+        if idx not in numeric:
+            raise UsageError(f"column '{column}' of {path} holds values that are not numbers; fix the file or --column")
+    scores = np.array([number(r[idx]) for r in body], dtype=np.float64)
+    return scores, {"source": str(path), "kind": "csv", "column": header[idx]}
+
+
+def compare(a: str | Path, b: str | Path, arm: str = "all", arm_b: str | None = None, metric: str = "test_accuracy",
+            column: str | None = None, higher_is_better: bool | None = None) -> dict:
+    """Compare method A with method B: two run folders (arm ``arm`` of A, ``arm_b`` or ``arm`` of B,
+    per-replica ``metric``) or two CSV files (``column``). Returns
+    :func:`nondet_jax.analysis.stats.compare_means`'s fields plus ``a`` and ``b`` (where the scores came from).
+    ``higher_is_better`` defaults to True, or to the metric's direction for run folders (losses: lower).
+    """
+    a, b = Path(a), Path(b)
+    for p in (a, b):
+        if not p.exists():
+            raise UsageError(f"{p} does not exist; pass two run folders or two CSV files")
+    if _is_run(a) != _is_run(b):
+        raise UsageError(f"cannot compare a {'run folder' if _is_run(a) else 'CSV file'} ({a}) with a "
+                         f"{'run folder' if _is_run(b) else 'CSV file'} ({b}); pass two run folders or two CSV files")
+    if _is_run(a):
+        if column is not None:
+            raise UsageError("--column is for CSV files; for run folders choose --arm and --metric")
+        xa, wa = run_scores(a, arm, metric)
+        xb, wb = run_scores(b, arm_b or arm, metric)
+        if wa["dataset"] != wb["dataset"]:
+            raise UsageError(f"{a} was tested on {wa['dataset']} and {b} on {wb['dataset']}: scores on different test "
+                             "sets cannot be compared; pass two runs on the same dataset")
+        if higher_is_better is None:
+            higher_is_better = RUN_METRICS[metric]
+    else:
+        if arm != "all" or arm_b is not None or metric != "test_accuracy":
+            raise UsageError("--arm, --arm-b and --metric are for run folders; for CSV files choose --column")
+        xa, wa = csv_scores(a, column)
+        xb, wb = csv_scores(b, column)
+    for x, w in ((xa, wa), (xb, wb)):
+        if len(x) < 2:
+            raise UsageError(f"{w['source']} gives {len(x)} score(s); the comparison needs at least 2 per method")
+        if not np.isfinite(x).all():
+            raise UsageError(f"{w['source']} holds a non-finite score (NaN or inf); remove that seed or fix the file")
+    result = S.compare_means(xa, xb, higher_is_better=True if higher_is_better is None else higher_is_better)
+    wa, wb = {**wa, "scores": xa.tolist()}, {**wb, "scores": xb.tolist()}
+    return {**result, "a": wa, "b": wb, "methods": {k: S.METHODS[k] for k in ("difference", "probability_of_improvement")}}
+
+
+def _label(w: dict) -> str:
+    if w["kind"] == "run":
+        out = f"{w['source']} (arm {w['arm']}, {w['metric']}"
+        return out + (f"; {w['diverged_left_out']} diverged replica(s) left out)" if w["diverged_left_out"] else ")")
+    return f"{w['source']} (column {w['column']})"
+
+
+def verdict(r: dict) -> str:
+    """One sentence on what the interval supports."""
+    lo, hi = r["difference_ci"]
+    better = "better" if (r["difference"] > 0) == r["higher_is_better"] else "worse"
+    if lo > 0 or hi < 0:
+        return f"B is {better} than A: the 95% CI of the difference excludes 0 (Welch p = {r['p']:.3g})."
+    n = r["replicas_for_80pct_power"]
+    need = (f"about {n} runs per method would detect a difference this size 80% of the time" if n
+            else "no difference was observed to size a study for")
+    return f"Cannot tell A and B apart with {r['n_a']} and {r['n_b']} runs: the 95% CI includes 0; {need}."
+
+
+def format_result(r: dict) -> str:
+    g = lambda x: f"{x:.4g}"  # noqa: E731
+    lo, hi = r["difference_ci"]
+    plo, phi = r["probability_of_improvement_ci"]
+    op = ">" if r["higher_is_better"] else "<"
+    return "\n".join([
+        f"A: {_label(r['a'])}: n = {r['n_a']}, mean {g(r['mean_a'])}, std {g(r['std_a'])}",
+        f"B: {_label(r['b'])}: n = {r['n_b']}, mean {g(r['mean_b'])}, std {g(r['std_b'])}",
+        f"difference of means B − A: {r['difference']:+.4g}  95% CI [{g(lo)}, {g(hi)}]  Welch p = {r['p']:.3g} "
+        f"(df {r['welch_df']:.1f})",
+        f"probability of improvement P(B {op} A): {r['probability_of_improvement']:.3f}  95% CI [{plo:.3f}, {phi:.3f}]",
+        f"replicas per method for 80% power at this difference: {r['replicas_for_80pct_power'] or 'n/a'} "
+        f"(two-sample t-test, pooled run-to-run std {g(r['pooled_std'])})",
+        verdict(r),
+        f"methods: difference: {r['methods']['difference']}; probability of improvement: "
+        f"{r['methods']['probability_of_improvement']}",
+    ])

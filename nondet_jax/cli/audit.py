@@ -1,0 +1,107 @@
+"""``python -m nondet_jax audit``: is training bitwise reproducible on this machine?"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from nondet_jax import config as cfg
+from nondet_jax.cli import prog_name
+from nondet_jax.errors import OneLineParser, UsageError
+from nondet_jax.machine.determinism import check_flags, with_flags
+from nondet_jax.study.audit import audit_run
+
+
+def audit_in_child(args: list[str], flags) -> dict:
+    """Run the audit in a child process whose XLA_FLAGS carry ``flags``; return its result."""
+    check_flags(flags)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "child.json"
+        env = {**os.environ, "XLA_FLAGS": with_flags(flags)}
+        proc = subprocess.run([sys.executable, "-m", "nondet_jax", "audit", *args, "--child-json", str(out)],
+                              env=env, capture_output=True, text=True)
+        if proc.returncode != 0 or not out.exists():
+            tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise RuntimeError(f"the audit's child process failed (exit {proc.returncode}): {tail}")
+        return json.loads(out.read_text())
+
+
+def format_run(title: str, run: dict) -> str:
+    lines = [f"{title}: backend {run['backend']}, XLA_FLAGS '{run['xla_flags']}', {run['steps']} steps"
+             + (f", second run perturbed by {run['perturb']}" if run["perturb"] else ""),
+             f"  {'tensor':<48} {'elements':>9} {'differ':>8} {'max ulp':>10}"]
+    for name, t in run["tensors"].items():
+        lines.append(f"  {name:<48} {t['elements']:>9} {t['differ']:>8} {t['max_ulp']:>10}")
+    verdict = "bitwise identical" if run["bitwise_identical"] else f"{run['differ']} of {run['elements']} elements differ"
+    lines.append(f"  => {verdict}; declared deterministic: {run['declared_deterministic']}")
+    return "\n".join(lines)
+
+
+def failed(run: dict) -> bool:
+    """A run declared deterministic that is not (perturbed runs are meant to differ)."""
+    return run["declared_deterministic"] and not run["perturb"] and not run["bitwise_identical"]
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+
+    prog = prog or prog_name("nondet_jax audit", "nondet-jax-audit")
+    p = OneLineParser(prog=prog, description=__doc__.splitlines()[0].replace("``", ""))
+    p.add_argument("--steps", type=int, default=5, help="training steps per run (default 5)")
+    p.add_argument("--model", default="resnet8")
+    p.add_argument("--dataset", default="digits")
+    p.add_argument("--data-dir")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--perturb", choices=["batch_order"], help="perturb the second run's reduction order")
+    p.add_argument("--json", help="write the result here")
+    p.add_argument("--no-child", action="store_true", help="skip the run with determinism flags on")
+    p.add_argument("--child-json", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    raw = list(argv if argv is not None else sys.argv[1:])
+    try:
+        if args.steps < 1:
+            raise UsageError(f"--steps must be >= 1, got {args.steps}")
+        if args.json and (Path(args.json).is_dir() or not Path(args.json).parent.is_dir()):
+            what = "is a folder" if Path(args.json).is_dir() else "is in a folder that does not exist"
+            raise UsageError(f"--json {args.json} {what}; pass a file path in an existing folder, e.g. "
+                             "--json audit.json")
+        config = cfg.from_flat({"model.name": args.model, "data.name": args.dataset, "data.data_dir": args.data_dir,
+                                "train.batch_size": args.batch_size, "train.epochs": 1, "study.seed": args.seed,
+                                "study.replicas": 1, "metrics.pairwise": False})
+        if args.child_json:
+            Path(args.child_json).write_text(json.dumps(audit_run(config, args.steps, args.perturb)))
+            return 0
+        from nondet_jax.machine.determinism import DETERMINISM_ON
+
+        runs = {"current flags": audit_run(config, args.steps, args.perturb)}
+        if not args.no_child:
+            child_args = [a for a in raw if a not in ("--no-child",)]
+            if "--json" in child_args:
+                i = child_args.index("--json")
+                del child_args[i:i + 2]
+            runs["determinism flags on (child process)"] = audit_in_child(child_args, DETERMINISM_ON)
+    except UsageError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    for title, run in runs.items():
+        print(format_run(title, run))
+    if args.json:
+        from nondet_jax.store.io import atomic_write_json
+
+        atomic_write_json(Path(args.json), {"runs": runs})
+    bad = [t for t, r in runs.items() if failed(r)]
+    if bad:
+        print(f"NOT DETERMINISTIC although declared so: {', '.join(bad)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    from nondet_jax.cli import run_command
+
+    sys.exit(run_command("audit"))

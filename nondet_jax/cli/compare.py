@@ -1,0 +1,67 @@
+"""``python -m nondet_jax compare A B``: the command line of :mod:`nondet_jax.analysis.arm.compare`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from nondet_jax.analysis.compare import RUN_METRICS, compare, format_result
+from nondet_jax.cli import prog_name
+from nondet_jax.errors import OneLineParser, UsageError
+from nondet_jax.report.compare_figure import plot_result
+
+
+def _plot_path(path: str) -> Path:
+    """``--plot FILE``, checked before anything is computed."""
+    path = Path(path)
+    if path.suffix.lower() not in (".png", ".pdf", ".svg"):
+        raise UsageError(f"--plot {path}: name a .png, .pdf or .svg file")
+    if not path.parent.is_dir():
+        raise UsageError(f"--plot {path}: folder {path.parent} does not exist; create it or choose another path")
+    return path
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+
+    prog = prog or prog_name("nondet_jax compare", "nondet-jax-compare")
+    p = OneLineParser(prog=prog, description=__doc__.splitlines()[0].replace("``", ""))
+    p.add_argument("a", help="method A: a run folder or a CSV file of per-seed scores")
+    p.add_argument("b", help="method B: same kind as A")
+    p.add_argument("--arm", default="all", help="arm of each run folder (default: all)")
+    p.add_argument("--arm-b", default=None, help="a different arm for B (default: --arm)")
+    p.add_argument("--metric", default="test_accuracy", help=f"run folders: one of {', '.join(RUN_METRICS)}")
+    p.add_argument("--column", default=None, help="CSV files: the score column (default: the only numeric one)")
+    p.add_argument("--lower-is-better", action="store_true", help="scores are losses or errors (CSV files)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--plot", metavar="FILE", help="also draw the comparison (scores, difference, probability of "
+                   "improvement, each with its interval) into FILE (.png, .pdf or .svg)")
+    args = p.parse_args(argv)
+    try:
+        plot = _plot_path(args.plot) if args.plot else None
+        r = compare(args.a, args.b, args.arm, args.arm_b, args.metric, args.column,
+                    False if args.lower_is_better else None)
+    except UsageError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    if plot is not None:
+        import io
+
+        from nondet_jax.store.io import atomic_write_bytes
+
+        buf = io.BytesIO()
+        plot_result(r).savefig(buf, format=plot.suffix[1:], dpi=110)
+        atomic_write_bytes(plot, buf.getvalue())
+    if args.json:
+        from nondet_jax.store.io import strict_json
+
+        print(json.dumps(strict_json(r), indent=2, allow_nan=False))
+    else:
+        print(format_result(r))
+    return 0
+
+
+if __name__ == "__main__":
+    from nondet_jax.cli import run_command
+
+    sys.exit(run_command("compare"))

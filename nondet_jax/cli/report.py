@@ -1,0 +1,42 @@
+"""``python -m nondet_jax report RUN``: rebuild a run folder's report from its stored results."""
+
+from __future__ import annotations
+
+import sys
+
+from nondet_jax.cli import prog_name
+from nondet_jax.errors import OneLineParser, UsageError
+from nondet_jax.report.markdown import write_report
+from nondet_jax.report.summary import format_table
+from nondet_jax.store.paths import RunPaths
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+
+    prog = prog or prog_name("nondet_jax.report", "nondet-jax-report")
+
+    p = OneLineParser(prog=prog,
+                                description="Rebuild the report of a run folder from its stored results.")
+    p.add_argument("run_dir")
+    p.add_argument("--tensorboard", action="store_true",
+                   help="also write TensorBoard event files, one run per replica, into RUN_DIR/tensorboard "
+                        "(needs tensorboardX: pip install \"nondet_jax[tensorboard]\")")
+    args = p.parse_args(argv)
+    try:
+        summary = write_report(args.run_dir)
+        if args.tensorboard:
+            from nondet_jax.report.tensorboard import export_run
+
+            print(f"tensorboard: {export_run(args.run_dir, list(summary['arms']))}")
+    except UsageError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    print(format_table(summary))
+    print(f"report: {RunPaths(args.run_dir).report}")
+    return 0
+
+
+if __name__ == "__main__":
+    from nondet_jax.cli import run_command
+
+    sys.exit(run_command("report"))

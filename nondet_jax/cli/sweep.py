@@ -1,0 +1,290 @@
+"""``python -m nondet_jax.sweep``: train R replicas per arm and write the run folder.
+
+Thin CLI over :mod:`nondet_jax.study.runner` (parse, presets, resume, then :func:`~nondet_jax.study.runner.run`). Every bad input exits with status 2 and a
+one-line error naming the problem and the fix; nothing already written is touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from importlib import resources
+from pathlib import Path
+
+import jax
+
+from nondet_jax import config as cfg
+from nondet_jax.cli import prog_name, run_command
+from nondet_jax.config import Config
+from nondet_jax.errors import OneLineParser, UsageError
+from nondet_jax.machine.determinism import DETERMINISM_ON, check_flags, with_flags
+from nondet_jax.report import tensorboard
+from nondet_jax.sources import IMPLEMENTED
+from nondet_jax.store.paths import RunPaths
+from nondet_jax.study import child, runner
+from nondet_jax.study.prepare import default_out
+
+# CLI flag -> dotted config key
+FLAGS = {
+    "arms": "study.arms",
+    "replicas": "study.replicas",
+    "seed": "study.seed",
+    "strategy": "study.strategy",
+    "epochs": "train.epochs",
+    "batch_size": "train.batch_size",
+    "model": "model.name",
+    "width": "model.width",
+    "dropout": "model.dropout",
+    "dataset": "data.name",
+    "data_dir": "data.data_dir",
+    "augment": "data.augment",
+    "optimizer": "optim.name",
+    "lr": "optim.lr",
+    "instruments": "instruments.config",
+}
+
+
+DEFAULT_PRESET = "sources"
+
+
+def preset_names() -> list[str]:
+    """The presets shipped inside the package (``nondet_jax/presets/*.yaml``, package data)."""
+    folder = resources.files("nondet_jax") / "presets"
+    return sorted(p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def preset_path(name: str) -> Path:
+    """The preset file ``nondet_jax/presets/<name>.yaml``; UsageError naming the presets when absent."""
+    path = resources.files("nondet_jax") / "presets" / f"{name}.yaml"
+    if not path.is_file():
+        raise UsageError(f"unknown preset '{name}'; choose one of: {', '.join(preset_names())}")
+    return Path(str(path))
+
+
+
+def build_parser(prog: str = "python -m nondet_jax.sweep") -> argparse.ArgumentParser:
+
+    p = OneLineParser(prog=prog,
+                description="Train R replicas per arm, varying only the arm's randomness sources, and write a run "
+                            f"folder. Defaults shown are the {DEFAULT_PRESET} preset's; --preset and --config change "
+                            "them, flags and --set override both.")
+    p.add_argument("--arms", help=f"comma list: control (nothing varies), a source ({', '.join(IMPLEMENTED)}, "
+                                  "hardware: the backend's own nondeterminism), a+b combination, all (every seeded "
+                                  "source), all+hardware; ARM@snapshotK (K >= 2) trains ARM as a K-cycle snapshot "
+                                  "ensemble")
+    p.add_argument("--replicas", type=int, help="replicas per arm (R)")
+    p.add_argument("--epochs", type=int, help="training epochs")
+    p.add_argument("--model", help="mlp, resnet8/14/20/32/56, resnet18, resnet18_imagenet, resnet50, resnet29v2, "
+                                   "vgg11, shufflenetv2, or your own Flax module as PACKAGE.MODULE:ATTR (a class or "
+                                   "factory taking num_classes=, imported from PYTHONPATH; see docs/api.md)")
+    p.add_argument("--width", type=float, help="width multiplier")
+    p.add_argument("--dropout", type=float, help="dropout rate before the classifier")
+    p.add_argument("--dataset", help="digits (embedded), cifar10, mnist, fashion_mnist, imagenette, imagenet2012 (TFDS, "
+                                     "prepared in --data-dir; see docs/data.md), or your own arrays as PATH.npz "
+                                     "holding x_train, y_train, x_test, y_test (images NHWC or (N, features))")
+    p.add_argument("--data-dir", help="TFDS data directory")
+    p.add_argument("--augment", help="auto (on for cifar10), on, off")
+    p.add_argument("--batch-size", type=int, help="mini-batch size per replica and step")
+    p.add_argument("--optimizer", help="sgd or adamw")
+    p.add_argument("--lr", type=float, help="peak learning rate")
+    p.add_argument("--seed", type=int, help="study seed (root of every key)")
+    p.add_argument("--instruments", help="Cockpit's quantities per step and replica: economy, business, full, or "
+                                         "quantity names (e.g. Loss,HessMaxEV); see instruments.every/schedule")
+    p.add_argument("--strategy", help="auto, vmap, sequential or sharded (replicas over the devices)")
+    p.add_argument("--out", help="run folder (default: runs/<dataset>-<model>-<config hash>)")
+    p.add_argument("--preset", help=f"a study shipped with the package: {', '.join(preset_names())} (default: "
+                                    f"{DEFAULT_PRESET})")
+    p.add_argument("--config", help="YAML or JSON file of config keys (sections or dotted keys), applied after the preset")
+    p.add_argument("--set", action="append", default=[], nargs="+", metavar="KEY=VALUE",
+                   help="override any config key, e.g. --set optim.nesterov=true or --set optim.lr 0.1 "
+                        "(repeatable; keys: docs/cli.md)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue the study in RUN_DIR with the config stored there "
+                   "(finished arms are kept, an arm in training continues from its last checkpoint)")
+    p.add_argument("--recompute", metavar="ARMS", help="comma list of arms whose results (and checkpoints) are "
+                   "deleted and trained again, e.g. after a corrupt-file error")
+    p.add_argument("--compile-cache", metavar="DIR", help="JAX's persistent compilation cache: a folder, or 'off' "
+                   f"(default: ${CACHE_ENV} or {default_cache_dir()})")
+    p.add_argument("--coordinator", metavar="HOST:PORT", help="multi-process run: address of process 0 "
+                   "(with --num-processes and --process-id; see nondet_jax.study.multihost)")
+    p.add_argument("--num-processes", type=int, help="multi-process run: number of processes")
+    p.add_argument("--process-id", type=int, help="multi-process run: this process's index, 0 .. N-1")
+    p.add_argument("--distributed", choices=["auto"], help="multi-process run with the cluster's settings detected "
+                   "by jax.distributed.initialize (Slurm, Open MPI, Cloud TPU)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
+    p.add_argument("--log", choices=["tensorboard"], help="also write TensorBoard event files, one run per replica, "
+                   "into OUT/tensorboard as each arm finishes (needs tensorboardX: pip install "
+                   "\"nondet_jax[tensorboard]\"); view with tensorboard --logdir OUT/tensorboard")
+    p.add_argument("--child-arm", help=argparse.SUPPRESS)
+    _show_defaults(p)
+    return p
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Append the default preset's value to the help of each flag that sets a config key."""
+    flat = cfg.to_dict(cfg.from_flat(cfg.load_file(preset_path(DEFAULT_PRESET))))
+    for action in parser._actions:
+        key = FLAGS.get(action.dest)
+        if key is None:
+            continue
+        section, name = key.split(".")
+        value = flat[section][name]
+        if value is None:
+            continue
+        shown = ", ".join(value) if isinstance(value, list) else value
+        action.help = f"{action.help + ' ' if action.help else ''}(default: {shown})"
+
+
+def set_pairs(groups: list[list[str]]) -> list[str]:
+    """``--set`` words as ``KEY=VALUE`` items: each ``--set`` takes ``KEY=VALUE`` items or ``KEY VALUE`` pairs."""
+    out = []
+    for words in groups:
+        words = list(words)
+        while words:
+            word = words.pop(0)
+            if "=" in word:
+                out.append(word)
+            elif words and "=" not in words[0]:
+                out.append(f"{word}={words.pop(0)}")
+            else:
+                raise UsageError(f"--set {word} has no value; write --set {word}=VALUE or --set {word} VALUE")
+    return out
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """Preset (default: sources unless --config is given), then --config, then flags, then --set."""
+    preset = args.preset or (None if args.config else DEFAULT_PRESET)
+    flat = cfg.load_file(preset_path(preset)) if preset else {}
+    if args.config:
+        flat.update(cfg.load_file(args.config))
+    for flag, key in FLAGS.items():
+        value = getattr(args, flag)
+        if value is not None:
+            flat[key] = value
+    flat.update(cfg.parse_overrides(set_pairs(args.set)))
+    return cfg.from_flat(flat)
+
+
+def config_for_resume(args: argparse.Namespace) -> Config:
+    """The config stored in ``--resume RUN_DIR``; settings given with it would change the study."""
+    given = [f"--{f.replace('_', '-')}" for f in (*FLAGS, "preset", "config", "out") if getattr(args, f) is not None]
+    if given or args.set:
+        raise UsageError(f"--resume takes its settings from the run folder, so {(given or ['--set'])[0]} cannot be "
+                         "combined with it; drop it, or start a new study with --out")
+    path = RunPaths(args.resume).config
+    try:
+        return cfg.from_dict(json.loads(path.read_text()))
+    except FileNotFoundError:
+        raise UsageError(f"--resume {args.resume} is not a nondet_jax run folder (no config.json); pass the --out "
+                         "folder of an earlier sweep") from None
+    except (OSError, json.JSONDecodeError):
+        raise UsageError(f"{path} is unreadable or corrupt; start a new study with --out") from None
+
+
+CACHE_ENV = "NONDET_JAX_COMPILE_CACHE"
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nondet_jax" / "jax"
+
+
+def enable_compile_cache(setting: str | None) -> Path | None:
+    """Turn on JAX's persistent compilation cache (every program, however quick to compile), so a
+    second identical run, or an arm's child process, compiles nothing new. Returns the folder."""
+    setting = setting or os.environ.get(CACHE_ENV) or str(default_cache_dir())
+    if setting.lower() == "off":
+        return None
+    folder = Path(setting).expanduser()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"cannot create the compilation cache folder {folder}: {e.strerror}; pass "
+                         "--compile-cache DIR with a writable folder, or --compile-cache off") from None
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    os.environ[CACHE_ENV] = str(folder)  # the processes started for hardware arms use it too
+    return folder
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+
+    prog = prog or prog_name("nondet_jax.sweep", "nondet-jax-sweep")
+    args = build_parser(prog).parse_args(argv)
+    progress = False if args.no_progress else None
+    try:
+        from nondet_jax.machine import xla_flags
+
+        xla_flags.apply_cpu_defaults()  # this CPU type's measured flags, before JAX starts (environment.json says)
+        enable_compile_cache(args.compile_cache)
+        if args.child_arm:
+            return child.child_main(args.out, args.child_arm, progress if progress is not None else sys.stderr.isatty())
+        if args.resume:
+            config = config_for_resume(args)
+            args.out = args.resume
+        else:
+            config = config_from_args(args)
+        if config.study.xla_determinism:
+            set_determinism_flags()
+        command = prog + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+        t0 = time.perf_counter()
+        recompute = tuple(a.strip() for a in (args.recompute or "").split(",") if a.strip())
+        from nondet_jax.study import multihost
+
+        after_arm = tensorboard_logger() if args.log == "tensorboard" else None
+        procs = multihost.initialize(args.coordinator, args.num_processes, args.process_id, args.distributed == "auto")
+        if procs.count > 1:
+            if recompute:
+                raise UsageError("--recompute runs in a single process; rerun it without --num-processes first")
+            summary = runner.run_distributed(config, args.out, procs, progress=progress, command=command)
+            if summary is not None and after_arm is not None:  # process 0, once the arms are merged
+                for arm in summary["arms"]:
+                    after_arm(args.out or default_out(config), arm)
+        else:
+            runner.run(config, args.out, progress=progress, command=command, recompute=recompute, after_arm=after_arm)
+        print(f"done in {time.perf_counter() - t0:.0f} s")
+    except UsageError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: finished arms are kept in the run folder; rerun the same command to resume",
+              file=sys.stderr)
+        return 130
+    except RuntimeError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def tensorboard_logger():
+    """``after_arm`` for ``--log tensorboard``: exports each stored arm; UsageError now (before any training)
+    when tensorboardX is missing."""
+    tensorboard.writer_class()
+
+    def after_arm(out, arm: str) -> None:
+        print(f"arm {arm}: TensorBoard event files in {tensorboard.export_arm(out, arm)}")
+
+    return after_arm
+
+
+def set_determinism_flags() -> None:
+    """Put XLA's determinism flags into this process's XLA_FLAGS before the backend starts, so
+    that arms run here are deterministic on GPU too (only ``hardware`` arms run without them)."""
+    if with_flags(DETERMINISM_ON) != os.environ.get("XLA_FLAGS", ""):
+        check_flags(DETERMINISM_ON)
+        os.environ["XLA_FLAGS"] = with_flags(DETERMINISM_ON)
+
+
+def entry() -> int:
+    """``python -m nondet_jax.sweep``: in a child training one arm, leave when the parent sweep does."""
+    if os.environ.get(child.CHILD_ENV) == "1":
+        from nondet_jax.machine.signals import die_with_parent
+
+        die_with_parent()  # a child training an arm leaves when its sweep does
+    return run_command("sweep")
+
+
+if __name__ == "__main__":
+    sys.exit(entry())

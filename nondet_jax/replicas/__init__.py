@@ -1,0 +1,1 @@
+"""The execution strategies that run the single-replica training functions for R replicas."""

@@ -1,0 +1,50 @@
+"""The one-device strategies: ``vmap`` (one program over the replica axis) and ``sequential``."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from nondet_jax.replicas.loop import Strategy, _stack, _take
+from nondet_jax.sources import replica_slice
+from nondet_jax.train import TrainFns
+
+
+def sequential_strategy(fns: TrainFns) -> Strategy:
+    """The single-replica programs, each compiled once, in a Python loop over replicas."""
+    init, epoch_fn, evaluate = jax.jit(fns.init), jax.jit(fns.train_epoch), jax.jit(fns.evaluate)
+
+    def init_all(keys, perturb, x):
+        r_count = jax.tree.leaves(keys)[0].shape[0]
+        return _stack([init(replica_slice(keys, r), perturb, x) for r in range(r_count)])
+
+    def epoch_all(state, x, y, keys, perturb, e, progress):
+        r_count = jax.tree.leaves(keys)[0].shape[0]
+        states, metrics = [], []
+        for r in range(r_count):
+            s, m = epoch_fn(_take(state, r), x, y, replica_slice(keys, r), perturb, e)
+            states.append(s)
+            metrics.append(jax.block_until_ready(m))
+            progress(1)
+        return _stack(states), _stack(metrics)
+
+    def evaluate_all(state, x):
+        outputs = [evaluate(_take(state, r), x) for r in range(jax.tree.leaves(state.params)[0].shape[0])]
+        return tuple(np.stack([np.asarray(o[i]) for o in outputs]) for i in (0, 1))
+
+    return Strategy("sequential", init_all, epoch_all, evaluate_all)
+
+
+def vmap_strategy(fns: TrainFns) -> Strategy:
+    """One jitted program over the replica axis per epoch."""
+    init = jax.jit(jax.vmap(fns.init, in_axes=(0, None, None)))
+    epoch_fn = jax.jit(jax.vmap(fns.train_epoch, in_axes=(0, None, None, 0, None, None)))
+    evaluate = jax.jit(jax.vmap(fns.evaluate, in_axes=(0, None)))
+
+    def epoch_all(state, x, y, keys, perturb, e, progress):
+        state, m = epoch_fn(state, x, y, keys, perturb, e)
+        m = jax.block_until_ready(m)
+        progress(jax.tree.leaves(keys)[0].shape[0])
+        return state, m
+
+    return Strategy("vmap", init, epoch_all, evaluate)

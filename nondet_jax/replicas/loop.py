@@ -1,0 +1,114 @@
+"""The loop every strategy shares: an arm's replicas trained epoch by epoch, with checkpoints."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, NamedTuple
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nondet_jax.analysis.health import flag_nonfinite_outputs
+from nondet_jax.analysis.metrics import flatten_weights, weight_distance
+from nondet_jax.sources import Perturbations, ReplicaKeys
+from nondet_jax.train import TrainState
+
+
+class ArmResult(NamedTuple):
+    """What training one arm produced; arrays carry a leading replica axis R."""
+
+    state: TrainState  # final weights, BatchNorm statistics, optimiser state and Health
+    train_loss: np.ndarray  # (R, epochs) mean training loss per epoch (NaN once a replica diverged)
+    train_accuracy: np.ndarray  # (R, epochs)
+    logits: np.ndarray  # (R, n_test, classes)
+    features: np.ndarray  # (R, n_test, features)
+    weight_distance: np.ndarray  # (epochs + 1, pairs): ||θa − θb|| / ||θa|| at init and after each epoch
+    strategy: str
+    seconds: float
+    steps: dict  # per-step training metrics, leaves (R, epochs * steps_per_epoch, ...)
+    snapshots: np.ndarray  # (R, K, n_test, classes) test logits after each of ``eval_epochs`` (K may be 0)
+
+    @property
+    def diverged_at(self) -> np.ndarray:
+        """(R,) global step at which each replica diverged and was frozen; -1 = never."""
+        return np.asarray(self.state.health.diverged_at)
+
+
+class Progress(NamedTuple):
+    """Where an arm's training stands after ``epoch`` epochs: what a checkpoint holds."""
+
+    epoch: int
+    state: TrainState  # stacked over replicas
+    steps: dict  # per-step metrics so far, leaves (R, epoch * steps_per_epoch, ...)
+    weight_distance: np.ndarray  # (epoch + 1, pairs)
+    snapshots: np.ndarray | None = None  # (R, k, n_test, classes) logits after the eval_epochs passed so far
+
+
+class Strategy(NamedTuple):
+    """How R replicas are executed: functions over states stacked on a leading replica axis."""
+
+    name: str
+    init: Callable  # (keys, perturb, x_sample) -> stacked TrainState
+    epoch: Callable  # (state, x, y, keys, perturb, epoch, progress) -> (state, metrics with leaves (R, steps))
+    evaluate: Callable  # (state, x) -> (logits, features), each (R, ...)
+
+
+def _stack(trees: list[Any]) -> Any:
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+def _take(tree: Any, r: int) -> Any:
+    return jax.tree.map(lambda a: a[r], tree)
+
+
+def _distances(params) -> np.ndarray:
+    """Pairwise relative weight distances of stacked params (leading axis R); empty for R = 1."""
+    r = jax.tree.leaves(params)[0].shape[0]
+    return weight_distance(flatten_weights(params)) if r > 1 else np.zeros(0)
+
+
+def inject_fault(state: TrainState, replica: int) -> TrainState:
+    """A simulated hardware fault: every weight of ``replica`` becomes NaN (tests divergence handling)."""
+    return state._replace(params=jax.tree.map(lambda a: a.at[replica].set(jnp.nan), state.params))
+
+
+def train_replicas(strategy: Strategy, keys: ReplicaKeys, perturb: Perturbations, data, epochs: int,
+                   progress: Callable[[int], None] = lambda n: None, start: Progress | None = None,
+                   on_epoch: Callable[[Progress], None] = lambda p: None,
+                   fault: tuple[int, int] | None = None, eval_epochs: tuple[int, ...] = ()) -> ArmResult:
+    """Train the replicas whose keys are given (leading axis R) for ``epochs`` epochs.
+
+    ``start`` continues from a checkpoint instead of initialising; ``on_epoch`` sees the
+    :class:`Progress` after every epoch (to checkpoint it); ``fault = (replica, epoch)`` makes that
+    replica's weights NaN before that epoch; after each epoch count in ``eval_epochs`` the test logits
+    are kept (snapshot ensembles); replicas whose test outputs are not finite are marked diverged
+    (:func:`nondet_jax.analysis.health.flag_nonfinite_outputs`). The loop is epoch-major: all R states exist at every
+    epoch end (for the divergence curves), whatever the strategy.
+    """
+    t0 = time.perf_counter()
+    x_tr, y_tr, x_te = (jnp.asarray(a) for a in (data.x_train, data.y_train, data.x_test))
+    r_count = jax.tree.leaves(keys)[0].shape[0]
+    if start is None:
+        state = strategy.init(keys, perturb, x_tr[:1])
+        start = Progress(0, state, {}, _distances(state.params)[None])
+    state, steps, distances = start.state, start.steps, [start.weight_distance]
+    snapshots = [] if start.snapshots is None else list(np.moveaxis(np.asarray(start.snapshots), 1, 0))
+    chex.assert_tree_shape_prefix(state, (r_count,))
+    for e in range(start.epoch, epochs):
+        if fault is not None and fault[1] == e:
+            state = inject_fault(state, fault[0])
+        state, m = strategy.epoch(state, x_tr, y_tr, keys, perturb, jnp.int32(e), progress)
+        m = jax.tree.map(np.asarray, m)
+        steps = m if not steps else jax.tree.map(lambda a, b: np.concatenate([a, b], 1), steps, m)
+        distances.append(_distances(state.params)[None])
+        if e + 1 in eval_epochs:
+            snapshots.append(np.asarray(strategy.evaluate(state, x_te)[0]))
+        stacked = np.stack(snapshots, 1) if snapshots else None
+        on_epoch(Progress(e + 1, state, steps, np.concatenate(distances), stacked))
+    logits, feats = strategy.evaluate(state, x_te)
+    per_epoch = {k: np.asarray(steps[k]).reshape(r_count, epochs, -1).mean(-1) for k in ("loss", "accuracy")}
+    return flag_nonfinite_outputs(ArmResult(state, per_epoch["loss"], per_epoch["accuracy"], np.asarray(logits), np.asarray(feats),
+                     np.concatenate(distances), strategy.name, time.perf_counter() - t0, steps,
+                     np.stack(snapshots, 1) if snapshots else np.zeros((r_count, 0) + np.shape(logits)[1:], np.float32)))

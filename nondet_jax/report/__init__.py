@@ -1,0 +1,1 @@
+"""The report: summary numbers, figures, Markdown and TensorBoard export of a run folder."""

@@ -1,0 +1,49 @@
+"""The figure ``compare --plot`` draws."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from nondet_jax.analysis import stats as S
+from nondet_jax.analysis.compare import verdict
+
+
+def plot_result(r: dict):
+    """The comparison as a figure (returned, not saved): each method's per-seed scores with the mean and
+    its t interval; the difference of means with its Welch interval against 0; the probability of
+    improvement with its interval against ½ (no difference)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401 - matplotlib.ticker.MaxNLocator below
+
+    fig, (ax, ad, ap) = plt.subplots(1, 3, figsize=(10, 3.6), gridspec_kw={"width_ratios": [1.2, 1, 1]})
+    what = r["a"].get("metric") or r["a"].get("column") or "score"
+    rng = np.random.default_rng(0)
+    for i, (name, w) in enumerate((("A", r["a"]), ("B", r["b"]))):
+        x = np.asarray(w["scores"])
+        lo, hi = S.mean_ci(x)
+        ax.scatter(i + rng.uniform(-0.1, 0.1, len(x)), x, s=16, alpha=0.8, color=f"C{i}")
+        ax.errorbar(i + 0.25, x.mean(), yerr=[[x.mean() - lo], [hi - x.mean()]], fmt="o", color="k", capsize=4)
+    ax.set_xticks([0, 1], [f"A (n={r['n_a']})", f"B (n={r['n_b']})"])
+    ax.set_xlim(-0.5, 1.6)
+    ax.set_ylabel(what)
+    ax.set_title("per-seed scores; mean, 95% t CI", fontsize=9)
+    for axis, value, (lo, hi), null, title in (
+            (ad, r["difference"], r["difference_ci"], 0.0, "difference of means B − A\n(Welch 95% CI)"),
+            (ap, r["probability_of_improvement"], r["probability_of_improvement_ci"], 0.5,
+             f"P(B {'>' if r['higher_is_better'] else '<'} A), one run each\n(Newcombe 95% CI)")):
+        axis.errorbar([value], [0], xerr=[[value - lo], [hi - value]], fmt="o", color="k", capsize=5)
+        axis.axvline(null, color="C3", lw=1, ls="--", label="no difference")
+        left, right = min(lo, null), max(hi, null)
+        pad = 0.1 * (right - left) or 0.01
+        axis.set_xlim(left - pad, right + pad)
+        axis.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(4))
+        axis.set_yticks([])
+        axis.set_title(title, fontsize=9)
+    ap.set_xlim(-0.02, 1.02)
+    ap.legend(fontsize=8, loc="lower left")
+    fig.suptitle(verdict(r), fontsize=9)
+    fig.tight_layout()
+    return fig

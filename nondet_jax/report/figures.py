@@ -1,0 +1,223 @@
+"""The report's figures, one function per figure (matplotlib, imported when drawing)."""
+
+from __future__ import annotations
+
+import io
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from nondet_jax.report.summary import _healthy
+from nondet_jax.store.io import atomic_write_bytes
+from nondet_jax.store.paths import RunPaths
+
+LINESTYLES = ("-", "--", ":", "-.")  # arms with equal curves (init and all, say) stay visible
+
+
+MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*", "<", ">")  # hollow, one per arm: overlapping curves show both
+
+
+def _stored(run: Path, arms: list[str], folder: str, key: str):
+    """(index, arm, arrays) for each arm whose ``folder/<arm>.npz`` holds ``key``."""
+    for i, arm in enumerate(arms):
+        path = RunPaths(run).arm_file(folder, arm, ".npz")
+        if path.exists():
+            with np.load(path) as f:
+                if key in f.files:
+                    yield i, arm, {k: f[k] for k in f.files}
+
+
+def make_figures(run: Path, summary: dict, records: dict[str, dict]) -> list[str]:
+    """Write the report's figures; returns their paths relative to the run folder."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401 - matplotlib.ticker.MaxNLocator below
+
+    figdir = RunPaths(run).figures
+    figdir.mkdir(exist_ok=True)
+    arms = list(summary["arms"])
+    x = np.arange(len(arms))
+    made = []
+
+    def save(fig, name):
+
+
+        buf = io.BytesIO()
+        if fig.get_layout_engine() is None:  # the dashboard brings its own (constrained) layout
+            with warnings.catch_warnings():  # matplotlib's layout notes are not the user's business
+                warnings.simplefilter("ignore")
+                fig.tight_layout()
+        fig.savefig(buf, format="png", dpi=110)
+        plt.close(fig)
+        atomic_write_bytes(figdir / f"{name}.png", buf.getvalue())
+        made.append(f"figures/{name}.png")
+
+    # 1. accuracy of every replica, per arm (strip + violin)
+    fig, ax = plt.subplots(figsize=(1.3 * len(arms) + 2, 4))
+    healthy = [sorted(_healthy(records[a])) for a in arms]
+    accs = [np.array([r["test_accuracy"] for r in records[a]["rows"] if r["replica"] in h], float) * 100
+            for a, h in zip(arms, healthy)]
+    if all(len(v) > 1 and np.ptp(v) > 0 for v in accs):
+        ax.violinplot(accs, positions=x, showextrema=False)
+    rng = np.random.default_rng(0)
+    low = min([v.min() for v in accs if len(v)], default=0.0)
+    marked = False
+    for i, (a, v) in enumerate(zip(arms, accs)):
+        ax.scatter(i + rng.uniform(-0.12, 0.12, len(v)), v, s=14, alpha=0.8, color="C0")
+        if len(v):
+            ax.hlines(v.mean(), i - 0.25, i + 0.25, color="k", lw=1.5)
+        gone = summary["arms"][a].get("diverged", [])
+        if gone:  # diverged replicas: a red x under the arm, labelled with replica@step
+            ax.scatter([i] * len(gone), [low] * len(gone), marker="x", color="C3", s=30, zorder=3,
+                       label=None if marked else "diverged (replica@step), left out")
+            ax.annotate(", ".join(f"{d['replica']}@{d['step']}" for d in gone)[:40], (i, low), fontsize=7,
+                        color="C3", ha="center", va="top", xytext=(0, -6), textcoords="offset points")
+            marked = True
+    if marked:
+        ax.legend(fontsize=8)
+    ax.set_xticks(x, arms, rotation=30, ha="right")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title("Test accuracy of each replica (line: mean)")
+    save(fig, "accuracy")
+
+    # 2. std with CI bars, accuracy and cross-entropy, with the independent-errors baseline
+    fig, axes = plt.subplots(1, 2, figsize=(2 * (0.8 * len(arms) + 2), 4))
+    for ax, q, scale, label in ((axes[0], "accuracy", 100, "std of test accuracy (%)"),
+                                (axes[1], "cross_entropy", 1, "std of test cross-entropy (nats)")):
+        spread = [summary["arms"][a]["metrics"].get(q, {}) for a in arms]  # {} for an arm that fully diverged
+        s = np.array([m.get("std", np.nan) for m in spread], dtype=float) * scale
+        ci = np.array([m.get("std_ci", [np.nan, np.nan]) for m in spread], dtype=float) * scale
+        base = np.array([summary["arms"][a]["metrics"].get("independent_errors_std", np.nan) for a in arms],
+                        dtype=float) * scale if q == "accuracy" else np.full(len(arms), np.nan)
+        # Few replicas give upper CI ends many times the std (32x at R=2): the axis stops at 3x the largest
+        # std, and a whisker that goes on is cut there with its end written above it.
+        top = 3 * np.nanmax(np.concatenate([s, base, [0.0]]))
+        cut = ci[:, 1] > top if top > 0 else np.zeros(len(arms), bool)
+        high = np.where(cut, top, ci[:, 1])
+        err = np.clip(np.abs(np.stack([s - ci[:, 0], high - s])), 0, None)
+        ax.bar(x, s, yerr=err, capsize=4, color="C1")  # no bar where the CI is n/a (NaN), never a 0-width one
+        for i in np.flatnonzero(cut):
+            ax.annotate(f"↑ {ci[i, 1]:.3g}", (i, top), ha="center", va="bottom", fontsize=8, xytext=(0, 2),
+                        textcoords="offset points")
+        if cut.any():
+            ax.set_ylim(0, top * 1.12)
+        for i in np.flatnonzero(np.isnan(s)):
+            ax.text(i, 0, "n/a", ha="center", va="bottom", fontsize=8, color="C3")
+        if q == "accuracy":
+            ax.scatter(x, base, marker="D", s=36, facecolor="white", edgecolor="k", zorder=3,
+                       label="test-set sampling alone (independent-errors baseline)")
+            ax.legend(fontsize=8, loc="lower left", bbox_to_anchor=(0, 1.0), frameon=False)
+        ax.set_xticks(x, arms, rotation=30, ha="right")
+        ax.set_ylabel(label)
+    fig.suptitle("Spread across replicas, with 95% chi-square CIs")
+    save(fig, "spread")
+
+    # 3. pairwise diversity per arm
+    names = [("disagreement", "pairwise disagreement (%)", 100), ("cka", "linear CKA of features (0 to 1)", 1),
+             ("ensemble_gain_accuracy", "2-model ensemble gain in accuracy (pp)", 100)]
+    if any("disagreement" in summary["arms"][a]["metrics"] for a in arms):
+        fig, axes = plt.subplots(1, 3, figsize=(3 * (0.7 * len(arms) + 1.8), 4))
+        for ax, (key, label, scale) in zip(axes, names):
+            vals = np.array([summary["arms"][a]["metrics"].get(key, {}).get("mean", np.nan) for a in arms],
+                            dtype=float) * scale
+            ci = np.array([summary["arms"][a]["metrics"].get(key, {}).get("ci", [np.nan, np.nan]) for a in arms],
+                          dtype=float) * scale
+            err = np.clip(np.abs(np.stack([vals - ci[:, 0], ci[:, 1] - vals])), 0, None)  # NaN (n/a): no bar
+            ax.bar(x, vals, yerr=err, capsize=4, color="C2")
+            ax.set_xticks(x, arms, rotation=30, ha="right")
+            ax.set_title(label, fontsize=10)
+        few = [a for a in arms if 0 < summary["arms"][a].get("replicas_used", summary["arms"][a]["replicas"]) < 3]
+        fig.suptitle("Diversity between replicas (mean over pairs, replica-jackknife 95% CI"
+                     + ("; no CI below 3 replicas: " + ", ".join(few) if few else "") + ")")
+        save(fig, "diversity")
+
+    # 4. weight divergence over training
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    plotted = False
+    for i, a, h in _stored(run, arms, "history", "weight_distance"):
+        wd = h["weight_distance"]
+        if wd.shape[1] == 0:
+            continue
+        mean = wd.mean(1)
+        if (mean > 0).any():
+            ax.plot(np.arange(len(mean)), np.where(mean > 0, mean, np.nan), marker=MARKERS[i % len(MARKERS)],
+                    ms=4 + 1.5 * (i % 3), mfc="none", label=a, color=f"C{i}", ls=LINESTYLES[i % len(LINESTYLES)])
+            plotted = True
+    if plotted:
+        _value_axis(ax)
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        ax.set_xlabel("epoch (0 = initial weights)")
+        ax.set_ylabel("||θa − θb|| / ||θa||, mean over pairs")
+        ax.set_title("Weight-space divergence (arms at 0 are not drawn)")
+        ax.legend(fontsize=8)
+        save(fig, "divergence")
+    else:
+        plt.close(fig)
+
+    # 5. divergence dynamics of replicas 0 and 1, every k steps
+    traces = list(_stored(run, arms, "dynamics", "weight_distance"))
+    if traces:
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
+        for i, a, t in traces:
+            step, wd, dis = t["step"], t["weight_distance"], t["disagreement"]
+            style = {"color": f"C{i}", "ls": LINESTYLES[i % len(LINESTYLES)], "label": a}
+            ax1.plot(step, np.where(wd > 0, wd, np.nan), **style)
+            ax2.plot(step, dis * 100, **style)
+        ax1.set_yscale("log")
+        ax1.set_xlabel("training step")
+        ax1.set_ylabel("||θ0 − θ1|| / ||θ0||")
+        ax1.set_title("Weight distance of replicas 0 and 1")
+        ax2.set_xlabel("training step")
+        ax2.set_ylabel("prediction disagreement on probe images (%)")
+        ax2.set_title("Disagreement of replicas 0 and 1")
+        ax1.legend(fontsize=8)
+        save(fig, "dynamics")
+
+    # 6. LMC error curves; arms whose barrier is tiny next to the largest get a zoomed panel of their own
+    lmc = [(i, a, p["lmc_alphas"], p["lmc_curves"].mean(0) * 100) for i, a, p in _stored(run, arms, "pairs", "lmc_curves")]
+    if lmc:
+        barrier = {a: float(np.max(c - np.interp(al, [al[0], al[-1]], [c[0], c[-1]]))) for _, a, al, c in lmc}
+        top = max(barrier.values())
+        small = [a for a in barrier if barrier[a] < 0.1 * top] if top > 0 else []
+        panels = [("all arms", [a for _, a, _, _ in lmc])]
+        if 0 < len(small) < len(lmc):
+            panels.append((f"zoom: arms with a barrier under {0.1 * top:.2g} pp", small))
+        fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4), squeeze=False)
+        for ax, (title, show) in zip(axes[0], panels):
+            for i, a, alphas, curve in lmc:
+                if a in show:
+                    ax.plot(alphas, curve, marker=MARKERS[i % len(MARKERS)], ms=4 + 1.5 * (i % 3), mfc="none",
+                            label=a, color=f"C{i}", ls=LINESTYLES[i % len(LINESTYLES)])
+            ax.set_xlabel("α (weights θb + α(θa − θb); BatchNorm recomputed)")
+            ax.set_ylabel("test error (%), mean over pairs")
+            ax.set_title(title, fontsize=10)
+            ax.legend(fontsize=8)
+        fig.suptitle("Linear interpolation between replicas")
+        save(fig, "lmc")
+    for arm in records:  # Cockpit-style dashboards of the arms trained with instruments
+        path = RunPaths(run).arm_file("instruments", arm)
+        if path.exists():
+            from nondet_jax.instruments.dashboard import dashboard
+
+            with np.load(path, allow_pickle=False) as f:
+                values = {k: f[k] for k in f.files}
+            save(dashboard(values, title=f"arm {arm}: instruments"), f"instruments_{arm}")
+    return made
+
+
+def _value_axis(ax) -> None:
+    """Log scale with plain decade labels where the values span a decade or more; otherwise linear
+    with plain numbers (a log axis over a narrow range labels ticks like 1.0746×10^0)."""
+    import matplotlib.ticker as mt
+
+    ys = np.concatenate([ln.get_ydata() for ln in ax.get_lines()]).astype(float)
+    ys = ys[np.isfinite(ys) & (ys > 0)]
+    if len(ys) and ys.max() / ys.min() >= 10:
+        ax.set_yscale("log")
+        ax.yaxis.set_major_locator(mt.LogLocator(base=10))
+        ax.yaxis.set_minor_formatter(mt.NullFormatter())
+    else:
+        ax.yaxis.set_major_formatter(mt.ScalarFormatter(useOffset=False))

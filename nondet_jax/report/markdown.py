@@ -1,0 +1,142 @@
+"""``report.md``: the summary's numbers and figures as Markdown, with the findings in words."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from nondet_jax.analysis.mitigations import mitigation_table
+from nondet_jax.analysis.stats import METHODS
+from nondet_jax.errors import UsageError
+from nondet_jax.report.figures import make_figures
+from nondet_jax.report.summary import (
+    _ci,
+    _fmt,
+    _write_csv,
+    arm_rows,
+    build_summary,
+    format_table,
+)
+from nondet_jax.store.io import atomic_write_bytes, atomic_write_json, strict_json
+from nondet_jax.store.paths import RunPaths
+
+
+def _comparison_md(summary: dict) -> list[str]:
+    vs = summary["vs_all"]
+    if not vs:
+        return ["(No `all` arm in this study: no ratios to it.)", ""]
+    lines = ["| arm | accuracy std ratio [95% CI] | F-test p | Brown–Forsythe p | R for 80% power "
+             "| CE std ratio [95% CI] | F-test p | Brown–Forsythe p |", "|---|---|---|---|---|---|---|---|"]
+    for arm, c in vs.items():
+        a, l_ = c["accuracy"], c["cross_entropy"]
+        lines.append(f"| {arm} | {_fmt(a['ratio'], 2)}{_ci(a['ratio_ci'], 2)} | {_fmt(a['f_test_p'], 3)} | "
+                     f"{_fmt(a['brown_forsythe_p'], 3)} | {a['replicas_for_80pct_power'] or '—'} | "
+                     f"{_fmt(l_['ratio'], 2)}{_ci(l_['ratio_ci'], 2)} | {_fmt(l_['f_test_p'], 3)} | "
+                     f"{_fmt(l_['brown_forsythe_p'], 3)} |")
+    return lines + [""]
+
+
+def _dynamics_md(summary: dict) -> list[str]:
+    rows = [(a, r["dynamics"]) for a, r in summary["arms"].items() if "dynamics" in r]
+    if not rows:
+        return []
+    lines = ["## Divergence dynamics", "",
+             "Replicas 0 and 1 of each arm, traced every k steps; growth rate λ of the weight distance fitted as "
+             "log d = log d0 + λ·step over the early phase (until half the largest distance), ± its standard error.",
+             "", "| arm | every k steps | λ per step ± s.e. | fitted steps | points |", "|---|---|---|---|---|"]
+    for a, d in rows:
+        w = d["window"]
+        lines.append(f"| {a} | {d['every']} | {_fmt(d['rate_per_step'], 4)} ± {_fmt(d['stderr'], 4)} | "
+                     f"{_fmt(w[0], 0) if w[0] is not None else '—'}–{_fmt(w[1], 0) if w[1] is not None else '—'} | "
+                     f"{d['points']} |")
+    return lines + [""]
+
+
+def _findings(summary: dict) -> list[str]:
+    """Plain statements read off the numbers (no tuning, no interpretation beyond the CI)."""
+    vs = summary["vs_all"]
+    out = []
+    for arm, c in vs.items():
+        if arm == "control":
+            continue
+        a = c["accuracy"]
+        lo, hi = a["ratio_ci"]
+        if not np.isfinite(a["ratio"]):
+            continue
+        where = ("includes 1: not distinguishable from all sources together" if lo <= 1 <= hi else
+                 "lies below 1: less spread than all sources together" if hi < 1 else
+                 "lies above 1: more spread than all sources together")
+        out.append(f"- `{arm}`: accuracy std is {a['ratio']:.2f}× the `all` arm's; the 95% CI "
+                   f"[{lo:.2f}, {hi:.2f}] {where} (F-test p = {a['f_test_p']:.3f}).")
+    for arm in ("control", "hardware"):
+        rec = summary["arms"].get(arm)
+        if rec:
+            same = rec.get("replicas_bitwise_identical")
+            what = "nothing varies" if arm == "control" else "seeds fixed, XLA determinism flags off"
+            out.append(f"- `{arm}` ({what}): replicas {'are' if same else 'are NOT'} bitwise identical "
+                       f"on {summary.get('backend')}.")
+    if "hardware" in summary["arms"] and summary["arms"]["hardware"].get("replicas_bitwise_identical"):
+        out.append(f"- {summary.get('backend')} gave no hardware nondeterminism to measure: `batch_order` (the order "
+                   "of examples, hence of floating-point reductions, inside each minibatch) is its simulated stand-in.")
+    return out
+
+
+def _mitigations_md(summary: dict) -> list[str]:
+    if not summary.get("mitigations"):
+        return []
+
+    return ["## Mitigations: single models, test-time augmentation, snapshot ensembles", "",
+            "Same replicas (paired by key) evaluated as variants: `single` is the trained arm; `tta:<views>` the "
+            "same models averaged over test-time views; `snapshotK` the arm retrained with K cosine cycles in the "
+            "same epochs (equal training cost), its K cycle-end logits averaged; `snapshotK last` that run's final "
+            "snapshot alone. The std ratio is to `single` (F-test p).", "",
+            mitigation_table(summary["mitigations"]), ""]
+
+
+def write_report(run: str | Path, command: str | None = None) -> dict:
+    """Rebuild ``summary.json``, ``arms.csv``, figures and ``report.md`` from stored results."""
+    run = Path(run)
+    paths = RunPaths(run)
+
+    with warnings.catch_warnings():  # zero-spread arms (control) make scipy's tests divide by 0: reported as n/a
+        warnings.simplefilter("ignore", RuntimeWarning)
+        summary, records = build_summary(run)
+    if paths.figures.exists() and not paths.figures.is_dir():
+        raise UsageError(f"{paths.figures} is a file, but the report writes its figures into a folder of that name; "
+                         "move the file away and rebuild the report")
+    atomic_write_json(paths.summary, strict_json(summary))
+    _write_csv(paths.arms_csv, [strict_json(row) for row in arm_rows(summary)])
+    figures = make_figures(run, summary, records)
+    if command is None and paths.command.exists():
+        command = paths.command.read_text().strip()
+    md = [f"# Variability study: {summary['model']} on {summary['dataset']}", ""]
+    if command:
+        md += ["Made by:", "", "```", command, "```", ""]
+    md += [f"{len(summary['arms'])} arms, {summary['epochs']} epochs, seed {summary['seed']}, backend "
+           f"{summary['backend']} ({summary['device_kind']}). Every number below is read from this folder's "
+           "stored results (`python -m nondet_jax.report` rebuilds this page).", "",
+           "## Per-arm table", "", "```", format_table(summary), "```", "",
+           "Full per-arm table: `arms.csv`; one row per replica: `replicas.csv`.", "",
+           "## Spread relative to the `all` arm", "", *_comparison_md(summary),
+           "## What the numbers say", "", *(_findings(summary) or ["- (nothing to compare)"]), "",
+           *_dynamics_md(summary),
+           *_mitigations_md(summary),
+           "## Figures", ""]
+    md += [f"![{Path(f).stem}]({f})" for f in figures]
+    md += ["", "## Definitions", "",
+           "- std: sample standard deviation over replicas (ddof=1); 95% CI: " + METHODS["std"] + "; mean: "
+           + METHODS["mean"] + ". Both n/a below R=2.",
+           "- Pairwise metrics (disagreement, Pearson/Spearman of flattened logits, 2-model ensemble gain, linear CKA "
+           "of penultimate features, weight distance ||θa−θb||/||θa||): mean over the R(R−1)/2 pairs; 95% CI: "
+           + METHODS["pairwise"] + "; n/a below R=3.",
+           "- LMC barrier: max over α of test error at θb+α(θa−θb), BatchNorm statistics recomputed on training "
+           "data at each point, minus the mean endpoint error; on disjoint pairs (0,1), (2,3), ...",
+           "- Independent-errors baseline: sqrt(Σ p_i(1−p_i)·R/(R−1))/n, the accuracy std that test-set sampling "
+           "alone explains (Jordan 2023), p_i example i's error rate over the R replicas (R/(R−1) makes the "
+           "variance unbiased).",
+           "- Ratio vs all: std(arm)/std(all) with an F-distribution CI, two-sided F-test and Brown–Forsythe "
+           "p-values, and the replicas per arm the F-test needs for 80% power at the observed ratio.", ""]
+    atomic_write_bytes(paths.report, "\n".join(md).encode())
+    return summary

@@ -1,0 +1,216 @@
+"""The numbers of a report: per-arm records read back, aggregated into summary rows and tables."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+
+from nondet_jax.analysis.arm import compare_arms
+from nondet_jax.analysis.mitigations import mitigation_metrics, snapshot_ensemble
+from nondet_jax.analysis.stats import METHODS, format_ci
+from nondet_jax.errors import UsageError
+from nondet_jax.sources import split_variant
+from nondet_jax.store.io import _finite, atomic_write_bytes, check_no_links
+from nondet_jax.store.paths import RunPaths
+from nondet_jax.store.run import read_arm_record, verify_arm_files
+
+
+def _fmt(x, digits=4) -> str:
+    return "—" if x is None or (isinstance(x, float) and not np.isfinite(x)) else f"{x:.{digits}f}"
+
+
+def _pct(x) -> str:
+    """A fraction as a percentage with 2 decimals; "—" when missing."""
+    return _fmt(None if x is None else x * 100, 2)
+
+
+def _ci(ci, digits=4, scale=1.0) -> str:
+
+    return format_ci(ci, digits, scale)
+
+
+def load_records(run: Path) -> tuple[dict, dict[str, dict]]:
+    """The run's config and the records of its finished arms, in the config's arm order."""
+    paths = RunPaths(run)
+    cfg_path = paths.config
+    if not run.is_dir() or not cfg_path.exists():
+        raise UsageError(f"{run} is not a nondet_jax run folder (no config.json); pass the --out folder of a sweep")
+    check_no_links(run)
+    try:
+        config = json.loads(cfg_path.read_text())
+        arms = config["study"]["arms"]
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise UsageError(f"{cfg_path} is unreadable or corrupt ({type(e).__name__}); rerun the sweep into a new "
+                         "--out") from None
+    records = {a: verify_arm_files(run, a, read_arm_record(run, a)) for a in arms
+               if paths.arm_file("arms", a).exists()}
+    if not records:
+        raise UsageError(f"{run} has no finished arms yet; run the sweep to completion first")
+    return config, records
+
+
+def build_summary(run: Path) -> tuple[dict, dict[str, dict]]:
+    """Per-arm metrics plus each arm's spread relative to the ``all`` arm; and the arm records."""
+    config, records = load_records(run)
+    env_path = RunPaths(run).environment
+    try:
+        env = json.loads(env_path.read_text()) if env_path.exists() else {}
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        env = None
+    if not isinstance(env, dict):
+        raise UsageError(f"{env_path} is unreadable or not a JSON object; rerun the sweep on the same --out, which "
+                         "writes it again")
+    return {
+        "study": str(run),
+        "dataset": config["data"]["name"], "model": config["model"]["name"],
+        "epochs": config["train"]["epochs"], "seed": config["study"]["seed"],
+        "backend": env.get("backend"), "device_kind": env.get("device_kind"),
+        "std_ddof": 1, "ci_level": 0.95, "ci_methods": METHODS,
+        "arms": {a: {k: v for k, v in rec.items() if k != "rows"} for a, rec in records.items()},
+        "vs_all": compare_arms(records),
+        "mitigations": mitigation_results(run, records),
+    }, records
+
+
+def _healthy(record: dict) -> set[int]:
+    return {row["replica"] for row in record["rows"] if row.get("diverged_at_step", -1) < 0}
+
+
+def _load(path: Path) -> np.ndarray:
+    """A stored array (never unpickled); UsageError naming the file when it is not a plain .npy array."""
+    try:
+        return np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{path} is not a readable array file ({str(e).splitlines()[0][:80]}); rerun the sweep on "
+                         "the same --out to write it again") from None
+
+
+def mitigation_results(run: Path, records: dict[str, dict]) -> dict[str, dict]:
+    """Per plain arm with a mitigation stored: its variants' metrics (nondet_jax.analysis.mitigations).
+
+    Variants: ``single`` (the arm's logits), ``tta:<views>`` (same models, test-time augmentation),
+    ``snapshotK`` (arm@snapshotK: the mean of each replica's K cycle-end logits, same training
+    epochs) and ``snapshotK last`` (its final snapshot alone). Replica r of the two arms shares
+    every key, so the comparison is paired; replicas that diverged in either are left out.
+    """
+    paths = RunPaths(run)
+    if not paths.test_labels.exists():
+        return {}
+    labels = _load(paths.test_labels)
+    out = {}
+    for arm, rec in records.items():
+        if split_variant(arm)[1]:
+            continue
+        snaps = {other: split_variant(other)[1] for other in records
+                 if split_variant(other)[0] == arm and split_variant(other)[1]}
+        keep = sorted(_healthy(rec).intersection(*(_healthy(records[o]) for o in snaps)))
+        if not keep:
+            continue
+        variants = {"single": _load(paths.arm_file("logits", arm))[keep]}
+        if paths.arm_file("tta", arm).exists():
+            with np.load(paths.arm_file("tta", arm), allow_pickle=False) as f:
+                variants.update({f"tta:{name}": f[name][keep] for name in f.files})
+        for other, k in snaps.items():
+            variants[f"snapshot{k}"] = snapshot_ensemble(_load(paths.arm_file("snapshots", other))[keep])
+            variants[f"snapshot{k} last"] = _load(paths.arm_file("logits", other))[keep]
+        if len(variants) > 1:
+            out[arm] = mitigation_metrics(variants, labels)
+    return out
+
+
+def _x100(x):
+    """A fraction as a percentage (None stays None)."""
+    return None if x is None else 100 * x
+
+
+def _ci_cols(name: str, ci, unit: str = "", scale=lambda v: v) -> dict:
+    """``name_ci_low<unit>``, ``name_ci_high<unit>`` of a [low, high] interval; empty cells where n/a."""
+    lo, hi = (ci or [None, None])
+    return {f"{name}_ci_low{unit}": scale(_finite(lo)), f"{name}_ci_high{unit}": scale(_finite(hi))}
+
+
+# Units of the tables (arms.csv, replicas.csv, StudyResult.table/.rows): accuracy-like quantities in %, as
+# in the report and the figures, cross-entropy in nats; the unit ends the column name (_pct, _nats), and a
+# name without one is a ratio, correlation, similarity or p-value.
+_PAIR_COLUMNS = {"disagreement": "_pct", "pearson": "", "spearman": "", "ensemble_gain_accuracy": "_pct",
+                 "ensemble_gain_cross_entropy": "_nats", "cka": "", "weight_distance": "", "lmc_barrier": "_pct"}
+
+
+def arm_rows(summary: dict) -> list[dict]:
+    """One flat row per arm (the ``arms.csv`` table); units in the column names (see ``_PAIR_COLUMNS``)."""
+    rows = []
+    for arm, a in summary["arms"].items():
+        m = a["metrics"]  # empty when every replica diverged: the row says so, its numbers are empty (n/a)
+        row = {"arm": arm, "varied": "+".join(a["varied"]) or "none", "replicas": a["replicas"],
+               "diverged": len(a.get("diverged", [])),
+               "diverged_at_steps": " ".join(f"{d['replica']}@{d['step']}" for d in a.get("diverged", []))}
+        for q, unit, scale in (("accuracy", "_pct", _x100), ("cross_entropy", "_nats", lambda v: v)):
+            s = m.get(q, {})
+            row.update({f"{q}_mean{unit}": scale(s.get("mean")), f"{q}_std{unit}": scale(s.get("std")),
+                        **_ci_cols(f"{q}_std", s.get("std_ci"), unit, scale)})
+        row["independent_errors_std_pct"] = _x100(m.get("independent_errors_std"))
+        vs = summary["vs_all"].get(arm)
+        for q in ("accuracy", "cross_entropy"):
+            c = vs[q] if vs else {}
+            row.update({f"{q}_std_ratio_vs_all": c.get("ratio"), **_ci_cols(f"{q}_ratio", c.get("ratio_ci")),
+                        f"{q}_f_test_p": c.get("f_test_p"), f"{q}_brown_forsythe_p": c.get("brown_forsythe_p"),
+                        f"{q}_replicas_for_80pct_power": c.get("replicas_for_80pct_power")})
+        for name, unit in _PAIR_COLUMNS.items():
+            scale = _x100 if unit == "_pct" else (lambda v: v)
+            row[f"{name}{unit}"] = scale(m[name]["mean"]) if name in m else None
+            if name != "lmc_barrier":  # same units as the mean; empty where "n/a" (R < 3)
+                row.update(_ci_cols(name, (m.get(name) or {}).get("ci"), unit, scale))
+        row.update({"strategy": a["strategy"], "seconds": a["seconds"]})
+        rows.append(row)
+    return rows
+
+
+def replica_rows(rows: list[dict]) -> list[dict]:
+    """The stored per-replica rows (fractions, as in ``arms/<arm>.json``) in the tables' units: the
+    ``replicas.csv`` table and ``StudyResult.rows``."""
+    units = {"test_accuracy": "_pct", "train_accuracy": "_pct", "test_loss": "_nats", "train_loss": "_nats"}
+    return [{k + units.get(k, ""): (_x100(v) if units.get(k) == "_pct" else v) for k, v in row.items()}
+            for row in rows]
+
+
+def _write_csv(path: Path, rows: list[dict]) -> None:
+
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
+    w.writeheader()
+    w.writerows(rows)
+    atomic_write_bytes(path, buf.getvalue().encode())
+
+
+def format_table(summary: dict) -> str:
+    """The main per-arm table (plain text): printed by the sweep, embedded in the report."""
+    head = (f"{'arm':<13}{'R':>3} {'accuracy %':>10} {'acc std % [95% CI]':>22} {'ratio vs all':>12} {'p(F)':>6}"
+            f" {'CE std [95% CI]':>24} {'disagree %':>10} {'CKA':>6} {'LMC bar. %':>10}")
+    lines = [head, "-" * len(head)]
+    for arm, a in summary["arms"].items():
+        m = a["metrics"]
+        vs = summary["vs_all"].get(arm, {}).get("accuracy", {})
+        if not m:
+            lines.append(f"{arm:<13}{0:>3} {'n/a':>10}  every replica diverged, nothing left to measure (see below)")
+            continue
+        acc, ce = m["accuracy"], m["cross_entropy"]
+        lines.append(
+            f"{arm:<13}{a.get('replicas_used', a['replicas']):>3} {acc['mean'] * 100:>10.2f} "
+            f"{acc['std'] * 100:>6.2f}{_ci(acc['std_ci'], 2, 100):<16} {_fmt(vs.get('ratio'), 2):>12} "
+            f"{_fmt(vs.get('f_test_p'), 3):>6} {ce['std']:>7.4f}{_ci(ce['std_ci']):<17} "
+            f"{_pct(m.get('disagreement', {}).get('mean')):>10} {_fmt(m.get('cka', {}).get('mean'), 3):>6} "
+            f"{_pct(m.get('lmc_barrier', {}).get('mean')):>10}")
+    lines.append("std: sample std over replicas (ddof=1), chi-square 95% CI (normal data; n/a below R=2); ratio: "
+                 "accuracy std / the all arm's, two-sided F-test p; CE in nats; disagreement and LMC barrier "
+                 "(test error) in %, mean over pairs")
+    diverged = {arm: a["diverged"] for arm, a in summary["arms"].items() if a.get("diverged")}
+    if diverged:
+        lines.append("diverged (left out of every metric; R counts the rest): " + "; ".join(
+            f"{arm} {len(d)} of {summary['arms'][arm]['replicas']} (replica "
+            + ", ".join(f"{x['replica']} at step {x['step']}" + (" with non-finite outputs" if x.get("cause") == "outputs"
+                        else "") for x in d) + ")" for arm, d in diverged.items()))
+    return "\n".join(lines)

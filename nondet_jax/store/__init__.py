@@ -1,0 +1,1 @@
+"""The run folder: paths, atomic writes, the lock and resume, checkpoints."""

@@ -1,0 +1,200 @@
+"""Per-arm training checkpoints at epoch boundaries, with orbax-checkpoint.
+
+A checkpoint holds what :class:`nondet_jax.replicas.loop.Progress` holds: the stacked training state of
+every replica (parameters, BatchNorm statistics, optimiser state, divergence Health), the per-step
+training metrics and weight distances so far, and the number of finished epochs. Random-number
+positions need no state of their own: every draw is ``fold_in(replica key, global step)``
+(the key rule in docs/metrics.md), so the epoch count *is* the position; the replica keys' fingerprint is stored and
+checked on restore.
+
+Layout, under ``<run>/checkpoints/<arm>/``::
+
+    orbax/<epoch>/        orbax's atomic step folder (written to a temporary name, then renamed)
+    sha256/<epoch>.json   a manifest of every file in that step folder, written after it
+
+A step folder without its manifest was interrupted between the two writes and is discarded; one
+whose files do not match its manifest is corrupt, and restoring it raises
+:class:`CorruptCheckpoint` (the CLI turns it into a one-line error naming ``--recompute ARM``).
+No pickles: orbax stores arrays with tensorstore and metadata as JSON.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from nondet_jax.store.io import DENIED, FULL, atomic_write_json, write_error
+
+logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every save at INFO
+
+
+class CorruptCheckpoint(RuntimeError):
+    """A checkpoint whose files do not match the manifest written when it was saved."""
+
+
+def key_fingerprint(keys) -> str:
+    """sha256 of the raw key data of a ReplicaKeys tree (typed keys are unwrapped)."""
+    h = hashlib.sha256()
+    for k in jax.tree.leaves(keys):
+        data = jax.random.key_data(k) if jax.dtypes.issubdtype(k.dtype, jax.dtypes.prng_key) else k
+        h.update(np.asarray(data).tobytes())
+    return h.hexdigest()
+
+
+def _manifest(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def verify_step(root: Path, epoch: int) -> None:
+    """Raise CorruptCheckpoint unless the files of step ``epoch`` match its sha256 manifest."""
+    folder = Path(root) / "orbax" / str(epoch)
+    try:
+        expected = json.loads((Path(root) / "sha256" / f"{epoch}.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        raise CorruptCheckpoint(f"checkpoint {folder} has an unreadable sha256 manifest") from None
+    actual = _manifest(folder)
+    if actual != expected:
+        bad = sorted(k for k in set(expected) | set(actual) if expected.get(k) != actual.get(k))
+        raise CorruptCheckpoint(f"checkpoint {folder} is corrupt ({bad[0]} does not match its sha256 manifest)")
+
+
+def verify_latest(root: Path) -> None:
+    """Check the newest step of an arm's checkpoint folder that has a manifest (no orbax needed)."""
+    steps = sorted(int(p.stem) for p in (Path(root) / "sha256").glob("*.json") if p.stem.isdigit()
+                   and (Path(root) / "orbax" / p.stem).is_dir())
+    if steps:
+        verify_step(root, steps[-1])
+
+
+def write_refusal(e: BaseException) -> OSError | None:
+    """The file system's refusal behind ``e`` (disk full, read-only, not permitted), if that is what
+    it is: an OSError in its chain, or tensorstore's message for one."""
+    seen = e
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in FULL + DENIED:
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    text = str(e)
+    for code in FULL + DENIED:
+        if os.strerror(code) in text:
+            return OSError(code, os.strerror(code))
+    return None
+
+
+class ArmCheckpoints:
+    """The checkpoints of one arm: save every ``every`` epochs, restore the latest valid one."""
+
+    def __init__(self, directory: str | Path, every: int = 1, keep: int = 2):
+        import orbax.checkpoint as ocp
+
+        self.root = Path(directory).resolve()  # orbax wants absolute paths
+        self.every = every
+        self._ocp = ocp
+        self._manager = None
+        self._keep = keep
+
+    def _mgr(self):
+        if self._manager is None:
+            ocp = self._ocp
+            (self.root / "orbax").mkdir(parents=True, exist_ok=True)
+            me = jax.process_index()  # each process checkpoints its own replicas, on its own
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=self._keep, enable_async_checkpointing=False, create=False, cleanup_tmp_directories=True,
+                multiprocessing_options=ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me}))
+            self._manager = ocp.CheckpointManager(self.root / "orbax", options=options)
+        return self._manager
+
+    def _sha(self, epoch: int) -> Path:
+        return self.root / "sha256" / f"{epoch}.json"
+
+    def steps(self) -> list[int]:
+        """Epochs with a complete checkpoint (step folder and manifest), oldest first; step
+        folders left without a manifest by an interrupted save are deleted."""
+        if not (self.root / "orbax").is_dir():
+            return []
+        out = []
+        for step in sorted(self._mgr().all_steps()):
+            if self._sha(step).exists():
+                out.append(step)
+            else:
+                shutil.rmtree(self.root / "orbax" / str(step), ignore_errors=True)
+        if len(out) != len(self._mgr().all_steps()):
+            self._mgr().reload()
+        return out
+
+    def save(self, progress, meta: dict) -> None:
+        """Checkpoint ``progress`` (a replicas.Progress) if its epoch is due, with JSON ``meta``."""
+        if self.every <= 0 or progress.epoch % self.every:
+            return
+        ocp = self._ocp
+        history = {"steps": progress.steps, "weight_distance": progress.weight_distance}
+        if progress.snapshots is not None:
+            history["snapshots"] = progress.snapshots
+        try:
+            self._mgr().save(progress.epoch, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(jax.device_get(progress.state)),  # host arrays: any process layout
+                history=ocp.args.StandardSave(_nonempty(history)),
+                meta=ocp.args.JsonSave({**meta, "epoch": progress.epoch})))
+            self._mgr().wait_until_finished()
+        except Exception as e:  # orbax reports a full disk as a ValueError (from tensorstore) or an OSError
+            refused = write_refusal(e)
+            if refused is None:
+                raise
+            raise write_error(self.root / "orbax" / str(progress.epoch), refused) from None
+        atomic_write_json(self._sha(progress.epoch), _manifest(self.root / "orbax" / str(progress.epoch)))
+        for old in self._sha(0).parent.glob("*.json"):  # manifests of steps orbax has pruned
+            if not (self.root / "orbax" / old.stem).exists():
+                old.unlink(missing_ok=True)
+
+    def restore_latest(self, state_target, meta_check: dict):
+        """The latest checkpoint as (epoch, state, steps, weight_distance, snapshots), or None.
+
+        ``state_target`` is the abstract stacked state (``jax.eval_shape`` of init); ``meta_check``
+        holds values the checkpoint's meta must equal (e.g. the key fingerprint)."""
+        steps = self.steps()
+        if not steps:
+            return None
+        epoch = steps[-1]
+        folder = self.root / "orbax" / str(epoch)
+        verify_step(self.root, epoch)
+        ocp = self._ocp
+        try:
+            restored = self._mgr().restore(epoch, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), state_target)),
+                history=ocp.args.StandardRestore(),
+                meta=ocp.args.JsonRestore()))
+        except Exception as e:  # orbax/tensorstore raise many types for unreadable data
+            raise CorruptCheckpoint(f"checkpoint {folder} cannot be read ({type(e).__name__})") from None
+        for k, v in meta_check.items():
+            if restored.meta.get(k) != v:
+                raise CorruptCheckpoint(f"checkpoint {folder} belongs to a different run ({k} differs)")
+        history = _restore_empty(restored.history)
+        return (epoch, restored.state, history["steps"], np.asarray(history["weight_distance"]),
+                history.get("snapshots"))
+
+    def close(self) -> None:
+        if self._manager is not None:
+            self._manager.close()
+            self._manager = None
+
+
+# Zero-size arrays (the pairwise distances of a 1-replica arm) are stored as their shape.
+def _nonempty(tree):
+    return jax.tree.map(lambda a: {"empty_shape": np.asarray(a.shape, np.int64)} if np.size(a) == 0
+                        else np.asarray(a), tree)
+
+
+def _restore_empty(tree):
+    if isinstance(tree, dict):
+        if set(tree) == {"empty_shape"}:
+            return np.zeros(tuple(int(s) for s in np.asarray(tree["empty_shape"])))
+        return {k: _restore_empty(v) for k, v in tree.items()}
+    return np.asarray(tree)

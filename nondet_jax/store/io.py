@@ -1,0 +1,119 @@
+"""Writing a run folder's files: atomic, regular files only, one-line errors when the disk refuses."""
+
+from __future__ import annotations
+
+import errno
+import io
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from flax import traverse_util
+
+from nondet_jax.errors import UsageError
+
+FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+DENIED = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def write_error(path: Path, e: OSError) -> UsageError:
+    """The one-line error for a write the file system refused (disk full, read-only, immutable)."""
+    if e.errno in FULL:
+        fix = "free some space, then rerun the same command: finished arms and checkpoints are kept"
+    else:
+        fix = "make the folder writable or choose another --out"
+    return UsageError(f"cannot write {path}: {e.strerror or e}; {fix}")
+
+
+def umask() -> int:
+    """This process's umask, read without changing it (``/proc/self/status``; else set and restore)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file and a rename: never half a file. The file
+    gets the permissions a plain ``open`` would (0644 under umask 022), not mkstemp's 0600; a write the
+    file system refuses is a :class:`UsageError` naming the file and the fix."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        if e.errno in FULL + DENIED:
+            raise write_error(path, e) from None
+        raise
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o666 & ~umask())
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.errno in FULL + DENIED:
+            raise write_error(path, e) from None
+        raise
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
+
+
+def npy_bytes(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array, allow_pickle=False)
+    return buf.getvalue()
+
+
+def npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
+    buf = io.BytesIO()
+    np.savez(buf, **{k: np.asarray(v) for k, v in arrays.items()})
+    return buf.getvalue()
+
+
+def flatten_tree(tree: Any) -> dict[str, np.ndarray]:
+    """A nested dict of arrays as {'a/b/c': array} (the key format of ``weights/<arm>.npz``)."""
+    return {"/".join(k): np.asarray(v) for k, v in traverse_util.flatten_dict(tree).items()}
+
+
+def check_no_links(root: Path) -> None:
+    """Refuse a run folder holding a symbolic link anywhere: nondet_jax writes only plain files and
+    folders there, and following a link would read or overwrite files outside the folder."""
+    root = Path(root)
+    if not root.is_dir():
+        return
+    for dirpath, dirnames, filenames in os.walk(root):  # does not descend into linked folders
+        for name in sorted(dirnames + filenames):
+            path = Path(dirpath) / name
+            if path.is_symlink():
+                raise UsageError(f"{path} is a symbolic link, which nondet_jax never follows in a run folder; "
+                                 "remove it (or put a copy of its target in its place)")
+
+
+def _finite(x):
+    """x, or None where it is NaN or infinite (strict JSON has no NaN; CSV shows an empty cell)."""
+    return None if isinstance(x, float) and not np.isfinite(x) else x
+
+
+def strict_json(obj):
+    """``obj`` with every non-finite float replaced by None, so ``json.dumps(allow_nan=False)`` holds."""
+    if isinstance(obj, dict):
+        return {k: strict_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict_json(v) for v in obj]
+    if isinstance(obj, (np.floating, np.integer)):
+        obj = obj.item()
+    return _finite(obj)

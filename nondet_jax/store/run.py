@@ -1,0 +1,269 @@
+"""The run folder as a study writes it: the lock, the config check on resume, arms' records."""
+
+from __future__ import annotations
+
+import csv
+import errno
+import fcntl
+import hashlib
+import io
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from nondet_jax.config import Config, to_dict
+from nondet_jax.errors import UsageError
+from nondet_jax.store.io import (
+    atomic_write_bytes,
+    atomic_write_json,
+    check_no_links,
+    npy_bytes,
+    npz_bytes,
+)
+from nondet_jax.store.paths import ARM_FILES, RunPaths
+
+LOCK = ".lock"
+
+
+# Keys a folder's results do not depend on: arms may be added (each arm is stored on its own), and
+# the checkpoint interval only decides how much a crash costs.
+RESULT_NEUTRAL = {("study", "arms"), ("train", "checkpoint_every")}
+
+
+def _config_diff(a: dict, b: dict) -> list[str]:
+    out = []
+    for section in sorted(set(a) | set(b)):
+        for key in sorted(set(a.get(section, {})) | set(b.get(section, {}))):
+            if (section, key) in RESULT_NEUTRAL:
+                continue
+            va, vb = a.get(section, {}).get(key), b.get(section, {}).get(key)
+            if va != vb:
+                out.append(f"{section}.{key} {va!r} vs {vb!r}")
+    return out
+
+
+def config_digest(config: dict) -> str:
+    """sha256 of a config's results-relevant keys (``config.json`` minus :data:`RESULT_NEUTRAL`)."""
+    kept = {s: {k: v for k, v in sec.items() if (s, k) not in RESULT_NEUTRAL} for s, sec in config.items()
+            if isinstance(sec, dict)}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
+
+
+def record_digest(record: dict) -> str:
+    """sha256 of an arm record without its own ``record_sha256`` entry."""
+    body = {k: v for k, v in record.items() if k != "record_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def read_arm_record(root: Path, arm: str) -> dict:
+    """``arms/<arm>.json``, parsed and checked to be an arm record that nobody edited (its own
+    sha256 matches). UsageError naming the file and ``--recompute ARM`` otherwise."""
+    path = Path(root) / f"arms/{arm}.json"
+    fix = f"rerun with --recompute {arm} to train arm '{arm}' again"
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        raise UsageError(f"result file {path} is unreadable or corrupt; {fix}") from None
+    if not isinstance(record, dict) or not isinstance(record.get("rows"), list) or \
+            not isinstance(record.get("files"), dict) or not isinstance(record.get("metrics"), dict):
+        raise UsageError(f"result file {path} is not an arm record (it needs rows, files and metrics); {fix}")
+    if "record_sha256" not in record:
+        raise UsageError(f"result file {path} carries no checksum (written by an older nondet_jax, or edited); {fix}")
+    if record.get("record_sha256") != record_digest(record):
+        raise UsageError(f"result file {path} was changed after it was written (its sha256 does not match); {fix}")
+    return record
+
+
+def verify_arm_files(root: Path, arm: str, record: dict) -> dict:
+    """Check every file an arm's record lists against its sha256, and ``config.json`` against the
+    config the arm was trained with; UsageError naming the file and the fix when one is missing,
+    truncated or altered. Returns the record."""
+    root = Path(root)
+    for rel, digest in record.get("files", {}).items():
+        path = root / rel
+        try:
+            ok = hashlib.sha256(path.read_bytes()).hexdigest() == digest
+        except FileNotFoundError:
+            ok = rel == "test_labels.npy"  # rewritten from the data set by the next sweep; the report skips it
+        except OSError:
+            ok = False
+        if not ok and rel == "test_labels.npy":
+            raise UsageError(f"{path} is not the labels arm '{arm}' was evaluated on (sha256 mismatch); delete it "
+                             "and rerun the same sweep command, which writes it again from the data set")
+        if not ok:
+            raise UsageError(f"result file {path} is missing, truncated or corrupt (sha256 mismatch); rerun the sweep "
+                             f"with --recompute {arm} to train arm '{arm}' again")
+    try:
+        current = config_digest(json.loads((root / "config.json").read_text()))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        current = None
+    if current != record.get("config_sha256"):
+        raise UsageError(f"{root / 'config.json'} does not hold the config arm '{arm}' was trained with (edited after "
+                         f"the run?); restore it, or start a new study with another --out")
+    return record
+
+
+class RunStore:
+    """An open run folder. Use as a context manager: it holds the folder's lock while open."""
+
+    def __init__(self, out: str | Path, config: Config, locked_by_parent: bool = False,
+                 recompute: tuple[str, ...] = ()):
+        self.root = Path(out)
+        self.paths = RunPaths(out)
+        self.arms: list[str] = list(config.study.arms)  # after open: every arm of the folder, earlier ones first
+        self.recompute = recompute  # arms about to be deleted: not verified on open
+        self.config = config
+        self.locked_by_parent = locked_by_parent  # a child process writing under its parent's lock
+        self._lock_fd: int | None = None
+
+    def __enter__(self) -> "RunStore":
+        self.open()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def open(self) -> None:
+        """Check the folder can take this config, take the lock, write ``config.json``."""
+        root = self.root
+        if self.locked_by_parent:
+            return
+        if root.exists() and not root.is_dir():
+            raise UsageError(f"--out {root} is a file, not a folder; choose another --out")
+        cfg_path = root / "config.json"
+        if root.exists() and not cfg_path.exists() and any(p.name != LOCK for p in root.iterdir()):
+            raise UsageError(f"--out {root} exists and is not a nondet_jax run folder; choose a new or empty --out")
+        check_no_links(root)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise UsageError(f"{root / LOCK} is a symbolic link, which nondet_jax never follows in a run folder; "
+                                 "remove it") from None
+            raise UsageError(f"cannot write to --out {root}: {e.strerror}; choose a writable folder") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip()
+            os.close(fd)
+            raise UsageError(f"results folder {root} is in use by another sweep (pid {holder or 'unknown'}); wait for "
+                             "it to finish or choose another --out") from None
+        # flock dies with its process, so a killed sweep leaves no stale lock; the pid is for the message.
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+        for tmp in root.rglob(".*.tmp"):  # left by a process killed mid-write; never a result
+            tmp.unlink(missing_ok=True)
+        try:
+            new = to_dict(self.config)
+            if cfg_path.exists():
+                try:
+                    old = json.loads(cfg_path.read_text())
+                    if not isinstance(old, dict) or not isinstance(old.get("study", {}).get("arms"), list):
+                        raise ValueError("not a config")
+                except (OSError, ValueError, AttributeError):  # JSONDecodeError, UnicodeDecodeError are ValueErrors
+                    raise UsageError(f"{cfg_path} is unreadable or corrupt; delete the folder {root} "
+                                     "or choose another --out") from None
+                diff = _config_diff(old, new)
+                if diff:
+                    raise UsageError(f"--out {root} holds results of a different config ({'; '.join(diff[:3])}); "
+                                     "choose another --out or rerun with the same settings")
+                new["study"]["arms"] = list(dict.fromkeys(old["study"]["arms"] + new["study"]["arms"]))
+                self.arms = new["study"]["arms"]
+                finished = []
+                for arm in old["study"]["arms"]:  # damaged results stop the run before anything is written
+                    if self.arm_done(arm) and arm not in self.recompute:
+                        self.verify_arm(arm)
+                        finished.append(arm)
+                    elif arm not in self.recompute and (root / "checkpoints" / arm).is_dir():
+                        from nondet_jax.store.checkpoint import (
+                            CorruptCheckpoint,
+                            verify_latest,
+                        )
+
+                        try:
+                            verify_latest(root / "checkpoints" / arm)
+                        except CorruptCheckpoint as e:
+                            raise UsageError(f"{e}; rerun with --recompute {arm} to train arm '{arm}' again from "
+                                             "scratch") from None
+            else:
+                finished = []
+            atomic_write_json(cfg_path, new)
+            for arm in finished:  # left behind by a kill between an arm's record and their deletion
+                self.remove_checkpoints(arm)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self._lock_fd is not None:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    # --- arms -------------------------------------------------------------------------------
+    def arm_done(self, arm: str) -> bool:
+        """True when the arm's JSON record, written last, is present (see :meth:`verify_arm`)."""
+        return self.paths.arm_file("arms", arm).exists()
+
+    def load_arm(self, arm: str) -> dict:
+        """The arm's record, checked to be unedited (see :func:`read_arm_record`)."""
+        return read_arm_record(self.root, arm)
+
+    def verify_arm(self, arm: str) -> dict:
+        """The arm's record, its files checked (see :func:`verify_arm_files`)."""
+        return verify_arm_files(self.root, arm, self.load_arm(arm))
+
+    def remove_arm(self, arm: str) -> None:
+        """Delete an arm's results and checkpoints (its record first, so it never looks finished)."""
+        (self.root / f"arms/{arm}.json").unlink(missing_ok=True)
+        for pattern in ARM_FILES[1:] + ("dynamics/{}.npz", "environments/{}.json", "environments/{}.processes.json",
+                                        "instruments/{}.npz", "instruments/{}.csv", "tta/{}.npz", "snapshots/{}.npy"):
+            (self.root / pattern.format(arm)).unlink(missing_ok=True)
+        self.remove_checkpoints(arm)
+
+        shutil.rmtree(self.paths.parts(arm), ignore_errors=True)  # per-process parts of an interrupted arm
+
+    def remove_checkpoints(self, arm: str) -> None:
+        """Delete an arm's checkpoints (once its results are stored, or to retrain it)."""
+        import shutil
+
+        shutil.rmtree(self.root / "checkpoints" / arm, ignore_errors=True)
+
+    def save_arm(self, arm: str, record: dict, logits: np.ndarray, features: np.ndarray,
+                 history: dict[str, np.ndarray], weights: dict[str, np.ndarray], pairs: dict[str, np.ndarray],
+                 dynamics: dict[str, np.ndarray] | None = None, extra: dict[str, bytes] | None = None) -> None:
+        """Write an arm's arrays, then its JSON record (the marker that the arm is finished), which
+        lists every file's sha256. ``extra`` maps further relative paths to their bytes."""
+        files = {f"logits/{arm}.npy": npy_bytes(logits), f"features/{arm}.npy": npy_bytes(features),
+                 f"history/{arm}.npz": npz_bytes(history), f"weights/{arm}.npz": npz_bytes(weights),
+                 f"pairs/{arm}.npz": npz_bytes(pairs), **(extra or {})}
+        if dynamics is not None:
+            files[f"dynamics/{arm}.npz"] = npz_bytes(dynamics)
+        for rel, data in files.items():
+            atomic_write_bytes(self.root / rel, data)
+        digests = {rel: hashlib.sha256(data).hexdigest() for rel, data in files.items()}
+        labels = self.root / "test_labels.npy"  # the report reads it: covered like the arm's own files
+        if labels.is_file():
+            digests["test_labels.npy"] = hashlib.sha256(labels.read_bytes()).hexdigest()
+        record = json.loads(json.dumps({**record, "files": digests, "config_sha256": config_digest(to_dict(self.config))}))
+        record["record_sha256"] = record_digest(record)  # over the JSON form, as read back
+        atomic_write_json(self.root / f"arms/{arm}.json", record)
+
+    def write_json(self, name: str, obj: Any) -> None:
+        atomic_write_json(self.root / name, obj)
+
+    def write_rows(self, rows: list[dict]) -> None:
+        """Write ``replicas.csv`` (one row per arm and replica) atomically."""
+        if not rows:
+            return
+        buf = io.StringIO()
+        w = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
+        w.writeheader()
+        w.writerows(rows)
+        atomic_write_bytes(self.root / "replicas.csv", buf.getvalue().encode())

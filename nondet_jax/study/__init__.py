@@ -1,0 +1,1 @@
+"""Orchestration: preparing a study, training its arms (in one process, child processes or several hosts)."""

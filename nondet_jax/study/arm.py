@@ -1,0 +1,202 @@
+"""One arm: its keys, its training (resumable), its metrics and the files it writes."""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+
+import jax
+import numpy as np
+
+from nondet_jax import config as cfg
+from nondet_jax.analysis.health import (
+    bitwise_identical,
+    divergence_records,
+    healthy_subset,
+)
+from nondet_jax.analysis.metrics import accuracy, cross_entropy
+from nondet_jax.analysis.mitigations import snapshot_epochs
+from nondet_jax.analysis.tta import tta_logits, view_grid
+from nondet_jax.config import Config
+from nondet_jax.errors import UsageError
+from nondet_jax.instruments.dashboard import tidy_rows
+from nondet_jax.replicas.choice import make_strategy, resolve_strategy
+from nondet_jax.replicas.loop import Progress, train_replicas
+from nondet_jax.sources import Arm, arm_keys, perturbations
+from nondet_jax.store.checkpoint import (
+    ArmCheckpoints,
+    CorruptCheckpoint,
+    key_fingerprint,
+)
+from nondet_jax.store.io import flatten_tree, npy_bytes, npz_bytes
+from nondet_jax.store.paths import RunPaths
+from nondet_jax.train import augmentation_settings, make_schedule, make_train
+
+
+def arm_record(arm: Arm, result, strategy_reason: str, arm_metrics: dict, acc: np.ndarray, nll: np.ndarray) -> dict:
+    """The JSON record of a finished arm: per-replica rows (test accuracy ``acc`` and cross-entropy
+    ``nll``), metrics, and how it was trained."""
+    rows = [{"arm": arm.name, "replica": r, "test_accuracy": float(acc[r]), "test_loss": float(nll[r]),
+             "train_loss": float(result.train_loss[r, -1]), "train_accuracy": float(result.train_accuracy[r, -1]),
+             "diverged_at_step": int(result.diverged_at[r]), "strategy": result.strategy} for r in range(len(acc))]
+    return {
+        "arm": arm.name,
+        "varied": sorted(arm.varied),
+        "replicas": len(acc),
+        "replicas_used": int((result.diverged_at < 0).sum()),  # the metrics leave diverged replicas out
+        "strategy": result.strategy,
+        "strategy_reason": strategy_reason,
+        "seconds": round(result.seconds, 3),
+        "replicas_bitwise_identical": bitwise_identical(result.logits, result.diverged_at),
+        "metrics": arm_metrics,
+        "rows": rows,
+    }
+
+
+FAULT_ENV = "NONDET_JAX_INJECT_FAULT"  # "arm:replica:epoch": NaN weights before that epoch (fault tests)
+
+
+def injected_fault(arm: Arm) -> tuple[int, int] | None:
+    """(replica, epoch) of a fault to inject into ``arm``, from ``$NONDET_JAX_INJECT_FAULT``."""
+    spec = os.environ.get(FAULT_ENV, "")
+    parts = spec.split(":")
+    if len(parts) == 3 and parts[0] == arm.name:
+        return int(parts[1]), int(parts[2])
+    return None
+
+
+def arm_setup(config: Config, fns, arm: Arm):
+    """(config, fns) an arm trains under: ``arm@snapshotK`` swaps in the snapshot schedule."""
+    if arm.cycles:  # the same arm under the snapshot schedule, logits kept at each cycle end
+        config = cfg.arm_config(config, arm)
+        fns = make_train(config, fns.spec, fns.parts)
+    return config, fns
+
+
+def fit_arm(config: Config, data, fns, store, arm: Arm, progress, log=print, block: range | None = None):
+    """Train replicas ``block`` (default: all) of an arm, continuing from their latest checkpoint and
+    checkpointing every ``train.checkpoint_every`` epochs. Returns (ArmResult, strategy reason)."""
+
+
+    study = config.study
+    config, fns = arm_setup(config, fns, arm)
+    block = block or range(study.replicas)
+    strategy_name, reason = resolve_strategy(study.strategy, len(block))
+    strategy = make_strategy(fns, strategy_name)
+    keys = jax.tree.map(lambda k: k[block.start:block.stop], arm_keys(study.seed, arm.varied, study.replicas))
+    perturb = perturbations(arm.varied)
+    folder = store.paths.checkpoints(arm.name)
+    if len(block) != study.replicas:
+        folder = folder / f"replicas{block.start}-{block.stop - 1}"
+    ckpt = ArmCheckpoints(folder, config.train.checkpoint_every)
+    meta = {"arm": arm.name, "keys_sha256": key_fingerprint(keys), "strategy": strategy_name}
+    try:
+        restored = ckpt.restore_latest(jax.eval_shape(strategy.init, keys, perturb, data.x_train[:1]),
+                                       {"keys_sha256": meta["keys_sha256"], "strategy": strategy_name})
+    except CorruptCheckpoint as e:
+        ckpt.close()
+        raise UsageError(f"{e}; rerun with --recompute {arm.name} to train arm '{arm.name}' again from scratch") from None
+    start = None
+    if restored is not None:
+        start = Progress(*restored)
+        log(f"arm {arm.name}: resuming from its checkpoint after epoch {start.epoch}")
+        progress(start.epoch * len(block))
+    result = train_replicas(strategy, keys, perturb, data, config.train.epochs, progress, start=start,
+                            on_epoch=lambda p: ckpt.save(p, meta), fault=injected_fault(arm),
+                            eval_epochs=snapshot_epochs(config.train.epochs, arm.cycles) if arm.cycles else ())
+    ckpt.close()
+    return result, reason
+
+
+def train_arm(config: Config, data, fns, store, arm: Arm, progress, log=print) -> dict:
+    """Train one arm in this process (continuing from its latest checkpoint), then :func:`finish_arm`."""
+    result, reason = fit_arm(config, data, fns, store, arm, progress, log)
+    return finish_arm(config, data, fns, store, arm, result, reason, log)
+
+
+def finish_arm(config: Config, data, fns, store, arm: Arm, result, reason: str, log=print) -> dict:
+    """Compute an arm's metrics on the replicas that did not diverge, store everything, delete its
+    checkpoints; returns its record."""
+    from nondet_jax.analysis.arm import arm_metrics
+    from nondet_jax.sources import arm_keys, perturbations
+
+    study = config.study
+    config, fns = arm_setup(config, fns, arm)
+    labels = np.asarray(data.y_test)
+    used = healthy_subset(result)
+    diverged = divergence_records(result)
+    for d in diverged:
+        why = "its test outputs are not finite" if d["cause"] == "outputs" else "its training loss stopped being finite"
+        log(f"arm {arm.name}: replica {d['replica']} diverged at step {d['step']} ({why}; last finite loss "
+            f"{d['last_finite_loss']:.4g}); it is frozen there and left out of the metrics")
+    if len(used.logits):
+        metrics, pair_arrays = arm_metrics(used, data, fns, config.metrics)
+    else:
+        metrics, pair_arrays = {}, {}
+    record = arm_record(arm, result, reason, metrics, accuracy(result.logits, labels),
+                        cross_entropy(result.logits, labels))
+    record["diverged"] = diverged
+    trace = None
+    if study.dynamics_every and arm.name != "control" and study.replicas >= 2:
+        from nondet_jax.analysis.dynamics import divergence_trace, fit_growth_rate
+
+        trace = divergence_trace(fns, arm_keys(study.seed, arm.varied, 2), perturbations(arm.varied), data,
+                                 config.train.epochs, study.dynamics_every)
+        record["dynamics"] = {"every": study.dynamics_every,
+                              **fit_growth_rate(trace["step"], trace["weight_distance"])}
+    extra = {}
+    if "instruments" in result.steps:
+        values = instrument_values(config, fns, result)
+        extra[RunPaths.rel("instruments", arm.name)] = npz_bytes(values)
+        extra[RunPaths.rel("instruments", arm.name, ".csv")] = tidy_csv(arm.name, values)
+    if arm.cycles:
+        extra[RunPaths.rel("snapshots", arm.name)] = npy_bytes(result.snapshots.astype(np.float32))
+    elif config.metrics.tta:
+        extra[RunPaths.rel("tta", arm.name)] = npz_bytes(tta_outputs(config, data, fns, result.state))
+    store.save_arm(arm.name, record, result.logits.astype(np.float32), result.features.astype(np.float32),
+                   {"train_loss": result.train_loss, "train_accuracy": result.train_accuracy,
+                    "weight_distance": result.weight_distance, "step_loss": result.steps["loss"],
+                    "diverged_at": result.diverged_at},
+                   {**{f"params/{k}": v for k, v in flatten_tree(result.state.params).items()},
+                    **{f"batch_stats/{k}": v for k, v in flatten_tree(result.state.batch_stats).items()}},
+                   pair_arrays, trace, extra)
+    store.remove_checkpoints(arm.name)
+    return record
+
+
+def instrument_values(config: Config, fns, result) -> dict[str, np.ndarray]:
+    """The instruments' values at the tracked steps: ``step`` (T,), each quantity (R, T, ...), and
+    the training ``loss``, ``accuracy`` and learning rate ``lr`` at those steps (for the dashboard)."""
+    steps = np.flatnonzero(np.asarray(result.steps["tracked"])[0])
+    lr = make_schedule(config.optim, config.train.epochs, fns.steps_per_epoch)
+    return {"step": steps, **{k: np.asarray(v)[:, steps] for k, v in result.steps["instruments"].items()},
+            "loss": np.asarray(result.steps["loss"])[:, steps], "accuracy": np.asarray(result.steps["accuracy"])[:, steps],
+            "lr": np.asarray([float(lr(int(t))) for t in steps])}
+
+
+def tidy_csv(arm: str, values: dict) -> bytes:
+    """The tidy table (step, arm, replica, quantity, layer, value) of the scalar instruments."""
+
+
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=["step", "arm", "replica", "quantity", "layer", "value"], lineterminator="\n")
+    w.writeheader()
+    w.writerows(tidy_rows(arm, values))
+    return buf.getvalue().encode()
+
+
+def tta_outputs(config: Config, data, fns, state) -> dict[str, np.ndarray]:
+    """Each replica's test logits under every view set of ``metrics.tta``: name -> (R, N, C)."""
+    import jax
+
+
+    padding = augmentation_settings(config, data.name, data.x_train.shape[1])[2]
+    x = jax.numpy.asarray(data.x_test)
+    out = {}
+    for name in config.metrics.tta:
+        views = view_grid(name, padding)
+        fn = jax.jit(lambda st: tta_logits(fns.evaluate, st, x, views, padding))
+        r_count = len(np.asarray(state.health.diverged_at))
+        out[name] = np.stack([np.asarray(fn(jax.tree.map(lambda a: a[r], state))) for r in range(r_count)])
+    return out

@@ -1,0 +1,51 @@
+"""An arm trained in a child process under other XLA flags (the ``hardware`` arm's parent)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from nondet_jax import config as cfg
+from nondet_jax.errors import UsageError
+from nondet_jax.machine.determinism import with_flags
+from nondet_jax.sources import Arm, parse_arm
+from nondet_jax.store.paths import RunPaths
+from nondet_jax.store.run import RunStore
+from nondet_jax.study.arm import train_arm
+from nondet_jax.study.prepare import prepare
+from nondet_jax.study.progress import Progress
+from nondet_jax.study.provenance import environment
+
+CHILD_ENV = "NONDET_JAX_CHILD"  # set by the sweep in the processes it starts for an arm
+
+
+def run_in_child(out: Path, arm: Arm, flags) -> None:
+    """Train ``arm`` in a fresh process whose XLA_FLAGS carry ``flags`` (read at backend start);
+    it writes into the same run folder, under the lock this process holds."""
+
+
+    env = {**os.environ, "XLA_FLAGS": with_flags(flags), CHILD_ENV: "1"}
+    proc = subprocess.run([sys.executable, "-m", "nondet_jax.sweep", "--out", str(out), "--child-arm", arm.name],
+                          env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the child process training arm '{arm.name}' failed with exit status {proc.returncode}; "
+                           "its output is above; finished arms are kept")
+
+
+def child_main(out: str, arm_name: str, progress: bool) -> int:
+    """Entry of a child process: train one arm of the run folder's config under this process's flags."""
+    if os.environ.get(CHILD_ENV) != "1":
+        raise UsageError("--child-arm is internal: the sweep starts such processes itself")
+    arm = parse_arm(arm_name)
+    config = cfg.from_dict(json.loads(RunPaths(out).config.read_text()))
+    data, fns = prepare(config)
+    with RunStore(out, config, locked_by_parent=True) as store:
+        env = environment()
+        env["arm"] = arm.name
+        store.write_json(RunPaths.rel("environments", arm.name), env)
+        with Progress(progress, None if progress else print) as bar:
+            train_arm(config, data, fns, store, arm, bar.arm(arm.name, config.study.replicas * config.train.epochs))
+    return 0

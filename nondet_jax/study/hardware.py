@@ -1,0 +1,125 @@
+"""The ``hardware`` arm as Morin & Willetts ran it: every replica in a fresh process of its own.
+
+Their fixed-seed runs were separate processes, and GPU nondeterminism between runs comes largely
+from each process's own kernel choices (autotuning) and atomics. Training the whole arm in one
+child process makes its replicas share one compiled program and one autotuning result (and the
+persistent compilation cache would hand the same executable to later processes too). Here replica
+r trains alone in process r: XLA's determinism flags off, JAX's persistent compilation cache off
+(which also turns off XLA's per-fusion autotuning cache it carries), so each process compiles and
+autotunes afresh. The processes are recorded in ``environments/<arm>.processes.json``.
+
+:func:`train_arm_per_process` is called by the sweep in place of training the arm in one child
+process; ``python -m nondet_jax.study.hardware RUN_DIR ARM REPLICA`` is the (internal) child entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from nondet_jax import config as cfg
+from nondet_jax.errors import UsageError
+from nondet_jax.machine.determinism import with_flags
+from nondet_jax.machine.signals import die_with_parent
+from nondet_jax.replicas.choice import make_strategy, resolve_strategy
+from nondet_jax.sources import arm_keys, parse_arm, perturbations
+from nondet_jax.store.io import atomic_write_bytes, atomic_write_json
+from nondet_jax.store.run import RunStore
+from nondet_jax.study.arm import arm_setup, finish_arm, fit_arm
+from nondet_jax.study.multihost import merge_parts, part_bytes
+from nondet_jax.study.prepare import prepare
+from nondet_jax.study.provenance import environment
+
+REPLICA_CHILD_ENV = "NONDET_JAX_REPLICA_CHILD"  # set in the processes started for one replica
+NO_CACHES = {"NONDET_JAX_COMPILE_CACHE": "off", "JAX_ENABLE_COMPILATION_CACHE": "false"}
+
+
+def child_env(flags) -> dict[str, str]:
+    """The environment of a replica's process: ``flags`` in XLA_FLAGS (see determinism.with_flags), no
+    persistent compilation or autotuning cache."""
+    return {**os.environ, "XLA_FLAGS": with_flags(flags), REPLICA_CHILD_ENV: "1", **NO_CACHES}
+
+
+def _parts(out: Path, arm: str) -> Path:
+    return Path(out) / "parts" / arm
+
+
+def train_arm_per_process(config, data, fns, store, arm, flags, log=print) -> dict:
+    """Train each replica of ``arm`` in its own fresh process under ``flags``, merge, compute the
+    arm's metrics here and store it (as the sweep does for any arm); returns its record.
+
+    A replica whose part is already in ``parts/<arm>/`` (an interrupted run) is not trained again.
+    Metrics and the divergence trace (when ``study.dynamics_every`` asks for one) run in this process,
+    under its own flags: only the training of the replicas is per process.
+    """
+
+
+
+    arm = parse_arm(arm) if isinstance(arm, str) else arm
+    study = config.study
+    folder = _parts(store.root, arm.name)
+    env = child_env(flags)
+    for r in range(study.replicas):
+        if (folder / f"{r}.json").exists():
+            log(f"arm {arm.name}: replica {r} already trained in its own process, reusing it")
+            continue
+        log(f"arm {arm.name}: replica {r} in a fresh process (XLA_FLAGS {env['XLA_FLAGS']}; compilation cache off)")
+        proc = subprocess.run([sys.executable, "-m", "nondet_jax.study.hardware", str(store.root), arm.name, str(r)], env=env)
+        if proc.returncode != 0:
+            raise RuntimeError(f"the process training replica {r} of arm '{arm.name}' failed with exit status "
+                               f"{proc.returncode}; its output is above; finished replicas are kept")
+    processes = [json.loads((folder / f"{r}.json").read_text()) for r in range(study.replicas)]
+    _, arm_fns = arm_setup(config, fns, arm)
+    strategy = make_strategy(arm_fns, resolve_strategy(study.strategy, study.replicas)[0])
+    init = strategy.init(arm_keys(study.seed, arm.varied, study.replicas), perturbations(arm.varied),
+                         jax.numpy.asarray(data.x_train[:1]))
+    merged = merge_parts([folder / f"{r}.npz" for r in range(study.replicas)], init.params)
+    store.write_json(f"environments/{arm.name}.processes.json",
+                     {"mode": "one process per replica", "parent_pid": os.getpid(), "processes": processes})
+    record = finish_arm(config, data, fns, store, arm, merged, "one fresh process per replica", log)
+    shutil.rmtree(folder, ignore_errors=True)
+    if (store.root / "parts").is_dir() and not any((store.root / "parts").iterdir()):
+        (store.root / "parts").rmdir()
+    return record
+
+
+def child_main(out: str, arm: str, replica: int) -> int:
+    """Entry of a replica's process: train replica ``replica`` of ``arm`` alone and write its part."""
+    import jax
+
+    from nondet_jax.sources import parse_arm
+
+    if os.environ.get(REPLICA_CHILD_ENV) != "1":
+        raise UsageError("python -m nondet_jax.study.hardware is internal: the sweep starts these processes itself")
+    die_with_parent()
+    jax.config.update("jax_enable_compilation_cache", False)
+    config = cfg.from_dict(json.loads((Path(out) / "config.json").read_text()))
+    data, fns = prepare(config)
+    with RunStore(out, config, locked_by_parent=True) as store:
+        result, _ = fit_arm(config, data, fns, store, parse_arm(arm), lambda n: None, lambda *a, **k: None,
+                            block=range(replica, replica + 1))
+        folder = _parts(store.root, arm)
+        atomic_write_bytes(folder / f"{replica}.npz", part_bytes(result))
+        env = environment()
+        atomic_write_json(folder / f"{replica}.json", {
+            "replica": replica, "pid": os.getpid(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "compilation_cache": bool(jax.config.jax_enable_compilation_cache),
+            "backend": env.get("backend"), "device_kind": env.get("device_kind"),
+            "test_logits_sha256": hashlib.sha256(np.ascontiguousarray(result.logits).tobytes()).hexdigest()})
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(child_main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
+    except UsageError as e:
+        print(f"python -m nondet_jax.study.hardware: error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,136 @@
+"""Before training: the config's parts resolved, the data loaded, the model checked."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+import jax
+
+from nondet_jax import config as cfg
+from nondet_jax.config import Config
+from nondet_jax.data import load_data
+from nondet_jax.errors import UsageError
+from nondet_jax.models.parts import (
+    Parts,
+    fingerprint_diff,
+    import_object,
+    label_of,
+    shape_fingerprint,
+)
+from nondet_jax.sources import Arm, arm_keys, parse_arm, perturbations, replica_slice
+from nondet_jax.study.memory import check_fits
+from nondet_jax.train import augmentation_settings
+
+
+def default_out(config: Config) -> Path:
+    """``runs/<dataset>-<model>-<hash of the config without its arms>``: same settings, same folder."""
+    d = cfg.to_dict(config)
+    d["study"].pop("arms")
+    digest = hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:8]
+    name = lambda s: re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(s).stem if s.endswith(".npz") else s)  # noqa: E731
+    return Path("runs") / f"{name(config.data.name)}-{name(config.model.name)}-{digest}"
+
+
+def check_arms_active(config: Config, arms: list[Arm], dataset: str, image_size: int, dropout_known: bool = True,
+                      augment_given: bool = False) -> None:
+    """Refuse an arm that varies only sources switched off in this config (its replicas would
+    equal the control arm's): e.g. ``dropout`` with model.dropout = 0. A user's model may use
+    dropout or not (``dropout_known`` False): not checked."""
+    inactive = set()
+    if not augment_given and not augmentation_settings(config, dataset, image_size)[0]:
+        inactive.add(("augmentation", "--augment on"))
+    if dropout_known and config.model.dropout == 0:
+        inactive.add(("dropout", "--dropout 0.1 (say)"))
+    for arm in arms:
+        off = [(src, fix) for src, fix in sorted(inactive) if src in arm.varied]
+        if arm.name not in ("control", "all") and arm.varied and len(off) == len(arm.varied):
+            raise UsageError(f"arm '{arm.name}' varies only {', '.join(s for s, _ in off)}, which is off in this config, "
+                             f"so its replicas would equal control's; turn it on with {off[0][1]} or drop the arm")
+
+
+def parse_arms(config: Config) -> list[Arm]:
+    """The study's arms, each parsed once (UsageError for unknown names)."""
+    return [parse_arm(a) for a in config.study.arms]
+
+
+def resolve_parts(config: Config, parts: Parts = Parts()) -> Parts:
+    """``parts`` with the model a ``PACKAGE.MODULE:ATTR`` model name imports (the CLI's ``--model``);
+    UsageError when the config names a part that was not passed."""
+    if parts.model is None and ":" in config.model.name:
+        parts = parts._replace(model=import_object(config.model.name))
+    if config.optim.name == cfg.CUSTOM and parts.optimizer is None:
+        raise UsageError("optim.name 'custom' means an optax optimiser passed to nondet_jax.run_study(optimizer=...); "
+                         "from the command line use --optimizer sgd or adamw")
+    return parts
+
+
+def prepare(config: Config, parts: Parts = Parts(), data=None):
+    """Validate against the data and build the training functions: (data, fns). Writes nothing.
+
+    ``parts`` are the user's own (None for what the config names); ``data`` a
+    :class:`nondet_jax.data.Dataset` given in memory (None: load what ``config.data`` names)."""
+    from nondet_jax.train import DataSpec, augmentation_settings, make_train
+
+    cfg.validate(config)
+    parts = resolve_parts(config, parts)
+    if data is None:
+        if config.data.name.startswith(cfg.ARRAYS_PREFIX):
+            raise UsageError(f"data '{config.data.name}' are arrays passed to nondet_jax.run_study; pass them again "
+                             "(data=...) to continue this study")
+        data = load_data(config.data)
+    image_size = data.x_train.shape[1]
+    if parts.augment is None and data.x_train.ndim != 4 and augmentation_settings(config, data.name, image_size)[0]:
+        raise UsageError(f"data.augment=on crops and flips images, but {data.name} holds (N, features) arrays; "
+                         "use --augment off, or pass your own augment=(key, x) -> x")
+    n_train = len(data.x_train)
+    if config.train.batch_size > n_train:
+        raise UsageError(f"batch size {config.train.batch_size} is larger than the {n_train} training examples of "
+                         f"{data.name}; use --batch-size {n_train} or less")
+    check_arms_active(config, parse_arms(config), data.name, data.x_train.shape[1],
+                      dropout_known=parts.model is None, augment_given=parts.augment is not None)
+    if config.metrics.tta:
+        from nondet_jax.analysis.tta import view_grid
+        from nondet_jax.train import augmentation_settings
+
+        for name in config.metrics.tta:
+            view_grid(name, augmentation_settings(config, data.name, data.x_train.shape[1])[2])
+    spec = DataSpec(n_train, tuple(data.x_train.shape[1:]), data.num_classes, data.name)
+    fns = make_train(config, spec, parts)
+
+    check_fits(config, spec, len(data.x_test), fns=fns)  # before anything is allocated or written
+    return data, fns
+
+
+def model_record(config: Config, fns) -> dict:
+    """What ``model.json`` records: the parts that were used (what was imported) and the
+    fingerprint of the model's parameter shapes."""
+
+
+    p = fns.parts
+    keys = replica_slice(arm_keys(0, frozenset(), 1), 0)
+    x = jax.ShapeDtypeStruct((1, *fns.spec.image_shape), jax.numpy.float32)
+    params = jax.eval_shape(fns.init, keys, perturbations(frozenset()), x).params
+    return {"model": config.model.name if p.model is None or ":" in config.model.name else label_of(p.model),
+            "optimizer": config.optim.name if p.optimizer is None else label_of(type(p.optimizer)) + " (user's)",
+            "loss": "softmax_cross_entropy_with_integer_labels" if p.loss is None else label_of(p.loss),
+            "augment": "config" if p.augment is None else label_of(p.augment),
+            "features": fns.model.features, **shape_fingerprint(params)}
+
+
+def check_model(paths, record: dict) -> None:
+    """Refuse to continue a study whose stored ``model.json`` names another model or parameter shapes."""
+    if not paths.model.exists():
+        return
+    try:
+        old = json.loads(paths.model.read_text())
+    except (OSError, json.JSONDecodeError):
+        raise UsageError(f"{paths.model} is unreadable or corrupt; choose another --out") from None
+    if old.get("fingerprint") != record["fingerprint"] or old.get("model") != record["model"]:
+        diff = fingerprint_diff(old, record)
+        if old.get("model") != record["model"]:
+            diff.insert(0, f"model {old.get('model')} -> {record['model']}")
+        raise UsageError(f"--out {paths.root} holds results of another model ({'; '.join(diff)}); choose another "
+                         "--out or use the model the study started with")

@@ -1,0 +1,217 @@
+"""The study core: arms -> train -> metrics -> run folder -> report, in one process or several."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from nondet_jax.config import Config
+from nondet_jax.errors import UsageError
+from nondet_jax.machine.determinism import (
+    DETERMINISM_OFF,
+    NONDETERMINISTIC_BACKENDS,
+    check_flags,
+)
+from nondet_jax.models.parts import Parts
+from nondet_jax.replicas.choice import make_strategy, resolve_strategy
+from nondet_jax.report.markdown import write_report
+from nondet_jax.report.summary import format_table, replica_rows
+from nondet_jax.sources import Arm, arm_keys, perturbations
+from nondet_jax.store.io import atomic_write_bytes, npy_bytes
+from nondet_jax.store.paths import RunPaths
+from nondet_jax.store.run import RunStore
+from nondet_jax.study import multihost as mh
+from nondet_jax.study.arm import arm_setup, finish_arm, fit_arm, train_arm
+from nondet_jax.study.child import run_in_child
+from nondet_jax.study.prepare import (
+    check_model,
+    default_out,
+    model_record,
+    parse_arms,
+    prepare,
+)
+from nondet_jax.study.progress import Progress
+from nondet_jax.study.provenance import environment
+
+
+def write_run_files(store, config: Config, data, fns, command: str | None, model: dict,
+                    processes: int = 1) -> tuple[str, str]:
+    """What every study writes before training, single- or multi-process alike: ``environment.json``
+    (with the strategy and why), ``model.json`` (:func:`model_record`), the test labels, the
+    command. Returns (strategy, reason)."""
+    study = config.study
+    strategy, reason = resolve_strategy(study.strategy, study.replicas)
+    env = environment()
+    env["strategy"] = {"requested": study.strategy, "chosen": strategy, "reason": reason}
+    env["scan_unroll"] = fns.unroll
+    env["processes"] = processes
+    store.write_json(store.paths.environment.name, env)
+    store.write_json(store.paths.model.name, model)
+    if command:
+        atomic_write_bytes(store.paths.command, (command + "\n").encode())
+    atomic_write_bytes(store.paths.test_labels, npy_bytes(np.asarray(data.y_test)))
+    return strategy, reason
+
+
+def finish_study(store, log) -> dict:
+    """After the arms: ``replicas.csv`` over every finished arm of the folder, then the report."""
+    store.write_rows(replica_rows([row for a in store.arms if store.arm_done(a) for row in store.load_arm(a)["rows"]]))
+    summary = write_report(store.root)
+    log(format_table(summary))
+    log(f"report: {store.paths.report}")
+    return summary
+
+
+def log_accuracy(log, arm: Arm, record: dict) -> None:
+    if record["metrics"]:
+        acc = record["metrics"]["accuracy"]
+        log(f"arm {arm.name}: test accuracy {acc['mean']:.4f} +- {acc['std']:.4f}, {record['seconds']:.1f} s")
+
+
+def run(config: Config, out: str | Path | None = None, progress: bool | None = None, log=print,
+        command: str | None = None, recompute: tuple[str, ...] = (), parts: Parts = Parts(), data=None,
+        after_arm=None) -> dict:
+    """Run a study: train every arm not yet finished in ``out``, then write the report.
+
+    Arms that vary ``hardware`` run in a child process with XLA's determinism flags off; the
+    others run here, under this process's flags. Returns the summary (also in ``summary.json``).
+    Arms named in ``recompute`` are deleted (results and checkpoints) and trained again.
+    ``parts`` and ``data`` are the user's own (see :func:`prepare`). ``after_arm(out, arm_name)``, when
+    given, runs once each arm is stored (or found finished), e.g. to export it to TensorBoard.
+    Raises UsageError on bad input before anything is written.
+    """
+
+
+    in_memory = parts != Parts() or data is not None
+    data, fns = prepare(config, parts, data)
+    study = config.study
+    arms = parse_arms(config)
+    unknown = [a for a in recompute if a not in study.arms]
+    if unknown:
+        raise UsageError(f"--recompute names arm '{unknown[0]}', which is not in this study's arms "
+                         f"({', '.join(study.arms)}); name one of those")
+    hardware_arms = [a.name for a in arms if "hardware" in a.varied]
+    if hardware_arms and in_memory:
+        raise UsageError(f"arm '{hardware_arms[0]}' trains in a child process that rebuilds the study from the run "
+                         "folder, so it cannot use parts passed in memory; run it with the CLI (--model "
+                         "PACKAGE.MODULE:ATTR --dataset PATH.npz) on the same --out, or drop it")
+    if hardware_arms:
+        check_flags(DETERMINISM_OFF)
+    out = Path(out) if out is not None else default_out(config)
+    model = model_record(config, fns)
+    check_model(RunPaths(out), model)
+    if progress is None:
+        progress = sys.stderr.isatty()
+    backend = jax.default_backend()
+
+    with RunStore(out, config, recompute=recompute) as store:
+        strategy, _ = write_run_files(store, config, data, fns, command, model)
+        log(f"nondet_jax: {len(arms)} arms x {study.replicas} replicas of {config.model.name} on {data.name} "
+            f"({len(data.x_train)} train / {len(data.x_test)} test), {config.train.epochs} epochs, strategy "
+            f"{strategy} on {backend} -> {out}")
+        if hardware_arms and backend not in NONDETERMINISTIC_BACKENDS:
+            log(f"note: {backend} reductions are deterministic, so arm(s) {', '.join(hardware_arms)} check that "
+                "(replicas must come out bitwise identical even with XLA's determinism flags off); batch_order is "
+                "the simulated counterpart of hardware nondeterminism here")
+        for name in recompute:
+            log(f"arm {name}: deleting its results and checkpoints to train it again (--recompute)")
+            store.remove_arm(name)
+        with Progress(progress, None if progress else log) as bar:
+            for arm in arms:
+                if store.arm_done(arm.name):
+                    log(f"arm {arm.name}: already finished in {out}, reusing it")
+                    if after_arm is not None:
+                        after_arm(out, arm.name)
+                    continue
+                if arm.name in hardware_arms and study.hardware_processes == "replica":
+                    from nondet_jax.study.hardware import train_arm_per_process
+
+                    record = train_arm_per_process(config, data, fns, store, arm, DETERMINISM_OFF, log)
+                elif arm.name in hardware_arms:
+                    log(f"arm {arm.name}: training in a child process with XLA_FLAGS {' '.join(DETERMINISM_OFF)}")
+                    run_in_child(out, arm, DETERMINISM_OFF)
+                    record = store.load_arm(arm.name)
+                else:
+                    record = train_arm(config, data, fns, store, arm,
+                                       bar.arm(arm.name, study.replicas * config.train.epochs), log)
+                if not progress:
+                    log_accuracy(log, arm, record)
+                if after_arm is not None:
+                    after_arm(out, arm.name)
+        summary = finish_study(store, log)
+    control = summary["arms"].get("control")
+    if control and not control["replicas_bitwise_identical"] and backend == "cpu":
+        log("WARNING: the control arm's replicas are not bitwise identical on CPU: the backend or the "
+            "strategy is not deterministic here (see environment.json)")
+    return summary
+
+
+def run_distributed(config: Config, out: str | Path | None, procs, progress: bool | None = None, log=print,
+                    command: str | None = None) -> dict | None:
+    """:func:`run` across several processes (see :mod:`nondet_jax.study.multihost`): each trains its block
+    of every arm's replicas; process 0 holds the folder's lock, merges, stores and reports. Returns
+    the summary on process 0, None elsewhere."""
+    import jax
+
+    from nondet_jax.store.io import atomic_write_bytes
+    from nondet_jax.store.paths import RunPaths
+    from nondet_jax.store.run import RunStore
+
+    data, fns = prepare(config)
+    study = config.study
+    arms = parse_arms(config)
+    if any("hardware" in a.varied for a in arms):
+        raise UsageError("hardware arms train in a child process of their own, which a multi-process run cannot "
+                         "start; run them in a single-process sweep on the same --out")
+    if study.replicas < procs.count:
+        raise UsageError(f"{study.replicas} replicas cannot be split over {procs.count} processes; use --replicas "
+                         f"{procs.count} or more")
+    out = Path(out) if out is not None else default_out(config)
+    model = model_record(config, fns)
+    check_model(RunPaths(out), model)
+    log = log if procs.leader else (lambda *a, **k: None)
+    store = RunStore(out, config, locked_by_parent=not procs.leader)
+    error, strategy = None, None
+    try:
+        store.open()
+        if procs.leader:
+            strategy = write_run_files(store, config, data, fns, command, model, procs.count)[0]
+    except UsageError as e:
+        error = e
+    if not mh.agree(error is None):
+        store.close()
+        raise error or UsageError(f"process 0 could not open the run folder {out}; see its error")
+    block = mh.replica_block(study.replicas, procs.index, procs.count)
+    log(f"nondet_jax: {len(arms)} arms x {study.replicas} replicas over {procs.count} processes -> {out}")
+    try:
+        with Progress(bool(progress) and procs.leader) as bar:
+            for arm in arms:
+                if store.arm_done(arm.name):
+                    log(f"arm {arm.name}: already finished in {out}, reusing it")
+                    continue
+                result, reason = fit_arm(config, data, fns, store, arm,
+                                         bar.arm(arm.name, len(block) * config.train.epochs), log, block)
+                atomic_write_bytes(store.paths.parts(arm.name) / f"{procs.index}.npz", mh.part_bytes(result))
+                mh.barrier(f"trained {arm.name}")
+                if procs.leader:
+                    _, arm_fns = arm_setup(config, fns, arm)
+                    init = make_strategy(arm_fns, strategy).init(
+                        arm_keys(study.seed, arm.varied, study.replicas), perturbations(arm.varied),
+                        jax.numpy.asarray(data.x_train[:1]))
+                    merged = mh.merge_parts([store.paths.parts(arm.name) / f"{i}.npz" for i in range(procs.count)],
+                                            init.params)
+                    record = finish_arm(config, data, fns, store, arm, merged, reason, log)
+                    shutil.rmtree(store.paths.parts(arm.name), ignore_errors=True)
+                    log_accuracy(log, arm, record)
+                mh.barrier(f"stored {arm.name}")
+        if not procs.leader:
+            return None
+        if store.paths.parts().is_dir() and not any(store.paths.parts().iterdir()):
+            store.paths.parts().rmdir()
+        return finish_study(store, log)
+    finally:
+        store.close()

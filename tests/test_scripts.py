@@ -1,0 +1,61 @@
+"""Every script that imports the package runs here, at least as far as ``--help`` (imports and argument
+parsing), and the variants that patch the model's layers in their smallest mode: a script that nothing
+runs breaks silently when the package moves."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted([*ROOT.glob("benchmarks/*.py"), *ROOT.glob("experiments/*.py")])
+LIBRARIES = {"benchmarks/convs.py"}  # imported by the other benchmarks, not run
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+
+def run(*args, timeout=600):
+    return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, cwd=ROOT, env=ENV,
+                          timeout=timeout)
+
+
+def test_the_script_list_is_not_empty():
+    assert len(SCRIPTS) >= 15 and all(p.exists() for p in SCRIPTS)
+
+
+@pytest.mark.parametrize("script", [p.relative_to(ROOT).as_posix() for p in SCRIPTS
+                                    if p.relative_to(ROOT).as_posix() not in LIBRARIES])
+def test_script_help(script):
+    proc = run(script, "--help", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "usage:" in proc.stdout
+
+
+def test_benchmark_library_imports():
+    proc = run("-c", "import sys; sys.path.insert(0, 'benchmarks'); import convs; print(convs.kernel_conv)")
+    assert proc.returncode == 0 and "function kernel_conv" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_shell_scripts_parse():
+    for sh in ROOT.glob("benchmarks/*.sh"):
+        proc = subprocess.run(["bash", "-n", str(sh)], capture_output=True, text=True)
+        assert proc.returncode == 0, (sh, proc.stderr)
+
+
+@pytest.mark.slow
+def test_step_profile_plain_conv_runs():
+    proc = run("benchmarks/step_profile.py", "--conv", "plain", "--steps", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ms" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("row", ["plain_conv", "nchw", "matmul"])
+def test_peer_pytorch_conv_variants_run(row):
+    # the JAX side of a row runs in a child of its own (no torch needed): ResNet-14 with the patched conv
+    proc = run("benchmarks/peer_pytorch.py", "--child", row, "--steps", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "RESULT " in proc.stdout
