@@ -18,9 +18,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from nondet_jax.analysis import coverage
-from nondet_jax.analysis.stats import METHODS
-from nondet_jax.store.io import atomic_write_json
+from nondet_jax.analysis import coverage  # noqa: E402  (after the checkout is put on sys.path)
+from nondet_jax.analysis.stats import METHODS  # noqa: E402
+from nondet_jax.store.io import atomic_write_json  # noqa: E402
 
 
 def percentile_bootstrap(statistic: str, replicas: int, trials: int, seed: int, resamples: int = 1000) -> float:

@@ -101,7 +101,7 @@ def bench_workload(name: str, quick: bool, rounds: int, log, breakdown_ok=lambda
                 variants[f"{m}/{c}/every{k}"] = (flat, k)
     block1 = 2 if (quick and model == "resnet14") else 4
     progs, states, compile_s = {}, {}, {}
-    for v, (flat, every) in variants.items():
+    for v, (flat, _every) in variants.items():
         fns, step_fn = make_step(model, spec, flat)
         state = jax.jit(fns.init)(keys, perturb, x[:1])
         t0 = time.perf_counter()

@@ -21,7 +21,7 @@ __all__ = [*_API, "metrics", "stats"]
 
 
 def __getattr__(name: str):
-    # Imported on first use: ``python -m nondet_jax.sweep --help`` need not load JAX.
+    # Imported on first use: ``import nondet_jax`` itself stays light (no JAX until a name is used).
     if name in _API:
         return getattr(importlib.import_module(_API[name]), name)
     if name in ("metrics", "stats"):

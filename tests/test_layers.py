@@ -4,6 +4,9 @@ imports itself back through others. Every import counts, at module level or insi
 from __future__ import annotations
 
 import ast
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import nondet_jax
@@ -104,3 +107,12 @@ def test_the_graph_sees_function_local_imports():
     # a sanity check of the scanner itself: study.arm imports the strategies inside a function
     edges = imports(modules())
     assert "nondet_jax.replicas.choice" in edges["nondet_jax.study.arm"]
+
+
+def test_the_linter_passes():
+    # ruff with the project's configuration (pyproject.toml): every file that imports the package
+    ruff = Path(sys.executable).with_name("ruff")
+    ruff = str(ruff) if ruff.exists() else shutil.which("ruff")
+    assert ruff, "ruff is part of the test extra: pip install -e '.[test]'"
+    proc = subprocess.run([ruff, "check", "--no-cache", "."], cwd=PKG.parent, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-1000:]

@@ -17,7 +17,7 @@ import pytest
 from conftest import spec_of, tiny_config, tree_equal
 
 from nondet_jax.replicas.choice import make_strategy
-from nondet_jax.replicas.loop import Progress, train_replicas
+from nondet_jax.replicas.loop import EpochState, train_replicas
 from nondet_jax.sources import arm_keys, arm_sources, perturbations
 from nondet_jax.store.checkpoint import (
     ArmCheckpoints,
@@ -88,7 +88,7 @@ def test_checkpoint_restores_exactly_the_saved_state_and_resumes_bitwise(arm, sm
         shutil.rmtree(p) if p.is_dir() else p.unlink()
     restored = ArmCheckpoints(tmp_path / "ck").restore_latest(target, {"keys_sha256": key_fingerprint(keys)})
     assert restored[0] == 2
-    resumed = train_replicas(strategy, keys, perturb, small_digits, 3, start=Progress(*restored))
+    resumed = train_replicas(strategy, keys, perturb, small_digits, 3, start=EpochState(*restored))
     assert tree_equal(resumed.state, full.state)
     np.testing.assert_array_equal(resumed.logits, full.logits)
     np.testing.assert_array_equal(resumed.train_loss, full.train_loss)
@@ -138,7 +138,7 @@ def test_divergent_replica_is_frozen_recorded_and_left_out(tmp_path):
 
 
 def marks(out: Path) -> set[str]:
-    """Progress marks of a running study: finished arms and written checkpoints."""
+    """EpochState marks of a running study: finished arms and written checkpoints."""
     return {str(p) for pattern in ("arms/*.json", "checkpoints/*/sha256/*.json") for p in out.glob(pattern)}
 
 
@@ -312,7 +312,7 @@ def test_signal_during_compilation_exits_at_once_with_one_line(sig, status):
         out, err = p.communicate(timeout=30)
     except subprocess.TimeoutExpired:
         p.kill()
-        raise AssertionError("the process did not leave within 30 s of the signal")
+        raise AssertionError("the process did not leave within 30 s of the signal") from None
     assert p.returncode == status and time.perf_counter() - t0 < 10
     assert "compiled" not in out and "Traceback" not in err
     assert err.strip().splitlines()[-1] == MESSAGE and err.count(MESSAGE) == 1

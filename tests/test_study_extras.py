@@ -36,9 +36,14 @@ def test_mitigations_preset_runs_end_to_end_on_digits(tmp_path):
     assert variants["single"]["replicas"] == 3 and "accuracy_vs_reference" in variants["snapshot3"]
     report = (out / "report.md").read_text()
     assert "## Mitigations" in report and "| init | snapshot3 | 3 |" in report
-    # The snapshot arm is the plain arm under another schedule: same keys, so replica 0 starts alike.
+    # The snapshot arm is the plain arm under another schedule: same keys, so the replicas start alike
+    # (the pairwise weight distances at init are equal) and then part (the final weights differ).
+    h_plain, h_snap = np.load(out / "history" / "init.npz"), np.load(out / "history" / "init@snapshot3.npz")
+    np.testing.assert_array_equal(h_plain["weight_distance"][0], h_snap["weight_distance"][0])
+    assert h_plain["weight_distance"][0].min() > 0  # and the init arm's replicas do differ from each other
     w_plain, w_snap = np.load(out / "weights" / "init.npz"), np.load(out / "weights" / "init@snapshot3.npz")
     assert w_plain.files == w_snap.files
+    assert any(not np.array_equal(w_plain[k], w_snap[k]) for k in w_plain.files if k.startswith("params"))
 
 
 def test_instruments_from_the_cli_fill_the_run_folder(tmp_path):

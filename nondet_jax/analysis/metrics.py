@@ -187,8 +187,6 @@ def interpolation_curve(error_fn: Callable, theta_a, theta_b, alphas) -> np.ndar
     BatchNorm statistics on training data at each point (see ``train.make_interpolation_error``).
     Identical endpoints give exactly the endpoint at every α.
     """
-    import jax
-
     out = []
     for alpha in np.asarray(alphas, dtype=np.float32):
         theta = jax.tree.map(lambda a, b: b + alpha * (a - b), theta_a, theta_b)

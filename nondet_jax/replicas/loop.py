@@ -36,7 +36,7 @@ class ArmResult(NamedTuple):
         return np.asarray(self.state.health.diverged_at)
 
 
-class Progress(NamedTuple):
+class EpochState(NamedTuple):
     """Where an arm's training stands after ``epoch`` epochs: what a checkpoint holds."""
 
     epoch: int
@@ -75,13 +75,13 @@ def inject_fault(state: TrainState, replica: int) -> TrainState:
 
 
 def train_replicas(strategy: Strategy, keys: ReplicaKeys, perturb: Perturbations, data, epochs: int,
-                   progress: Callable[[int], None] = lambda n: None, start: Progress | None = None,
-                   on_epoch: Callable[[Progress], None] = lambda p: None,
+                   progress: Callable[[int], None] = lambda n: None, start: EpochState | None = None,
+                   on_epoch: Callable[[EpochState], None] = lambda p: None,
                    fault: tuple[int, int] | None = None, eval_epochs: tuple[int, ...] = ()) -> ArmResult:
     """Train the replicas whose keys are given (leading axis R) for ``epochs`` epochs.
 
     ``start`` continues from a checkpoint instead of initialising; ``on_epoch`` sees the
-    :class:`Progress` after every epoch (to checkpoint it); ``fault = (replica, epoch)`` makes that
+    :class:`EpochState` after every epoch (to checkpoint it); ``fault = (replica, epoch)`` makes that
     replica's weights NaN before that epoch; after each epoch count in ``eval_epochs`` the test logits
     are kept (snapshot ensembles); replicas whose test outputs are not finite are marked diverged
     (:func:`nondet_jax.analysis.health.flag_nonfinite_outputs`). The loop is epoch-major: all R states exist at every
@@ -92,7 +92,7 @@ def train_replicas(strategy: Strategy, keys: ReplicaKeys, perturb: Perturbations
     r_count = jax.tree.leaves(keys)[0].shape[0]
     if start is None:
         state = strategy.init(keys, perturb, x_tr[:1])
-        start = Progress(0, state, {}, _distances(state.params)[None])
+        start = EpochState(0, state, {}, _distances(state.params)[None])
     state, steps, distances = start.state, start.steps, [start.weight_distance]
     snapshots = [] if start.snapshots is None else list(np.moveaxis(np.asarray(start.snapshots), 1, 0))
     chex.assert_tree_shape_prefix(state, (r_count,))
@@ -106,7 +106,7 @@ def train_replicas(strategy: Strategy, keys: ReplicaKeys, perturb: Perturbations
         if e + 1 in eval_epochs:
             snapshots.append(np.asarray(strategy.evaluate(state, x_te)[0]))
         stacked = np.stack(snapshots, 1) if snapshots else None
-        on_epoch(Progress(e + 1, state, steps, np.concatenate(distances), stacked))
+        on_epoch(EpochState(e + 1, state, steps, np.concatenate(distances), stacked))
     logits, feats = strategy.evaluate(state, x_te)
     per_epoch = {k: np.asarray(steps[k]).reshape(r_count, epochs, -1).mean(-1) for k in ("loss", "accuracy")}
     return flag_nonfinite_outputs(ArmResult(state, per_epoch["loss"], per_epoch["accuracy"], np.asarray(logits), np.asarray(feats),

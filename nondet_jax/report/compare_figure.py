@@ -21,7 +21,7 @@ def plot_result(r: dict):
     fig, (ax, ad, ap) = plt.subplots(1, 3, figsize=(10, 3.6), gridspec_kw={"width_ratios": [1.2, 1, 1]})
     what = r["a"].get("metric") or r["a"].get("column") or "score"
     rng = np.random.default_rng(0)
-    for i, (name, w) in enumerate((("A", r["a"]), ("B", r["b"]))):
+    for i, (_name, w) in enumerate((("A", r["a"]), ("B", r["b"]))):
         x = np.asarray(w["scores"])
         lo, hi = S.mean_ci(x)
         ax.scatter(i + rng.uniform(-0.1, 0.1, len(x)), x, s=16, alpha=0.8, color=f"C{i}")

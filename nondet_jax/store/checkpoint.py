@@ -1,6 +1,6 @@
 """Per-arm training checkpoints at epoch boundaries, with orbax-checkpoint.
 
-A checkpoint holds what :class:`nondet_jax.replicas.loop.Progress` holds: the stacked training state of
+A checkpoint holds what :class:`nondet_jax.replicas.loop.EpochState` holds: the stacked training state of
 every replica (parameters, BatchNorm statistics, optimiser state, divergence Health), the per-step
 training metrics and weight distances so far, and the number of finished epochs. Random-number
 positions need no state of their own: every draw is ``fold_in(replica key, global step)``
@@ -131,7 +131,7 @@ class ArmCheckpoints:
         return out
 
     def save(self, progress, meta: dict) -> None:
-        """Checkpoint ``progress`` (a replicas.Progress) if its epoch is due, with JSON ``meta``."""
+        """Checkpoint ``progress`` (a replicas.loop.EpochState) if its epoch is due, with JSON ``meta``."""
         if self.every <= 0 or progress.epoch % self.every:
             return
         ocp = self._ocp

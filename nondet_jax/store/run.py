@@ -231,8 +231,6 @@ class RunStore:
 
     def remove_checkpoints(self, arm: str) -> None:
         """Delete an arm's checkpoints (once its results are stored, or to retrain it)."""
-        import shutil
-
         shutil.rmtree(self.root / "checkpoints" / arm, ignore_errors=True)
 
     def save_arm(self, arm: str, record: dict, logits: np.ndarray, features: np.ndarray,

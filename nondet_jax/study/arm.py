@@ -22,7 +22,7 @@ from nondet_jax.config import Config
 from nondet_jax.errors import UsageError
 from nondet_jax.instruments.dashboard import tidy_rows
 from nondet_jax.replicas.choice import make_strategy, resolve_strategy
-from nondet_jax.replicas.loop import Progress, train_replicas
+from nondet_jax.replicas.loop import EpochState, train_replicas
 from nondet_jax.sources import Arm, arm_keys, perturbations
 from nondet_jax.store.checkpoint import (
     ArmCheckpoints,
@@ -99,7 +99,7 @@ def fit_arm(config: Config, data, fns, store, arm: Arm, progress, log=print, blo
         raise UsageError(f"{e}; rerun with --recompute {arm.name} to train arm '{arm.name}' again from scratch") from None
     start = None
     if restored is not None:
-        start = Progress(*restored)
+        start = EpochState(*restored)
         log(f"arm {arm.name}: resuming from its checkpoint after epoch {start.epoch}")
         progress(start.epoch * len(block))
     result = train_replicas(strategy, keys, perturb, data, config.train.epochs, progress, start=start,
@@ -188,8 +188,6 @@ def tidy_csv(arm: str, values: dict) -> bytes:
 
 def tta_outputs(config: Config, data, fns, state) -> dict[str, np.ndarray]:
     """Each replica's test logits under every view set of ``metrics.tta``: name -> (R, N, C)."""
-    import jax
-
 
     padding = augmentation_settings(config, data.name, data.x_train.shape[1])[2]
     x = jax.numpy.asarray(data.x_test)

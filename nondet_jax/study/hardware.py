@@ -93,8 +93,6 @@ def train_arm_per_process(config, data, fns, store, arm, flags, log=print) -> di
 
 def child_main(out: str, arm: str, replica: int) -> int:
     """Entry of a replica's process: train replica ``replica`` of ``arm`` alone and write its part."""
-    import jax
-
     from nondet_jax.sources import parse_arm
 
     if os.environ.get(REPLICA_CHILD_ENV) != "1":

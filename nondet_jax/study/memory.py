@@ -41,8 +41,6 @@ def _human(n: float) -> str:
 def available_bytes() -> tuple[int | None, str]:
     """(bytes this process can still allocate where the replicas live, where that is): the first
     accelerator's free memory, or the host's ``MemAvailable``; None when unknown."""
-    import jax
-
     device = jax.devices()[0]
     if device.platform != "cpu":
         stats = device.memory_stats() or {}
@@ -70,8 +68,6 @@ def estimate(config: Config, spec, n_test: int, replicas: int | None = None, fns
     Returns:
       {"per_replica", "data", "total"} in bytes.
     """
-    import jax
-
 
     fns = fns or make_train(config, spec)
     r = config.study.replicas if replicas is None else replicas
@@ -118,8 +114,6 @@ def release_compiled() -> None:
     training functions (:func:`nondet_jax.train.make_train`, up to 16 configurations), the sharded
     strategies' cache, and JAX's own caches. The next study compiles afresh (or reads the persistent
     compilation cache). Call it when a study is finished."""
-    import jax
-
 
     train._make_train.cache_clear()
     sharding.programs.cache_clear()

@@ -155,8 +155,6 @@ def run_distributed(config: Config, out: str | Path | None, procs, progress: boo
     """:func:`run` across several processes (see :mod:`nondet_jax.study.multihost`): each trains its block
     of every arm's replicas; process 0 holds the folder's lock, merges, stores and reports. Returns
     the summary on process 0, None elsewhere."""
-    import jax
-
     from nondet_jax.store.io import atomic_write_bytes
     from nondet_jax.store.paths import RunPaths
     from nondet_jax.store.run import RunStore
