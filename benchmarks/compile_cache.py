@@ -33,13 +33,12 @@ enable_compile_cache(sys.argv[2])
 import jax, jax.numpy as jnp
 from nondet_jax.config import from_flat
 from nondet_jax.data import load_dataset
-from nondet_jax.sources import arm_keys, arm_sources, perturbations, replica_slice
+from nondet_jax.sources import one_replica
 from nondet_jax.train import DataSpec, make_train
 d = load_dataset("digits")
 c = from_flat({"model.name": sys.argv[3], "data.augment": "on", "data.flip": "off"})
 fns = make_train(c, DataSpec(len(d.x_train), d.x_train.shape[1:], d.num_classes, d.name))
-v = arm_sources("all")
-k, p = replica_slice(arm_keys(0, v, 1), 0), perturbations(v)
+k, p = one_replica("all")
 state = jax.jit(fns.init)(k, p, d.x_train[:1])
 state, m = jax.jit(fns.train_epoch)(state, d.x_train, d.y_train, k, p, jnp.int32(0))
 jax.block_until_ready(m)

@@ -65,7 +65,7 @@ def timing_child(steps: int) -> None:
     import numpy as np
 
     from nondet_jax.config import from_flat
-    from nondet_jax.sources import arm_keys, arm_sources, perturbations, replica_slice
+    from nondet_jax.sources import one_replica
     from nondet_jax.train import DataSpec, make_train
 
     out = {}
@@ -77,8 +77,7 @@ def timing_child(steps: int) -> None:
             config = from_flat({"model.name": model, "train.batch_size": batch, "train.epochs": 1,
                                 "metrics.pairwise": False, "study.replicas": 1})
             fns = make_train(config, DataSpec(n, (32, 32, 3), 10, "synthetic"))
-            varied = arm_sources("control")
-            keys, p = replica_slice(arm_keys(0, varied, 1), 0), perturbations(varied)
+            keys, p = one_replica("control")
             epoch = jax.jit(fns.train_epoch)
             state = jax.jit(fns.init)(keys, p, x[:1])
             t0 = time.perf_counter()

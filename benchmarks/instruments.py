@@ -36,7 +36,7 @@ import numpy as np
 from nondet_jax import instruments
 from nondet_jax.config import from_flat
 from nondet_jax.data import load_dataset
-from nondet_jax.sources import arm_keys, arm_sources, perturbations, replica_slice
+from nondet_jax.sources import one_replica
 from nondet_jax.store.io import atomic_write_json
 from nondet_jax.train import DataSpec, make_train
 
@@ -88,8 +88,7 @@ def bench_workload(name: str, quick: bool, rounds: int, log, breakdown_ok=lambda
     model, x_np, y_np, spec = workload(name)
     x, y = jnp.asarray(x_np), jnp.asarray(y_np)
     n, b = len(x_np), 128
-    varied = arm_sources("init")
-    keys, perturb = replica_slice(arm_keys(0, varied, 1), 0), perturbations(varied)
+    keys, perturb = one_replica("init")
     variants = {"off": ({}, 1)}
     for m in modes:
         for c in configs:
@@ -171,8 +170,7 @@ def _resnet8_batch():
     """ResNet-8 on digits, one initialised replica and a batch of 128: (model, spec, fns, x, y, state)."""
     model, x_np, y_np, spec = workload("resnet8_digits")
     fns, _ = make_step(model, spec, {})
-    varied = arm_sources("init")
-    keys, perturb = replica_slice(arm_keys(0, varied, 1), 0), perturbations(varied)
+    keys, perturb = one_replica("init")
     x, y = jnp.asarray(x_np[:128]), jnp.asarray(y_np[:128])
     return model, spec, fns, x, y, jax.jit(fns.init)(keys, perturb, x[:1])
 
@@ -325,8 +323,7 @@ def epoch_timing(variants: list[tuple[str, dict]], log, rounds: int = 16, worklo
     length, since epoch ``e`` holds steps ``e*S .. e*S+S-1``), and its ratio to the first variant's."""
     model, x_np, y_np, spec = workload(workload_name)
     x, y = jnp.asarray(x_np), jnp.asarray(y_np)
-    varied = arm_sources("init")
-    keys, perturb = replica_slice(arm_keys(0, varied, 1), 0), perturbations(varied)
+    keys, perturb = one_replica("init")
     res, progs, states = {}, {}, {}
     for label, flat in variants:
         flat = dict(flat)

@@ -25,14 +25,13 @@ def child(unroll: int, epochs: int) -> dict:
 
     from nondet_jax.config import from_flat
     from nondet_jax.data import load_dataset
-    from nondet_jax.sources import arm_keys, arm_sources, perturbations, replica_slice
+    from nondet_jax.sources import one_replica
     from nondet_jax.train import DataSpec, make_train
 
     d = load_dataset("digits")
     config = from_flat({"train.unroll": unroll, "train.epochs": epochs})
     fns = make_train(config, DataSpec(len(d.x_train), tuple(d.x_train.shape[1:]), d.num_classes, d.name))
-    varied = arm_sources("control")
-    keys, p = replica_slice(arm_keys(0, varied, 1), 0), perturbations(varied)
+    keys, p = one_replica("control")
     x, y = jnp.asarray(d.x_train), jnp.asarray(d.y_train)
     state = jax.jit(fns.init)(keys, p, x[:1])
     t0 = time.perf_counter()

@@ -92,7 +92,7 @@ def profile_jax(steps: int, conv: str, top: int) -> dict:
 
     import nondet_jax.models.resnet as resnet
     from nondet_jax.config import from_flat
-    from nondet_jax.sources import arm_keys, arm_sources, perturbations, replica_slice
+    from nondet_jax.sources import one_replica
     from nondet_jax.train import DataSpec, make_train
 
     if conv == "plain":
@@ -106,8 +106,7 @@ def profile_jax(steps: int, conv: str, top: int) -> dict:
     y = jnp.asarray(rng.integers(0, CLASSES, BATCH).astype(np.int32))
     config = from_flat({"model.name": "resnet14", "train.batch_size": BATCH, "train.epochs": 5})
     fns = make_train(config, DataSpec(BATCH, (32, 32, 3), CLASSES, "synthetic"))
-    varied = arm_sources("all")
-    keys, perturb = replica_slice(arm_keys(0, varied, 1), 0), perturbations(varied)
+    keys, perturb = one_replica("all")
     state = jax.jit(fns.init)(keys, perturb, x)
     compiled = jax.jit(fns.train_epoch).lower(state, x, y, keys, perturb, jnp.int32(1)).compile()
     instr = parse_hlo(compiled.as_text())

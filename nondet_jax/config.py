@@ -120,7 +120,7 @@ class Config:
     instruments: InstrumentsConfig = InstrumentsConfig()
 
 
-STRATEGIES = ("auto", "vmap", "sequential", "sharded")
+STRATEGIES = ("auto", "vmap", "sequential", "unrolled", "sharded")
 HARDWARE_PROCESSES = ("replica", "arm")
 CUSTOM = "custom"  # optim.name of a study whose optimiser the user passed (nondet_jax.run_study)
 ARRAYS_PREFIX = "arrays-"  # data.name of arrays passed to nondet_jax.run_study: arrays-<sha256 prefix>

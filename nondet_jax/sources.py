@@ -158,6 +158,13 @@ def replica_slice(keys: ReplicaKeys, r: int) -> ReplicaKeys:
     return jax.tree.map(lambda k: k[r], keys)
 
 
+def one_replica(arm: str = "init", replica: int = 0, seed: int = 0) -> tuple[ReplicaKeys, Perturbations]:
+    """Replica ``replica`` of arm ``arm``: its keys (no replica axis) and the arm's perturbations, the
+    arguments of the single-replica training functions (what benchmarks and tests of one replica build)."""
+    varied = arm_sources(arm)
+    return replica_slice(arm_keys(seed, varied, replica + 1), replica), perturbations(varied)
+
+
 def bitflip(params, key: jax.Array):
     """Move one weight of ``params`` by exactly one ulp.
 

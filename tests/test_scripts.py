@@ -4,6 +4,7 @@ runs breaks silently when the package moves."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -59,3 +60,16 @@ def test_peer_pytorch_conv_variants_run(row):
     proc = run("benchmarks/peer_pytorch.py", "--child", row, "--steps", "1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "RESULT " in proc.stdout
+
+
+@pytest.mark.slow
+def test_replica_speed_smallest_run_writes_every_row(tmp_path):
+    out = tmp_path / "speed.json"
+    proc = run("benchmarks/replica_speed.py", "--model", "mlp", "--replicas", "2", "--steps", "2", "--epochs", "1",
+               "--candidates", "loop,ceiling,vmap:rhs=bgc,unrolled", "--flags", "default", "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["runs"]["default"]["rows"]
+    assert [r["candidate"] for r in rows] == ["loop", "ceiling", "vmap:rhs=bgc", "unrolled"]
+    assert all("error" not in r and r["replica_images_per_s"] > 0 for r in rows)
+    assert rows[0]["vs_loop"] == 1.0 and rows[1]["of_ceiling"] == 1.0
+    assert rows[-1]["position_invariant"] is True  # the fused loop computes what sequential does

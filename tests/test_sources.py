@@ -102,3 +102,13 @@ def test_bitflip_draws_differ_by_key():
         flat = jax.tree.leaves(jax.tree.map(lambda x, y: np.flatnonzero(np.asarray(x) != np.asarray(y)), params, flipped))
         where.add(tuple(tuple(f) for f in flat))
     assert len(where) > 1
+
+
+def test_one_replica_is_that_replica_of_its_arm():
+    keys, perturb = sources.one_replica("data_order", replica=2, seed=5)
+    varied = arm_sources("data_order")
+    expected = replica_slice(arm_keys(5, varied, 3), 2)
+    for a, b in zip(jax.tree.leaves(keys), jax.tree.leaves(expected)):
+        assert (jax.random.key_data(a) == jax.random.key_data(b)).all()
+    for a, b in zip(jax.tree.leaves(perturb), jax.tree.leaves(sources.perturbations(varied)), strict=True):
+        assert np.array_equal(a, b)

@@ -93,7 +93,7 @@ def build_parser(prog: str = "python -m nondet_jax.sweep") -> argparse.ArgumentP
     p.add_argument("--seed", type=int, help="study seed (root of every key)")
     p.add_argument("--instruments", help="Cockpit's quantities per step and replica: economy, business, full, or "
                                          "quantity names (e.g. Loss,HessMaxEV); see instruments.every/schedule")
-    p.add_argument("--strategy", help="auto, vmap, sequential or sharded (replicas over the devices)")
+    p.add_argument("--strategy", help="auto, vmap, sequential, unrolled (the replicas in one program) or sharded (replicas over the devices)")
     p.add_argument("--out", help="run folder (default: runs/<dataset>-<model>-<config hash>)")
     p.add_argument("--preset", help=f"a study shipped with the package: {', '.join(preset_names())} (default: "
                                     f"{DEFAULT_PRESET})")

@@ -18,13 +18,20 @@ in every role, so the gradient's convolutions are chosen too:
   :data:`FORMULATIONS`: ``grouped`` (lax's own batching: a grouped convolution, what ``vmap`` always
   did), ``map`` (``lax.map`` over replicas: R plain convolutions in a loop), ``im2col`` (the k*k
   shifted slices concatenated along channels, one batched GEMM per replica axis), ``shifted`` (k*k
-  batched GEMMs on shifted slices, summed). ``im2col``/``shifted`` take the gradients by autodiff of
-  that forward, so their gradients are batched GEMMs as well; they apply to 2-D NHWC/HWIO ungrouped
-  convolutions without input dilation and fall back to ``grouped`` otherwise. Only one operand batched
-  (per-example gradients vmapped over examples) keeps lax's rule.
+  batched GEMMs on shifted slices, summed), ``bgc`` (the weight gradient only: the replicas folded
+  next to the channels and the gradient taken as the transpose of the grouped forward convolution, which
+  is one convolution with ``batch_group_count=R``, the form XLA:GPU hands to cuDNN's backward-filter
+  kernels; lax's own rule gives a grouped *forward* convolution whose window is the activation map).
+  ``im2col``/``shifted`` take the gradients by autodiff of that forward, so their gradients are batched
+  GEMMs as well. ``im2col``, ``shifted`` and ``bgc`` apply to 2-D NHWC/HWIO ungrouped convolutions
+  without input dilation (the dimension numbers as strings or as the integer
+  ``lax.ConvDimensionNumbers`` Flax passes) and fall back to ``grouped`` otherwise; ``bgc`` asked of
+  the forward or the input gradient is ``grouped`` too. Only one operand batched (per-example gradients
+  vmapped over examples) keeps lax's rule.
 
 The choice per (backend, role, shape family) comes from :mod:`nondet_jax.machine.measured` (written from
-``benchmarks/vmap_convs.py``); :func:`forced` or ``NONDET_JAX_VMAP_CONV=<formulation>`` overrides it.
+``benchmarks/vmap_convs.py``); :func:`forced` or ``NONDET_JAX_VMAP_CONV`` overrides it, for every role
+(``grouped``) or per role (``rhs:bgc,fwd:grouped``; roles not named keep the table's choice).
 The choice is made when a program is traced: change it before jitting, not between calls of one
 jitted function. :func:`record` is what ``environment.json`` stores.
 """
@@ -41,12 +48,14 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from nondet_jax.errors import UsageError
 from nondet_jax.machine import measured
 
-FORMULATIONS = ("grouped", "map", "im2col", "shifted")
+FORMULATIONS = ("grouped", "map", "im2col", "shifted", "bgc")
 ROLES = ("fwd", "lhs", "rhs")
 ENV = "NONDET_JAX_VMAP_CONV"
 _forced: str | None = None
+NHWC = ("NHWC", "HWIO", "NHWC")
 
 
 def _hashable(kw: dict) -> tuple:
@@ -166,13 +175,26 @@ ad.defjvp(conv_p, lambda t, a, b, **params: conv_p.bind(t, b, **params), _jvp_se
 # ---------------------------------------------------------------------------- replica-batched
 
 
-def _nhwc_plain(conv: tuple) -> bool:
-    """Whether the slice formulations apply: 2-D, NHWC/HWIO/NHWC, ungrouped, no input dilation."""
+def _nhwc_plain(conv: tuple, lhs_shape: tuple, rhs_shape: tuple) -> bool:
+    """Whether the slice and ``bgc`` formulations apply: 2-D, NHWC/HWIO/NHWC (as strings or as the
+    integer ``ConvDimensionNumbers`` Flax passes), ungrouped, no input dilation."""
     kw = dict(conv)
     dn = kw["dimension_numbers"]
-    names = tuple(dn) if isinstance(dn, tuple) and all(isinstance(s, str) for s in dn) else None
-    return (names == ("NHWC", "HWIO", "NHWC") and kw["feature_group_count"] == 1 and kw["batch_group_count"] == 1
-            and (kw["lhs_dilation"] is None or all(d == 1 for d in kw["lhs_dilation"])))
+    if dn is None or len(lhs_shape) != 4:
+        return False
+    layout = lax.conv_dimension_numbers(lhs_shape, rhs_shape, dn)
+    return (layout == lax.conv_dimension_numbers(lhs_shape, rhs_shape, NHWC) and kw["feature_group_count"] == 1
+            and kw["batch_group_count"] == 1 and (kw["lhs_dilation"] is None or all(d == 1 for d in kw["lhs_dilation"])))
+
+
+def applies(form: str, role: str, conv: tuple, lhs_shape: tuple, rhs_shape: tuple) -> str:
+    """The formulation that really runs when ``form`` is asked of ``role``: ``form``, or ``grouped``
+    where it does not apply (see the module docstring)."""
+    if form in ("im2col", "shifted", "bgc") and not _nhwc_plain(conv, lhs_shape, rhs_shape):
+        return "grouped"
+    if form == "bgc" and role != "rhs":
+        return "grouped"
+    return form
 
 
 def _slices(xs, conv: tuple, kernel: tuple[int, int]):
@@ -220,13 +242,30 @@ def _fwd_shifted(xs, ws, conv):
 _BATCHED_FWD = {"im2col": _fwd_im2col, "shifted": _fwd_shifted}
 
 
+def _rhs_bgc(xs, gs, conv: tuple, rhs_shape: tuple):
+    """The weight gradients of R replicas' convolutions, ``xs`` (R, N, H, W, C) the inputs and ``gs``
+    (R, N, Ho, Wo, F) the output cotangents: the replicas folded next to the channels, the gradient of the
+    grouped (``feature_group_count=R``) forward convolution with respect to its kernel, which lax
+    transposes into one convolution with ``batch_group_count=R``; returns (R, kh, kw, C, F)."""
+    r, n, h, w, c = xs.shape
+    f = gs.shape[-1]
+    kh, kw_ = rhs_shape[:2]
+    x = jnp.moveaxis(xs, 0, 3).reshape(n, h, w, r * c)
+    g = jnp.moveaxis(gs, 0, 3).reshape(n, *gs.shape[2:4], r * f)
+    grouped = partial(lax.conv_general_dilated, **{**dict(conv), "dimension_numbers": NHWC, "feature_group_count": r})
+    kernel = jax.ShapeDtypeStruct((kh, kw_, c, r * f), xs.dtype)
+    wt = jax.linear_transpose(lambda k: grouped(x, k), kernel)(g)[0]
+    return jnp.moveaxis(wt.reshape(kh, kw_, c, r, f), 3, 0)
+
+
 def batched_role(form: str, a, b, *, role, conv, lhs_shape, rhs_shape, barrier=False):
     """Role ``role`` for operands both batched on axis 0 (R replicas), computed by formulation ``form``."""
     params = dict(role=role, conv=conv, lhs_shape=lhs_shape, rhs_shape=rhs_shape, barrier=barrier)
     if form not in FORMULATIONS:
         raise ValueError(f"unknown formulation {form!r}; use one of {', '.join(FORMULATIONS)}")
-    if form in _BATCHED_FWD and not _nhwc_plain(conv):
-        form = "grouped"
+    form = applies(form, role, conv, lhs_shape, rhs_shape)
+    if form == "bgc":
+        return _rhs_bgc(a, b, conv, rhs_shape)
     if form == "grouped":
         return jax.vmap(partial(_role_impl, **params))(a, b)
     if form == "map":
@@ -250,18 +289,36 @@ def family(role: str, conv: tuple, rhs_shape: tuple) -> str:
     return f"{role}/{kernel}/s{stride}/c{rhs_shape[-2]}"
 
 
-def choose(role: str, conv: tuple, rhs_shape: tuple, backend: str | None = None) -> str:
-    """The formulation for one role of a replica-batched convolution: :func:`forced` or the
-    ``NONDET_JAX_VMAP_CONV`` environment variable, else the measured table's entry for the most
-    specific key that exists (``role/kernel/stride/channels``, then ``role/kernel/stride``, then
-    ``role``), else ``grouped`` (what ``vmap`` did before a table existed)."""
-    override = _forced or os.environ.get(ENV)
-    if override:
-        if override not in FORMULATIONS:
-            from nondet_jax.errors import UsageError
+def parse_override(text: str, source: str = ENV) -> dict[str, str]:
+    """``"grouped"`` -> that formulation for every role; ``"rhs:bgc,fwd:grouped"`` -> those roles only.
+    A bad entry is a one-line :class:`UsageError` naming it."""
+    out = {}
+    for item in (i.strip() for i in text.split(",") if i.strip()):
+        role, sep, form = item.rpartition(":")
+        if form not in FORMULATIONS:
+            raise UsageError(f"{source}={text!r}: {form!r} is not a conv formulation; use one of "
+                             f"{', '.join(FORMULATIONS)}, for every role or per role as rhs:bgc,fwd:grouped")
+        if sep and role not in ROLES:
+            raise UsageError(f"{source}={text!r}: {role!r} is not a convolution role; use {', '.join(ROLES)}")
+        out.update({role: form} if sep else dict.fromkeys(ROLES, form))
+    return out
 
-            raise UsageError(f"{ENV}={override!r} is not a conv formulation; use one of {', '.join(FORMULATIONS)}")
-        return override
+
+def override() -> dict[str, str]:
+    """The per-role formulations forced now (:func:`forced`, else ``NONDET_JAX_VMAP_CONV``); {} for none."""
+    if _forced is not None:
+        return parse_override(_forced, "forced")
+    return parse_override(os.environ.get(ENV) or "")
+
+
+def choose(role: str, conv: tuple, rhs_shape: tuple, backend: str | None = None) -> str:
+    """The formulation asked of one role of a replica-batched convolution: :func:`forced` or the
+    ``NONDET_JAX_VMAP_CONV`` environment variable where it names the role, else the measured table's
+    entry for the most specific key that exists (``role/kernel/stride/channels``, then
+    ``role/kernel/stride``, then ``role``), else ``grouped`` (what ``vmap`` did before a table existed)."""
+    forced_now = override()
+    if role in forced_now:
+        return forced_now[role]
 
     choices = measured.vmap_conv_choices(backend or jax.default_backend())
     key = family(role, conv, rhs_shape)
@@ -293,10 +350,11 @@ def conv(lhs, rhs, *, barrier: bool = False, **kw):
 
 @contextlib.contextmanager
 def forced(form: str | None):
-    """Within the block, every replica-batched convolution traced uses ``form`` (None: the table)."""
+    """Within the block, every replica-batched convolution traced uses ``form``: one formulation for
+    every role or per-role choices (``"rhs:bgc"``, as ``NONDET_JAX_VMAP_CONV``); None: the table."""
     global _forced
-    if form is not None and form not in FORMULATIONS:
-        raise ValueError(f"unknown formulation {form!r}; use one of {', '.join(FORMULATIONS)}")
+    if form is not None:
+        parse_override(form, "forced")
     old, _forced = _forced, form
     try:
         yield
@@ -307,5 +365,5 @@ def forced(form: str | None):
 def record(backend: str | None = None) -> dict:
     """What ``environment.json`` stores: the override in force and the table used for this backend."""
     backend = backend or jax.default_backend()
-    return {"override": _forced or os.environ.get(ENV) or None, "backend": backend,
+    return {"override": _forced or os.environ.get(ENV) or None, "per_role": override(), "backend": backend,
             "table": measured.vmap_conv_table(backend)}

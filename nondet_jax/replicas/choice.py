@@ -7,7 +7,7 @@ from typing import Callable
 import jax
 
 from nondet_jax.machine import measured
-from nondet_jax.replicas.local import sequential_strategy, vmap_strategy
+from nondet_jax.replicas.local import sequential_strategy, unrolled_strategy, vmap_strategy
 from nondet_jax.replicas.loop import ArmResult, Strategy, train_replicas
 from nondet_jax.sources import Perturbations, ReplicaKeys
 from nondet_jax.train import TrainFns
@@ -42,7 +42,7 @@ def resolve_strategy(requested: str, replicas: int, backend: str | None = None) 
     return "vmap", f"auto: on {backend} vmap beat a loop from {least} replicas on ({rule['source']})"
 
 
-STRATEGY_BUILDERS = {"vmap": vmap_strategy, "sequential": sequential_strategy}
+STRATEGY_BUILDERS = {"vmap": vmap_strategy, "sequential": sequential_strategy, "unrolled": unrolled_strategy}
 
 
 def make_strategy(fns: TrainFns, name: str) -> Strategy:

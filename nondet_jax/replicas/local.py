@@ -1,8 +1,10 @@
-"""The one-device strategies: ``vmap`` (one program over the replica axis) and ``sequential``."""
+"""The one-device strategies: ``vmap`` (one program over the replica axis), ``sequential`` (the
+single-replica programs in a Python loop) and ``unrolled`` (those programs inside one jitted program)."""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from nondet_jax.replicas.loop import Strategy, _stack, _take
@@ -48,3 +50,34 @@ def vmap_strategy(fns: TrainFns) -> Strategy:
         return state, m
 
     return Strategy("vmap", init, epoch_all, evaluate)
+
+
+def unrolled_strategy(fns: TrainFns) -> Strategy:
+    """The R single-replica programs inside one jitted program per epoch: the loop over replicas is
+    unrolled while tracing, so an epoch of R replicas is one launch (no Python loop between replicas)
+    and each replica computes what ``sequential`` computes. Compile time and program size grow with R."""
+
+    def count(keys) -> int:
+        return jax.tree.leaves(keys)[0].shape[0]
+
+    @jax.jit
+    def init_all(keys, perturb, x):
+        return _stack([fns.init(replica_slice(keys, r), perturb, x) for r in range(count(keys))])
+
+    @jax.jit
+    def epoch_fn(state, x, y, keys, perturb, e):
+        outs = [fns.train_epoch(_take(state, r), x, y, replica_slice(keys, r), perturb, e) for r in range(count(keys))]
+        return _stack([o[0] for o in outs]), _stack([o[1] for o in outs])
+
+    @jax.jit
+    def evaluate_all(state, x):
+        outs = [fns.evaluate(_take(state, r), x) for r in range(jax.tree.leaves(state.params)[0].shape[0])]
+        return tuple(jnp.stack([o[i] for o in outs]) for i in (0, 1))
+
+    def epoch_all(state, x, y, keys, perturb, e, progress):
+        state, m = epoch_fn(state, x, y, keys, perturb, e)
+        m = jax.block_until_ready(m)
+        progress(count(keys))
+        return state, m
+
+    return Strategy("unrolled", init_all, epoch_all, evaluate_all)
