@@ -47,7 +47,7 @@ part() {  # part NAME SECONDS COMMAND...: run under a hard timeout, log to $O/NA
 cat "$O/env.txt"
 if [ -n "$QUICK" ]; then  # every block's Python path on the CPU, tiny
   export JAX_PLATFORMS=cpu
-  SIZE=(--model resnet8 --replicas 2 --steps 2 --epochs 1)
+  SIZE=(--model resnet8 --image 8 --replicas 2 --steps 2 --epochs 1)
   SPEED_BF16_S=300 SPEED_F32_S=300 SPEED_R18_S=300 CONCURRENT_S=200 PROFILE_S=200 HARDWARE_S=300
   R18=(--model resnet8)
 else

@@ -16,9 +16,9 @@ first (which compiles; its excess over the median is the compile time). Candidat
 Per row: median seconds per epoch, replica-images/s, the ratio to ``loop`` (measured in the same
 process), the fraction of the ceiling's replica-images/s, and the fraction of the roofline (XLA's own
 FLOP and byte counts of one training step against the chip's peaks, ``--peak-tflops``/``--peak-gbs``;
-n/a where no peak is given); compile seconds; peak device memory where the backend reports it; and
-whether R replicas with identical keys come out bitwise identical (replica-position invariance, which a
-candidate must pass before ``auto`` may choose it).
+n/a where no peak is given); compile seconds; the process's peak device memory so far where the backend
+reports it; and whether R replicas with identical keys come out bitwise identical (replica-position
+invariance, which a candidate must pass before ``auto`` may choose it).
 
 Every candidate runs twice, in two child processes: under the control arm's determinism flags (what a
 study runs: the headline) and under XLA's defaults. JSON is written after every row.
@@ -114,6 +114,7 @@ def child(args) -> list[dict]:
                 t0 = time.perf_counter()
                 state = strategy.init(keys, perturb, x[:1])
                 jax.block_until_ready(state)
+                init_s = time.perf_counter() - t0
                 times = []
                 for e in range(args.epochs + 1):
                     t = time.perf_counter()
@@ -126,23 +127,24 @@ def child(args) -> list[dict]:
                         jax.block_until_ready(state)
                 med = statistics.median(times[1:])
                 row.update(epoch_s=times[1:], median_epoch_s=med, compile_s=max(times[0] - med, 0.0),
-                           replica_images_per_s=r_count * BATCH * steps / med, init_s=time.perf_counter() - t0 - sum(times))
+                           replica_images_per_s=r_count * BATCH * steps / med, init_s=init_s)
                 # replica-position invariance: every replica given replica 0's keys
                 same = jax.tree.map(lambda k: jnp.repeat(k[:1], width, 0), keys)
                 s2 = strategy.init(same, perturb, x[:1])
                 s2, _ = strategy.epoch(s2, x, y, same, perturb, 0, lambda n: None)
                 leaves = jax.tree.leaves(jax.device_get(s2.params))
                 row["position_invariant"] = bool(all((np.asarray(a) == np.asarray(a)[:1]).all() for a in leaves))
-                if kind_ != "unrolled":
-                    flops, nbytes = step_cost(fns, x, y, keys, batched=strategy_name == "vmap")
-                    if strategy_name == "sequential" and kind_ == "loop":
-                        flops, nbytes = flops * r_count, nbytes * r_count
-                    row.update(step_flops=flops, step_bytes=nbytes)
-                    bound = max(flops / (peak_tflops * 1e12) if peak_tflops else 0.0,
-                                nbytes / (peak_gbs * 1e9) if peak_gbs else 0.0)
-                    row["roofline_fraction"] = bound * steps / med if (peak_tflops or peak_gbs) else None
+                # the loop and the fused loop do R single-replica steps' work; vmap's program is counted whole
+                flops, nbytes = step_cost(fns, x, y, keys, batched=strategy_name == "vmap")
+                if kind_ in ("loop", "unrolled"):
+                    flops, nbytes = flops * r_count, nbytes * r_count
+                row.update(step_flops=flops, step_bytes=nbytes)
+                bound = max(flops / (peak_tflops * 1e12) if peak_tflops else 0.0,
+                            nbytes / (peak_gbs * 1e9) if peak_gbs else 0.0)
+                row["roofline_fraction"] = bound * steps / med if (peak_tflops or peak_gbs) else None
             stats = device.memory_stats() or {}
-            row["peak_bytes"] = stats.get("peak_bytes_in_use")
+            # the process's peak so far (JAX cannot reset it): run a candidate alone for its own peak
+            row["process_peak_bytes"] = stats.get("peak_bytes_in_use")
         except Exception as e:  # a candidate that fails is a row with its error, not a lost run
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
         rows.append(row)
