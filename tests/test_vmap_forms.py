@@ -170,9 +170,9 @@ def test_replicas_with_identical_keys_come_out_identical(resnet, strategy, form)
 
 
 def test_backward_filter_form_with_identical_keys_agrees_to_rounding(resnet):
-    # On XLA:CPU the batch_group_count convolution sums a replica's weight gradient in an order that
-    # depends on its position (after one epoch, 2-9% of ResNet-8's kernel elements differ from
-    # replica 0's by an ulp or so): close, not bitwise, so replica_speed.py's invariance check decides
-    # before auto may choose it on a backend.
+    # At these shapes XLA:CPU's batch_group_count convolution sums a replica's weight gradient in an
+    # order that depends on its position: replicas with identical keys agree to float32 rounding, not
+    # bitwise (at other shapes they are bitwise), so replica_speed.py's invariance check decides before
+    # auto may choose it on a backend.
     for leaf in _identical_keys_run(resnet, "vmap", "rhs:bgc"):
         np.testing.assert_allclose(leaf, np.broadcast_to(leaf[:1], leaf.shape), rtol=1e-5, atol=1e-6)
