@@ -230,8 +230,6 @@ def replicate(init: Callable, step: Callable, batches=None, *, steps: int | None
     Returns:
       ``{arm: state}``, every leaf with a leading replica axis R.
     """
-
-
     arm_list = [a.strip() for a in arms.split(",") if a.strip()] if isinstance(arms, str) else list(arms)
     parsed = [parse_arm(a) for a in arm_list]
     for a in parsed:

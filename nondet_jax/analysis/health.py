@@ -52,8 +52,6 @@ def healthy_indices(diverged_at) -> np.ndarray:
 def healthy_subset(result):
     """The result restricted to the replicas that did not diverge, pairwise weight distances
     re-indexed to the remaining pairs (none when fewer than 2 remain; the arm may be empty)."""
-
-
     keep = healthy_indices(result.diverged_at)
     r = len(result.diverged_at)
     if len(keep) == r:

@@ -105,7 +105,6 @@ def _backend_started() -> bool:
 
 def record() -> dict:
     """CPU type and model, the table's rule for it, and what :func:`apply_cpu_defaults` added."""
-
     kind = cpu_type()
     return {"cpu_type": kind, "cpu_model": cpu_model(), "rule": measured.xla_cpu_rule(kind),
             "added": os.environ.get(APPLIED, "").split(), "opted_out": os.environ.get(OPT_OUT) == "0"}

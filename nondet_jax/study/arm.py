@@ -77,8 +77,6 @@ def arm_setup(config: Config, fns, arm: Arm):
 def fit_arm(config: Config, data, fns, store, arm: Arm, progress, log=print, block: range | None = None):
     """Train replicas ``block`` (default: all) of an arm, continuing from their latest checkpoint and
     checkpointing every ``train.checkpoint_every`` epochs. Returns (ArmResult, strategy reason)."""
-
-
     study = config.study
     config, fns = arm_setup(config, fns, arm)
     block = block or range(study.replicas)
@@ -177,8 +175,6 @@ def instrument_values(config: Config, fns, result) -> dict[str, np.ndarray]:
 
 def tidy_csv(arm: str, values: dict) -> bytes:
     """The tidy table (step, arm, replica, quantity, layer, value) of the scalar instruments."""
-
-
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=["step", "arm", "replica", "quantity", "layer", "value"], lineterminator="\n")
     w.writeheader()
@@ -188,7 +184,6 @@ def tidy_csv(arm: str, values: dict) -> bytes:
 
 def tta_outputs(config: Config, data, fns, state) -> dict[str, np.ndarray]:
     """Each replica's test logits under every view set of ``metrics.tta``: name -> (R, N, C)."""
-
     padding = augmentation_settings(config, data.name, data.x_train.shape[1])[2]
     x = jax.numpy.asarray(data.x_test)
     out = {}

@@ -22,8 +22,6 @@ from nondet_jax.train import DataSpec, make_train
 
 def audit_run(config: Config, steps: int, perturb: str | None = None) -> dict:
     """Train ``steps`` steps twice in this process and compare the results per tensor."""
-
-
     data = load_data(config.data)
     b = config.train.batch_size
     if steps * b > len(data.x_train):

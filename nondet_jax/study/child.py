@@ -25,8 +25,6 @@ CHILD_ENV = "NONDET_JAX_CHILD"  # set by the sweep in the processes it starts fo
 def run_in_child(out: Path, arm: Arm, flags) -> None:
     """Train ``arm`` in a fresh process whose XLA_FLAGS carry ``flags`` (read at backend start);
     it writes into the same run folder, under the lock this process holds."""
-
-
     env = {**os.environ, "XLA_FLAGS": with_flags(flags), CHILD_ENV: "1"}
     proc = subprocess.run([sys.executable, "-m", "nondet_jax.sweep", "--out", str(out), "--child-arm", arm.name],
                           env=env)

@@ -60,9 +60,6 @@ def train_arm_per_process(config, data, fns, store, arm, flags, log=print) -> di
     Metrics and the divergence trace (when ``study.dynamics_every`` asks for one) run in this process,
     under its own flags: only the training of the replicas is per process.
     """
-
-
-
     arm = parse_arm(arm) if isinstance(arm, str) else arm
     study = config.study
     folder = _parts(store.root, arm.name)

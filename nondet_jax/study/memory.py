@@ -68,7 +68,6 @@ def estimate(config: Config, spec, n_test: int, replicas: int | None = None, fns
     Returns:
       {"per_replica", "data", "total"} in bytes.
     """
-
     fns = fns or make_train(config, spec)
     r = config.study.replicas if replicas is None else replicas
     keys = replica_slice(arm_keys(0, frozenset(), 1), 0)
@@ -114,7 +113,6 @@ def release_compiled() -> None:
     training functions (:func:`nondet_jax.train.make_train`, up to 16 configurations), the sharded
     strategies' cache, and JAX's own caches. The next study compiles afresh (or reads the persistent
     compilation cache). Call it when a study is finished."""
-
     train._make_train.cache_clear()
     sharding.programs.cache_clear()
     jax.clear_caches()

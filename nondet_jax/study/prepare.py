@@ -107,8 +107,6 @@ def prepare(config: Config, parts: Parts = Parts(), data=None):
 def model_record(config: Config, fns) -> dict:
     """What ``model.json`` records: the parts that were used (what was imported) and the
     fingerprint of the model's parameter shapes."""
-
-
     p = fns.parts
     keys = replica_slice(arm_keys(0, frozenset(), 1), 0)
     x = jax.ShapeDtypeStruct((1, *fns.spec.image_shape), jax.numpy.float32)

@@ -84,8 +84,6 @@ def run(config: Config, out: str | Path | None = None, progress: bool | None = N
     given, runs once each arm is stored (or found finished), e.g. to export it to TensorBoard.
     Raises UsageError on bad input before anything is written.
     """
-
-
     in_memory = parts != Parts() or data is not None
     data, fns = prepare(config, parts, data)
     study = config.study
