@@ -27,7 +27,6 @@ from nondet_jax.report.summary import arm_rows, replica_rows
 from nondet_jax.sources import arm_keys, parse_arm, replica_slice
 from nondet_jax.store.paths import RunPaths
 from nondet_jax.study import runner
-from nondet_jax.study.prepare import default_out
 
 DEFAULT_ARMS = ("control", "init", "all")
 
@@ -171,8 +170,10 @@ def run_study(model=None, data=None, optimizer=None, loss: Callable | None = Non
       augment: ``(key, x_batch) -> x_batch``, drawn from the ``augmentation`` source. Default: the
         config's crop/flip for images when ``data.augment`` is on, else none.
       epochs, batch_size, arms, replicas, seed, strategy: the study (``arms`` a list or ``"a,b"``).
-      out: run folder (default ``runs/<data>-<model>-<hash>``). An existing folder of the same study
-        is resumed: finished arms are reused; another model's folder is refused.
+      out: run folder (default ``runs/<data>-<model>-<hash>``, the hash over the config and every
+        part's fingerprint by content, so another learning rate, model body, loss or data gets its own
+        folder). An existing folder of the same study is resumed: finished arms are reused; a folder
+        whose data, model, optimiser, loss or augmentation differ by content is refused, naming the part.
       features: submodule whose output CKA uses when the model has no ``return_features`` (default:
         the logits).
       settings: further config keys, dotted (``{"optim.lr": 0.1, "metrics.lmc_pairs": 0}``).
@@ -194,7 +195,6 @@ def run_study(model=None, data=None, optimizer=None, loss: Callable | None = Non
                           settings=settings, base=config)
     parts = Parts(model=None if model is None or isinstance(model, str) else model, optimizer=optimizer,
                   loss=loss, augment=augment, features=features)
-    out = Path(out) if out is not None else default_out(config)
     try:
         summary = runner.run(config, out, progress=progress, log=log, parts=parts, data=dataset,
                             command=f"nondet_jax.run_study(model={config.model.name}, data={config.data.name}, ...)")
@@ -202,7 +202,7 @@ def run_study(model=None, data=None, optimizer=None, loss: Callable | None = Non
         from nondet_jax.study.memory import release_compiled
 
         release_compiled()
-    return StudyResult(out, summary)
+    return StudyResult(Path(summary.pop("out")), summary)
 
 
 def replicate(init: Callable, step: Callable, batches=None, *, steps: int | None = None,

@@ -124,6 +124,15 @@ STRATEGIES = ("auto", "vmap", "sequential", "unrolled", "sharded")
 HARDWARE_PROCESSES = ("replica", "arm")
 CUSTOM = "custom"  # optim.name of a study whose optimiser the user passed (nondet_jax.run_study)
 ARRAYS_PREFIX = "arrays-"  # data.name of arrays passed to nondet_jax.run_study: arrays-<sha256 prefix>
+NPZ_BY_CONTENT = "<a .npz file, identified by its contents>"  # data.name of any .npz, where configs are compared
+
+
+def comparable_data_name(name: str) -> str:
+    """``data.name`` as configs are compared: a ``.npz`` file is identified by its arrays' bytes (the
+    study's identity), not by how its path is spelled, so every path compares equal here."""
+    return NPZ_BY_CONTENT if isinstance(name, str) and name.endswith(".npz") else name
+
+
 SEED_RANGE = (0, 2**32 - 1)  # jax.random.key keeps the low 32 bits of a seed (without jax_enable_x64)
 INT_MAX = 2**31 - 1  # steps, epochs and sizes are int32 inside the compiled programs
 MAX_CONFIG_BYTES = 1 << 20  # a config file is a few hundred bytes; refuse anything near a megabyte

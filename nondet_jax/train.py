@@ -131,6 +131,9 @@ class TrainFns(NamedTuple):
     loss_fn: Callable | None = None  # (params, batch_stats, x, y, dropout_keys) -> (loss, (logits, batch_stats))
     parts: Any = None  # the nondet_jax.models.parts.Parts the functions were made with
     model: Any = None  # the nondet_jax.models.parts.ModelFns of the model
+    tx: Any = None  # the optax.GradientTransformation the steps apply
+    example_loss: Callable | None = None  # per-example (logits, labels) -> loss
+    augment: Callable | None = None  # (key, x_batch) -> x_batch, or None: no augmentation
 
 
 def epoch_metrics(out) -> dict:
@@ -421,4 +424,4 @@ def _make_train(config: Config, spec: DataSpec, parts: Parts) -> TrainFns:
         return model.recompute_batch_stats(variables(params, batch_stats), x)
 
     return TrainFns(init, train_step, train_epoch, evaluate, recompute_batch_stats, b, steps, unroll, inst, spec,
-                    loss_fn, parts, model)
+                    loss_fn, parts, model, tx, example_loss, augment_fn)

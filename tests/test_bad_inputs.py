@@ -82,6 +82,8 @@ CASES: list[tuple[str, str]] = [
     ("run folder", "--out <run>  (arms/init.json corrupted)"),
     ("run folder", "--out <run>  (an arm's checkpoint corrupted mid-training)"),
     ("report", "python -m nondet_jax.report <tmp>/empty"),
+    ("run folder", "--dataset <tmp>/good.npz --batch-size 8 --out <tmp>/npzrun  (good.npz rewritten with other arrays since)"),
+    ("run folder", "--out <tmp>/ckpt_run --epochs 2 --arms init  (its checkpoint copied from a study with --lr 0.5)"),
     ("CLI", "--lr nan"),
     ("CLI", "--lr inf"),
     ("CLI", "--lr 1e400"),
@@ -147,7 +149,8 @@ def _npz_arrays(name: str) -> dict:
             "shapes.npz": {**good, "x_test": x[:10].reshape(10, 64)},
             "labels.npz": {**good, "y_train": np.where(np.arange(20) == 3, -1, y)},
             "length.npz": {**good, "y_train": y[:19]},
-            "features.npz": {**good, "x_train": x.reshape(20, 64), "x_test": x[:10].reshape(10, 64)}}[name]
+            "features.npz": {**good, "x_train": x.reshape(20, 64), "x_test": x[:10].reshape(10, 64)},
+            "good.npz": good}[name]
 
 
 def _normalize(message: str, tmp: Path) -> str:
@@ -284,6 +287,18 @@ def run_case(where: str, text: str, ctx: Context, capsys) -> tuple[str, int, boo
     if note.startswith("an arm's checkpoint"):
         folder = _folder_with_corrupt_checkpoint(ctx)
         args = [*FAST.split(), "--epochs", "2", "--arms", "init", "--out", str(folder)]
+    if note.startswith("its checkpoint copied"):
+        import shutil
+
+        folder = _folder_with_checkpoint(ctx, "ckpt_run", [])
+        other = _folder_with_checkpoint(ctx, "lr_run", ["--lr", "0.5"])
+        shutil.rmtree(folder / "checkpoints" / "init")
+        shutil.copytree(other / "checkpoints" / "init", folder / "checkpoints" / "init")
+    if note.startswith("good.npz rewritten"):
+        folder = Path(args[args.index("--out") + 1])
+        assert sweep.main([*FAST.split(), "--arms", "control", *args]) == 0
+        np.savez(path, **{**_npz_arrays("good.npz"), "x_train": np.random.default_rng(1).normal(
+            size=(20, 8, 8, 1)).astype(np.float32)})
     before = _snapshot(folder) if folder else {}
     outside_before = _snapshot(outside)
     capsys.readouterr()
@@ -327,9 +342,20 @@ def run_case(where: str, text: str, ctx: Context, capsys) -> tuple[str, int, boo
 
 def _folder_with_corrupt_checkpoint(ctx: Context) -> Path:
     """A run folder whose arm 'init' stopped after epoch 1 of 2, its checkpoint then damaged."""
+    folder = _folder_with_checkpoint(ctx, "ckpt_run", [])
+    latest = max((p for p in (folder / "checkpoints" / "init" / "orbax").iterdir() if p.name.isdigit()),
+                 key=lambda p: int(p.name))
+    data = max((p for p in latest.rglob("*") if p.is_file()),
+               key=lambda p: p.stat().st_size)
+    data.write_bytes(b"\0" * data.stat().st_size)
+    return folder
+
+
+def _folder_with_checkpoint(ctx: Context, name: str, extra: list[str]) -> Path:
+    """A run folder whose arm 'init' stopped after epoch 1 of 2, its checkpoint kept."""
     from nondet_jax.cli import sweep
 
-    folder = ctx.tmp / "ckpt_run"
+    folder = ctx.tmp / name
     # Stop after epoch 1 the honest way: a 1-epoch study with checkpoints leaves none (they are deleted
     # when the arm finishes), so train 2 epochs and keep the checkpoint by failing the metrics step.
     from nondet_jax.analysis import arm as analysis
@@ -341,14 +367,9 @@ def _folder_with_corrupt_checkpoint(ctx: Context) -> Path:
 
     analysis.arm_metrics = crash
     try:
-        sweep.main([*FAST.split(), "--epochs", "2", "--arms", "init", "--out", str(folder)])
+        sweep.main([*FAST.split(), "--epochs", "2", "--arms", "init", "--out", str(folder), *extra])
     finally:
         analysis.arm_metrics = original
-    latest = max((p for p in (folder / "checkpoints" / "init" / "orbax").iterdir() if p.name.isdigit()),
-                 key=lambda p: int(p.name))
-    data = max((p for p in latest.rglob("*") if p.is_file()),
-               key=lambda p: p.stat().st_size)
-    data.write_bytes(b"\0" * data.stat().st_size)
     return folder
 
 

@@ -45,8 +45,18 @@ def run_scores(run: str | Path, arm: str, metric: str = "test_accuracy") -> tupl
     rows = [r for r in record["rows"] if r.get("diverged_at_step", -1) < 0]
     config = json.loads((run / "config.json").read_text())
     where = {"source": str(run), "kind": "run", "arm": arm, "metric": metric, "dataset": config["data"]["name"],
-             "model": config["model"]["name"], "diverged_left_out": len(record["rows"]) - len(rows)}
+             "model": config["model"]["name"], "diverged_left_out": len(record["rows"]) - len(rows),
+             "test_set": _test_set(run) or config["data"]["name"]}
     return np.array([r[metric] for r in rows], dtype=np.float64), where
+
+
+def _test_set(run: Path) -> str | None:
+    """The sha256 of a run's test split (``model.json``), or None for a folder without one."""
+    try:
+        ident = json.loads((run / "model.json").read_text()).get("identity", {})
+        return ident.get("data", {}).get("test_sha256")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def csv_scores(path: str | Path, column: str | None = None) -> tuple[np.ndarray, dict]:
@@ -107,9 +117,11 @@ def compare(a: str | Path, b: str | Path, arm: str = "all", arm_b: str | None = 
             raise UsageError("--column is for CSV files; for run folders choose --arm and --metric")
         xa, wa = run_scores(a, arm, metric)
         xb, wb = run_scores(b, arm_b or arm, metric)
-        if wa["dataset"] != wb["dataset"]:
-            raise UsageError(f"{a} was tested on {wa['dataset']} and {b} on {wb['dataset']}: scores on different test "
-                             "sets cannot be compared; pass two runs on the same dataset")
+        if wa["test_set"] != wb["test_set"]:
+            what = (f"{a} was tested on {wa['dataset']} and {b} on {wb['dataset']}" if wa["dataset"] != wb["dataset"]
+                    else f"{a} and {b} both name {wa['dataset']}, but their test arrays differ")
+            raise UsageError(f"{what}: scores on different test sets cannot be compared; pass two runs on the same "
+                             "test set")
         if higher_is_better is None:
             higher_is_better = RUN_METRICS[metric]
     else:

@@ -25,7 +25,6 @@ from nondet_jax.report import tensorboard
 from nondet_jax.sources import IMPLEMENTED
 from nondet_jax.store.paths import RunPaths
 from nondet_jax.study import child, runner
-from nondet_jax.study.prepare import default_out
 
 # CLI flag -> dotted config key
 FLAGS = {
@@ -241,7 +240,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             summary = runner.run_distributed(config, args.out, procs, progress=progress, command=command)
             if summary is not None and after_arm is not None:  # process 0, once the arms are merged
                 for arm in summary["arms"]:
-                    after_arm(args.out or default_out(config), arm)
+                    after_arm(summary["out"], arm)
         else:
             runner.run(config, args.out, progress=progress, command=command, recompute=recompute, after_arm=after_arm)
         print(f"done in {time.perf_counter() - t0:.0f} s")

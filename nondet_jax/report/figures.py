@@ -28,6 +28,16 @@ def _stored(run: Path, arms: list[str], folder: str, key: str):
                     yield i, arm, {k: f[k] for k in f.files}
 
 
+def _has_batch_norm(run: Path) -> bool:
+    """``model.json``'s record of BatchNorm (True when a folder does not say: the catalogue's ResNets have it)."""
+    import json
+
+    try:
+        return bool(json.loads(RunPaths(run).model.read_text()).get("batch_norm", True))
+    except (OSError, ValueError, AttributeError):
+        return True
+
+
 def make_figures(run: Path, summary: dict, records: dict[str, dict]) -> list[str]:
     """Write the report's figures; returns their paths relative to the run folder."""
     import matplotlib
@@ -183,6 +193,7 @@ def make_figures(run: Path, summary: dict, records: dict[str, dict]) -> list[str
         top = max(barrier.values())
         small = [a for a in barrier if barrier[a] < 0.1 * top] if top > 0 else []
         panels = [("all arms", [a for _, a, _, _ in lmc])]
+        bn = "; BatchNorm recomputed" if _has_batch_norm(run) else ""
         if 0 < len(small) < len(lmc):
             panels.append((f"zoom: arms with a barrier under {0.1 * top:.2g} pp", small))
         fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4), squeeze=False)
@@ -191,7 +202,7 @@ def make_figures(run: Path, summary: dict, records: dict[str, dict]) -> list[str
                 if a in show:
                     ax.plot(alphas, curve, marker=MARKERS[i % len(MARKERS)], ms=4 + 1.5 * (i % 3), mfc="none",
                             label=a, color=f"C{i}", ls=LINESTYLES[i % len(LINESTYLES)])
-            ax.set_xlabel("α (weights θb + α(θa − θb); BatchNorm recomputed)")
+            ax.set_xlabel(f"α (weights θb + α(θa − θb){bn})")
             ax.set_ylabel("test error (%), mean over pairs")
             ax.set_title(title, fontsize=10)
             ax.legend(fontsize=8)

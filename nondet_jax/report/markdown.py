@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from nondet_jax.analysis.mitigations import mitigation_table
 from nondet_jax.analysis.stats import METHODS
 from nondet_jax.errors import UsageError
 from nondet_jax.report.figures import make_figures
+from nondet_jax.report.optimizer import format_optimizer
 from nondet_jax.report.summary import (
     _ci,
     _fmt,
@@ -95,6 +97,37 @@ def _mitigations_md(summary: dict) -> list[str]:
             mitigation_table(summary["mitigations"]), ""]
 
 
+def _model_json(paths) -> dict:
+    try:
+        model = json.loads(paths.model.read_text())
+        return model if isinstance(model, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _trained_md(model: dict) -> list[str]:
+    """What was trained, from ``model.json``: each part by name, what it computes and its fingerprint."""
+    ident = model.get("identity")
+    if not isinstance(ident, dict):
+        return []
+    d, m, o = ident.get("data", {}), ident.get("model", {}), ident.get("optimizer", {})
+    lines = ["## What was trained", "",
+             f"- data: {d.get('name')} (sha256 {str(d.get('sha256'))[:12]}; test split {str(d.get('test_sha256'))[:12]})",
+             f"- model: {m.get('name')}, {m.get('parameters')} parameters"
+             f"{', BatchNorm' if model.get('batch_norm') else ', no BatchNorm'}"
+             f"{', dropout' if model.get('dropout') else ', no dropout'} (fingerprint {str(m.get('sha256'))[:12]})",
+             f"- optimizer: {o.get('name')}: {format_optimizer(o.get('transforms') or [])} (fingerprint "
+             f"{str(o.get('sha256'))[:12]}; schedules at the steps shown)",
+             f"- loss: {ident.get('loss', {}).get('name')}; augmentation: {ident.get('augment', {}).get('name')}",
+             f"- platform: jaxlib {ident.get('platform', {}).get('jaxlib')} on {ident.get('platform', {}).get('backend')}"
+             f" ({ident.get('platform', {}).get('cpu_type')}); study identity {str(model.get('identity_sha256'))[:12]}"]
+    if model.get("dropout") and not model.get("dropout_follows_examples"):
+        lines.append("- batch_order: this model draws one dropout mask per batch position, so permuting the batch "
+                     "also re-pairs masks with examples: the batch_order arm measures reduction order *and* dropout "
+                     "masks here (the catalogue's models key masks by example, which keeps it pure)")
+    return lines + [""]
+
+
 def write_report(run: str | Path, command: str | None = None) -> dict:
     """Rebuild ``summary.json``, ``arms.csv``, figures and ``report.md`` from stored results."""
     run = Path(run)
@@ -109,6 +142,7 @@ def write_report(run: str | Path, command: str | None = None) -> dict:
     atomic_write_json(paths.summary, strict_json(summary))
     _write_csv(paths.arms_csv, [strict_json(row) for row in arm_rows(summary)])
     figures = make_figures(run, summary, records)
+    model = _model_json(paths)
     if command is None and paths.command.exists():
         command = paths.command.read_text().strip()
     md = [f"# Variability study: {summary['model']} on {summary['dataset']}", ""]
@@ -123,16 +157,23 @@ def write_report(run: str | Path, command: str | None = None) -> dict:
            "## What the numbers say", "", *(_findings(summary) or ["- (nothing to compare)"]), "",
            *_dynamics_md(summary),
            *_mitigations_md(summary),
+           *_trained_md(model),
            "## Figures", ""]
     md += [f"![{Path(f).stem}]({f})" for f in figures]
+    features = {"model": "the features the model returns (return_features)", "logits": "the logits (the model "
+                "exposes no features)"}.get(model.get("features"), f"the output of submodule "
+                                           f"{str(model.get('features', '')).partition(':')[2] or '?'}")
+    bn = ("BatchNorm statistics recomputed on training data at each point (the endpoints too, so their error can "
+          "differ from the table's, which uses the stored running averages)" if model.get("batch_norm", True)
+          else "the model has no BatchNorm, so nothing is recomputed")
     md += ["", "## Definitions", "",
            "- std: sample standard deviation over replicas (ddof=1); 95% CI: " + METHODS["std"] + "; mean: "
            + METHODS["mean"] + ". Both n/a below R=2.",
            "- Pairwise metrics (disagreement, Pearson/Spearman of flattened logits, 2-model ensemble gain, linear CKA "
-           "of penultimate features, weight distance ||θa−θb||/||θa||): mean over the R(R−1)/2 pairs; 95% CI: "
+           f"of {features} on the test set, weight distance ||θa−θb||/||θa||): mean over the R(R−1)/2 pairs; 95% CI: "
            + METHODS["pairwise"] + "; n/a below R=3.",
-           "- LMC barrier: max over α of test error at θb+α(θa−θb), BatchNorm statistics recomputed on training "
-           "data at each point, minus the mean endpoint error; on disjoint pairs (0,1), (2,3), ...",
+           f"- LMC barrier: max over α of test error at θb+α(θa−θb), {bn}, minus the mean endpoint error; on "
+           "disjoint pairs (0,1), (2,3), ...",
            "- Independent-errors baseline: sqrt(Σ p_i(1−p_i)·R/(R−1))/n, the accuracy std that test-set sampling "
            "alone explains (Jordan 2023), p_i example i's error rate over the R replicas (R/(R−1) makes the "
            "variance unbiased).",

@@ -175,7 +175,10 @@ class ArmCheckpoints:
             raise CorruptCheckpoint(f"checkpoint {folder} cannot be read ({type(e).__name__})") from None
         for k, v in meta_check.items():
             if restored.meta.get(k) != v:
-                raise CorruptCheckpoint(f"checkpoint {folder} belongs to a different run ({k} differs)")
+                what = {"config_sha256": "another config", "identity_sha256": "another study's data, model, optimiser, "
+                        "loss or augmentation", "keys_sha256": "other replica keys", "strategy": "another strategy"}
+                raise CorruptCheckpoint(f"checkpoint {folder} belongs to a different run ({k} differs: it was written "
+                                        f"with {what.get(k, 'other settings')})")
         history = _restore_empty(restored.history)
         return (epoch, restored.state, history["steps"], np.asarray(history["weight_distance"]),
                 history.get("snapshots"))

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from nondet_jax.config import Config, to_dict
+from nondet_jax.config import Config, comparable_data_name, to_dict
 from nondet_jax.errors import UsageError
 from nondet_jax.store.io import (
     atomic_write_bytes,
@@ -34,7 +34,18 @@ LOCK = ".lock"
 RESULT_NEUTRAL = {("study", "arms"), ("train", "checkpoint_every")}
 
 
+def _comparable(config: dict) -> dict:
+    """A config's results-relevant form: :data:`RESULT_NEUTRAL` keys left out, a ``.npz`` path
+    replaced by :data:`nondet_jax.config.NPZ_BY_CONTENT` (its bytes are part of the study's identity)."""
+    kept = {s: {k: v for k, v in sec.items() if (s, k) not in RESULT_NEUTRAL} for s, sec in config.items()
+            if isinstance(sec, dict)}
+    if isinstance(kept.get("data"), dict) and "name" in kept["data"]:
+        kept["data"]["name"] = comparable_data_name(kept["data"]["name"])
+    return kept
+
+
 def _config_diff(a: dict, b: dict) -> list[str]:
+    a, b = _comparable(a), _comparable(b)
     out = []
     for section in sorted(set(a) | set(b)):
         for key in sorted(set(a.get(section, {})) | set(b.get(section, {}))):
@@ -47,10 +58,8 @@ def _config_diff(a: dict, b: dict) -> list[str]:
 
 
 def config_digest(config: dict) -> str:
-    """sha256 of a config's results-relevant keys (``config.json`` minus :data:`RESULT_NEUTRAL`)."""
-    kept = {s: {k: v for k, v in sec.items() if (s, k) not in RESULT_NEUTRAL} for s, sec in config.items()
-            if isinstance(sec, dict)}
-    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
+    """sha256 of a config's results-relevant form (:func:`_comparable`)."""
+    return hashlib.sha256(json.dumps(_comparable(config), sort_keys=True).encode()).hexdigest()
 
 
 def record_digest(record: dict) -> str:
@@ -78,11 +87,15 @@ def read_arm_record(root: Path, arm: str) -> dict:
     return record
 
 
-def verify_arm_files(root: Path, arm: str, record: dict) -> dict:
-    """Check every file an arm's record lists against its sha256, and ``config.json`` against the
-    config the arm was trained with; UsageError naming the file and the fix when one is missing,
-    truncated or altered. Returns the record."""
+def verify_arm_files(root: Path, arm: str, record: dict, identity: str = "") -> dict:
+    """Check every file an arm's record lists against its sha256, ``config.json`` against the
+    config the arm was trained with and, given the study's ``identity``, that the arm was trained in
+    this study; UsageError naming the file and the fix when one is missing, truncated or altered.
+    Returns the record."""
     root = Path(root)
+    if identity and record.get("identity_sha256") != identity:
+        raise UsageError(f"arm '{arm}' in {root} was trained by another study (its parts' fingerprints differ from "
+                         f"this one's); rerun with --recompute {arm} to train it again here, or choose another --out")
     for rel, digest in record.get("files", {}).items():
         path = root / rel
         try:
@@ -111,8 +124,9 @@ class RunStore:
     """An open run folder. Use as a context manager: it holds the folder's lock while open."""
 
     def __init__(self, out: str | Path, config: Config, locked_by_parent: bool = False,
-                 recompute: tuple[str, ...] = ()):
+                 recompute: tuple[str, ...] = (), identity: str = ""):
         self.root = Path(out)
+        self.identity = identity  # the study's identity_sha256: stored with every arm, checked on reuse
         self.paths = RunPaths(out)
         self.arms: list[str] = list(config.study.arms)  # after open: every arm of the folder, earlier ones first
         self.recompute = recompute  # arms about to be deleted: not verified on open
@@ -217,7 +231,7 @@ class RunStore:
 
     def verify_arm(self, arm: str) -> dict:
         """The arm's record, its files checked (see :func:`verify_arm_files`)."""
-        return verify_arm_files(self.root, arm, self.load_arm(arm))
+        return verify_arm_files(self.root, arm, self.load_arm(arm), self.identity)
 
     def remove_arm(self, arm: str) -> None:
         """Delete an arm's results and checkpoints (its record first, so it never looks finished)."""
@@ -249,7 +263,8 @@ class RunStore:
         labels = self.root / "test_labels.npy"  # the report reads it: covered like the arm's own files
         if labels.is_file():
             digests["test_labels.npy"] = hashlib.sha256(labels.read_bytes()).hexdigest()
-        record = json.loads(json.dumps({**record, "files": digests, "config_sha256": config_digest(to_dict(self.config))}))
+        record = json.loads(json.dumps({**record, "files": digests, "config_sha256": config_digest(to_dict(self.config)),
+                                        "identity_sha256": self.identity}))
         record["record_sha256"] = record_digest(record)  # over the JSON form, as read back
         atomic_write_json(self.root / f"arms/{arm}.json", record)
 

@@ -31,6 +31,7 @@ from nondet_jax.store.checkpoint import (
 )
 from nondet_jax.store.io import flatten_tree, npy_bytes, npz_bytes
 from nondet_jax.store.paths import RunPaths
+from nondet_jax.store.run import config_digest
 from nondet_jax.train import augmentation_settings, make_schedule, make_train
 
 
@@ -88,10 +89,12 @@ def fit_arm(config: Config, data, fns, store, arm: Arm, progress, log=print, blo
     if len(block) != study.replicas:
         folder = folder / f"replicas{block.start}-{block.stop - 1}"
     ckpt = ArmCheckpoints(folder, config.train.checkpoint_every)
-    meta = {"arm": arm.name, "keys_sha256": key_fingerprint(keys), "strategy": strategy_name}
+    # The study that wrote a checkpoint (its config and parts by content): another one is never resumed.
+    meta = {"arm": arm.name, "keys_sha256": key_fingerprint(keys), "strategy": strategy_name,
+            "config_sha256": config_digest(cfg.to_dict(config)), "identity_sha256": store.identity}
     try:
         restored = ckpt.restore_latest(jax.eval_shape(strategy.init, keys, perturb, data.x_train[:1]),
-                                       {"keys_sha256": meta["keys_sha256"], "strategy": strategy_name})
+                                       {k: v for k, v in meta.items() if k != "arm"})
     except CorruptCheckpoint as e:
         ckpt.close()
         raise UsageError(f"{e}; rerun with --recompute {arm.name} to train arm '{arm.name}' again from scratch") from None

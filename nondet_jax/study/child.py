@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from nondet_jax import config as cfg
 from nondet_jax.errors import UsageError
 from nondet_jax.machine.determinism import with_flags
 from nondet_jax.sources import Arm, parse_arm
 from nondet_jax.store.paths import RunPaths
 from nondet_jax.store.run import RunStore
 from nondet_jax.study.arm import train_arm
-from nondet_jax.study.prepare import prepare
+from nondet_jax.study.prepare import prepare_child
 from nondet_jax.study.progress import Progress
 from nondet_jax.study.provenance import environment
 
@@ -38,9 +36,8 @@ def child_main(out: str, arm_name: str, progress: bool) -> int:
     if os.environ.get(CHILD_ENV) != "1":
         raise UsageError("--child-arm is internal: the sweep starts such processes itself")
     arm = parse_arm(arm_name)
-    config = cfg.from_dict(json.loads(RunPaths(out).config.read_text()))
-    data, fns = prepare(config)
-    with RunStore(out, config, locked_by_parent=True) as store:
+    config, data, fns, identity = prepare_child(out)
+    with RunStore(out, config, locked_by_parent=True, identity=identity) as store:
         env = environment()
         env["arm"] = arm.name
         store.write_json(RunPaths.rel("environments", arm.name), env)

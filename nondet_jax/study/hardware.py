@@ -25,7 +25,6 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from nondet_jax import config as cfg
 from nondet_jax.errors import UsageError
 from nondet_jax.machine.determinism import with_flags
 from nondet_jax.machine.signals import die_with_parent
@@ -35,7 +34,7 @@ from nondet_jax.store.io import atomic_write_bytes, atomic_write_json
 from nondet_jax.store.run import RunStore
 from nondet_jax.study.arm import arm_setup, finish_arm, fit_arm
 from nondet_jax.study.multihost import merge_parts, part_bytes
-from nondet_jax.study.prepare import prepare
+from nondet_jax.study.prepare import prepare_child
 from nondet_jax.study.provenance import environment
 
 REPLICA_CHILD_ENV = "NONDET_JAX_REPLICA_CHILD"  # set in the processes started for one replica
@@ -96,9 +95,8 @@ def child_main(out: str, arm: str, replica: int) -> int:
         raise UsageError("python -m nondet_jax.study.hardware is internal: the sweep starts these processes itself")
     die_with_parent()
     jax.config.update("jax_enable_compilation_cache", False)
-    config = cfg.from_dict(json.loads((Path(out) / "config.json").read_text()))
-    data, fns = prepare(config)
-    with RunStore(out, config, locked_by_parent=True) as store:
+    config, data, fns, identity = prepare_child(out)
+    with RunStore(out, config, locked_by_parent=True, identity=identity) as store:
         result, _ = fit_arm(config, data, fns, store, parse_arm(arm), lambda n: None, lambda *a, **k: None,
                             block=range(replica, replica + 1))
         folder = _parts(store.root, arm)

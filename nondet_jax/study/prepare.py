@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from nondet_jax import config as cfg
 from nondet_jax.config import Config
@@ -21,15 +22,19 @@ from nondet_jax.models.parts import (
     shape_fingerprint,
 )
 from nondet_jax.sources import Arm, arm_keys, parse_arm, perturbations, replica_slice
+from nondet_jax.study.identity import check_identity, identity_sha256, model_facts, part_identities
 from nondet_jax.study.memory import check_fits
 from nondet_jax.train import augmentation_settings
 
 
-def default_out(config: Config) -> Path:
-    """``runs/<dataset>-<model>-<hash of the config without its arms>``: same settings, same folder."""
+def default_out(config: Config, identity: str = "") -> Path:
+    """``runs/<dataset>-<model>-<hash>``, the hash over the config without its arms and the study's
+    ``identity`` (:func:`nondet_jax.study.identity.identity_sha256`): the same study, the same folder;
+    another learning rate, model body or data file, another folder."""
     d = cfg.to_dict(config)
     d["study"].pop("arms")
-    digest = hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:8]
+    d["data"]["name"] = cfg.comparable_data_name(d["data"]["name"])
+    digest = hashlib.sha256((json.dumps(d, sort_keys=True) + identity).encode()).hexdigest()[:8]
     name = lambda s: re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(s).stem if s.endswith(".npz") else s)  # noqa: E731
     return Path("runs") / f"{name(config.data.name)}-{name(config.model.name)}-{digest}"
 
@@ -104,31 +109,58 @@ def prepare(config: Config, parts: Parts = Parts(), data=None):
     return data, fns
 
 
-def model_record(config: Config, fns) -> dict:
-    """What ``model.json`` records: the parts that were used (what was imported) and the
-    fingerprint of the model's parameter shapes."""
+def model_record(config: Config, data, fns) -> dict:
+    """What ``model.json`` records: the parts that were used (what was imported), the fingerprint
+    of the model's parameter shapes, and every part's identity by content
+    (:func:`nondet_jax.study.identity.part_identities`) with their combined ``identity_sha256``."""
     p = fns.parts
     keys = replica_slice(arm_keys(0, frozenset(), 1), 0)
-    x = jax.ShapeDtypeStruct((1, *fns.spec.image_shape), jax.numpy.float32)
+    x = jax.ShapeDtypeStruct((1, *fns.spec.image_shape), np.asarray(data.x_train[:1]).dtype)
     params = jax.eval_shape(fns.init, keys, perturbations(frozenset()), x).params
-    return {"model": config.model.name if p.model is None or ":" in config.model.name else label_of(p.model),
-            "optimizer": config.optim.name if p.optimizer is None else label_of(type(p.optimizer)) + " (user's)",
-            "loss": "softmax_cross_entropy_with_integer_labels" if p.loss is None else label_of(p.loss),
+    parts = part_identities(config, data, fns)
+    return {"model": parts["model"]["name"], "optimizer": parts["optimizer"]["name"], "loss": parts["loss"]["name"],
             "augment": "config" if p.augment is None else label_of(p.augment),
-            "features": fns.model.features, **shape_fingerprint(params)}
+            **model_facts(fns, np.asarray(data.x_train[:1]).dtype), **shape_fingerprint(params),
+            "identity": parts, "identity_sha256": identity_sha256(parts)}
+
+
+def stored_model(paths) -> dict | None:
+    """The folder's ``model.json`` (None when there is none yet); UsageError when it is unreadable."""
+    if not paths.model.exists():
+        return None
+    try:
+        old = json.loads(paths.model.read_text())
+        if not isinstance(old, dict):
+            raise ValueError("not a record")
+    except (OSError, ValueError):
+        raise UsageError(f"{paths.model} is unreadable or corrupt; choose another --out") from None
+    return old
 
 
 def check_model(paths, record: dict) -> None:
-    """Refuse to continue a study whose stored ``model.json`` names another model or parameter shapes."""
-    if not paths.model.exists():
+    """Refuse to continue a study whose stored ``model.json`` names another model or parameter
+    shapes, or whose parts differ by content (each changed part named)."""
+    old = stored_model(paths)
+    if old is None:
         return
-    try:
-        old = json.loads(paths.model.read_text())
-    except (OSError, json.JSONDecodeError):
-        raise UsageError(f"{paths.model} is unreadable or corrupt; choose another --out") from None
     if old.get("fingerprint") != record["fingerprint"] or old.get("model") != record["model"]:
         diff = fingerprint_diff(old, record)
         if old.get("model") != record["model"]:
             diff.insert(0, f"model {old.get('model')} -> {record['model']}")
         raise UsageError(f"--out {paths.root} holds results of another model ({'; '.join(diff)}); choose another "
                          "--out or use the model the study started with")
+    check_identity(paths.root, old, record["identity"])
+
+
+def prepare_child(out) -> tuple[Config, object, object, str]:
+    """A child process's study (an arm or replica the parent hands off): the folder's config, its data
+    and functions, checked to be the study the parent holds (``model.json``); returns (config, data,
+    fns, identity_sha256)."""
+    from nondet_jax.store.paths import RunPaths
+
+    paths = RunPaths(out)
+    config = cfg.from_dict(json.loads(paths.config.read_text()))
+    data, fns = prepare(config)
+    record = model_record(config, data, fns)
+    check_model(paths, record)
+    return config, data, fns, record["identity_sha256"]

@@ -82,7 +82,9 @@ def run(config: Config, out: str | Path | None = None, progress: bool | None = N
     Arms named in ``recompute`` are deleted (results and checkpoints) and trained again.
     ``parts`` and ``data`` are the user's own (see :func:`prepare`). ``after_arm(out, arm_name)``, when
     given, runs once each arm is stored (or found finished), e.g. to export it to TensorBoard.
-    Raises UsageError on bad input before anything is written.
+    ``out`` None is :func:`default_out` of the config and the study's identity by content. The
+    summary returned carries ``out``, the run folder. Raises UsageError on bad input before anything
+    is written.
     """
     in_memory = parts != Parts() or data is not None
     data, fns = prepare(config, parts, data)
@@ -99,14 +101,14 @@ def run(config: Config, out: str | Path | None = None, progress: bool | None = N
                          "PACKAGE.MODULE:ATTR --dataset PATH.npz) on the same --out, or drop it")
     if hardware_arms:
         check_flags(DETERMINISM_OFF)
-    out = Path(out) if out is not None else default_out(config)
-    model = model_record(config, fns)
+    model = model_record(config, data, fns)
+    out = Path(out) if out is not None else default_out(config, model["identity_sha256"])
     check_model(RunPaths(out), model)
     if progress is None:
         progress = sys.stderr.isatty()
     backend = jax.default_backend()
 
-    with RunStore(out, config, recompute=recompute) as store:
+    with RunStore(out, config, recompute=recompute, identity=model["identity_sha256"]) as store:
         strategy, _ = write_run_files(store, config, data, fns, command, model)
         log(f"nondet_jax: {len(arms)} arms x {study.replicas} replicas of {config.model.name} on {data.name} "
             f"({len(data.x_train)} train / {len(data.x_test)} test), {config.train.epochs} epochs, strategy "
@@ -145,7 +147,7 @@ def run(config: Config, out: str | Path | None = None, progress: bool | None = N
     if control and not control["replicas_bitwise_identical"] and backend == "cpu":
         log("WARNING: the control arm's replicas are not bitwise identical on CPU: the backend or the "
             "strategy is not deterministic here (see environment.json)")
-    return summary
+    return {**summary, "out": str(out)}
 
 
 def run_distributed(config: Config, out: str | Path | None, procs, progress: bool | None = None, log=print,
@@ -166,11 +168,11 @@ def run_distributed(config: Config, out: str | Path | None, procs, progress: boo
     if study.replicas < procs.count:
         raise UsageError(f"{study.replicas} replicas cannot be split over {procs.count} processes; use --replicas "
                          f"{procs.count} or more")
-    out = Path(out) if out is not None else default_out(config)
-    model = model_record(config, fns)
+    model = model_record(config, data, fns)
+    out = Path(out) if out is not None else default_out(config, model["identity_sha256"])
     check_model(RunPaths(out), model)
     log = log if procs.leader else (lambda *a, **k: None)
-    store = RunStore(out, config, locked_by_parent=not procs.leader)
+    store = RunStore(out, config, locked_by_parent=not procs.leader, identity=model["identity_sha256"])
     error, strategy = None, None
     try:
         store.open()
@@ -208,6 +210,6 @@ def run_distributed(config: Config, out: str | Path | None, procs, progress: boo
             return None
         if store.paths.parts().is_dir() and not any(store.paths.parts().iterdir()):
             store.paths.parts().rmdir()
-        return finish_study(store, log)
+        return {**finish_study(store, log), "out": str(out)}
     finally:
         store.close()
