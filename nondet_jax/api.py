@@ -24,7 +24,7 @@ from nondet_jax.errors import UsageError
 from nondet_jax.models.parts import Parts, label_of
 from nondet_jax.replicas.choice import resolve_strategy
 from nondet_jax.report.summary import arm_rows, replica_rows
-from nondet_jax.sources import arm_keys, parse_arm, replica_slice
+from nondet_jax.sources import StepKeys, arm_keys, parse_arm, replica_slice, switches
 from nondet_jax.store.paths import RunPaths
 from nondet_jax.study import runner
 
@@ -211,19 +211,24 @@ def replicate(init: Callable, step: Callable, batches=None, *, steps: int | None
     """Run your own single-replica functions for R replicas per arm.
 
     You write one replica's ``init(keys) -> state`` and ``step(state, batch, keys) -> state``;
-    ``keys`` is a :class:`nondet_jax.sources.ReplicaKeys` (``keys.init``, ``keys.data_order``,
-    ``keys.augmentation``, ``keys.dropout``, ``keys.bitflip``, ``keys.batch_order``), each the
+    ``keys`` is a :class:`nondet_jax.sources.StepKeys`: ``keys.init``, ``keys.data_order``,
+    ``keys.augmentation``, ``keys.dropout``, ``keys.bitflip``, ``keys.batch_order``, each the
     replica's own key where the arm varies that source and one key shared by every replica
-    otherwise. ``step`` gets them folded with the step index (the per-step rule of
-    :mod:`nondet_jax.sources`), so ``jax.random.permutation(keys.data_order, n)`` is a fresh
-    draw per step. Both functions must be jittable.
+    otherwise, and ``keys.varies("bitflip")``, a boolean array saying whether the arm varies a
+    source. ``step`` gets the keys folded with the step index (the per-step rule of
+    :mod:`nondet_jax.sources`), so ``jax.random.permutation(keys.data_order, n)`` is a fresh draw per
+    step. ``nondet_jax.sources.bitflip(params, keys)`` nudges one weight by one ulp in arms that
+    vary ``bitflip`` only. Both functions must be jittable.
+
+    An arm none of whose sources your functions read (``dropout`` when neither reads
+    ``keys.dropout``) would return R copies of control: it is refused, naming the source.
 
     Args:
       init, step: the single-replica functions.
       batches: a pytree whose leaves have a leading step axis T, the same for every replica
         (``step`` gets one slice); None passes ``batch=None`` and needs ``steps``.
       steps: number of steps (default: T).
-      arms, replicas, seed: as in :func:`run_study`.
+      arms, replicas, seed: as in :func:`run_study` (seed in 0 .. 2**32-1, arms named once each).
       strategy: ``vmap`` (one program over the replica axis), ``sequential`` (one replica's program,
         compiled once, in a loop: replica r's result does not depend on R), or ``auto``.
 
@@ -231,13 +236,22 @@ def replicate(init: Callable, step: Callable, batches=None, *, steps: int | None
       ``{arm: state}``, every leaf with a leading replica axis R.
     """
     arm_list = [a.strip() for a in arms.split(",") if a.strip()] if isinstance(arms, str) else list(arms)
+    if not arm_list:
+        raise UsageError("replicate needs at least one arm, e.g. arms=('control', 'init')")
+    duplicates = sorted({a for a in arm_list if arm_list.count(a) > 1})
+    if duplicates:
+        raise UsageError(f"arm '{duplicates[0]}' is named twice in arms; name each arm once")
     parsed = [parse_arm(a) for a in arm_list]
     for a in parsed:
         if "hardware" in a.varied or a.cycles:
             raise UsageError(f"arm '{a.name}' needs the study runner (a child process or a schedule); replicate takes "
                              "arms of seeded sources: control, all, init, data_order, ... or their + combinations")
-    if replicas < 1:
-        raise UsageError(f"replicas must be >= 1, got {replicas}")
+    lo, hi = cfg.SEED_RANGE
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not lo <= seed <= hi:
+        raise UsageError(f"seed must be an integer in {lo} .. {hi} (jax.random.key keeps only 32 bits), got {seed!r}; "
+                         "pass a seed in that range")
+    if isinstance(replicas, bool) or not isinstance(replicas, (int, np.integer)) or replicas < 1:
+        raise UsageError(f"replicas must be an integer >= 1, got {replicas!r}")
     if batches is None and steps is None:
         raise UsageError("replicate needs batches (leading axis = steps) or steps=")
     if steps is None:
@@ -245,28 +259,32 @@ def replicate(init: Callable, step: Callable, batches=None, *, steps: int | None
     chosen, _ = resolve_strategy(strategy, replicas)
     if chosen not in ("vmap", "sequential"):
         raise UsageError(f"replicate runs strategy vmap or sequential, not '{chosen}'")
+    reads: set[str] = set()  # the sources init and step read, recorded while they are traced
 
-    def one(keys):
-        state = init(keys)
+    def one(keys, on):
+        state = init(StepKeys(keys, on, None, reads))
 
         def body(state, xs):
             t, batch = xs
-            return step(state, batch, jax.tree.map(lambda k: jax.random.fold_in(k, t), keys)), None
+            return step(state, batch, StepKeys(keys, on, t, reads)), None
 
         xs = (jnp.arange(steps), batches if batches is not None else jnp.zeros(steps))
         if batches is None:
             return jax.lax.scan(lambda s, x: body(s, (x[0], None)), state, xs)[0]
         return jax.lax.scan(body, state, xs)[0]
 
-    out = {}
+    jax.eval_shape(jax.vmap(one), arm_keys(seed, frozenset(), replicas), switches(frozenset(), replicas))
+    for a in parsed:
+        unread = sorted(a.varied - reads)
+        if a.varied and len(unread) == len(a.varied):
+            raise UsageError(f"arm '{a.name}' varies {', '.join(unread)}, which neither init nor step reads (keys."
+                             f"{unread[0]}), so its replicas would equal control's; use that key or drop the arm")
     if chosen == "vmap":
         run = jax.jit(jax.vmap(one))
     else:
         single = jax.jit(one)
 
-        def run(keys):
-            states = [single(replica_slice(keys, r)) for r in range(replicas)]
+        def run(keys, on):
+            states = [single(replica_slice(keys, r), replica_slice(on, r)) for r in range(replicas)]
             return jax.tree.map(lambda *xs: jnp.stack(xs), *states)
-    for a in parsed:
-        out[a.name] = run(arm_keys(seed, a.varied, replicas))
-    return out
+    return {a.name: run(arm_keys(seed, a.varied, replicas), switches(a.varied, replicas)) for a in parsed}

@@ -32,7 +32,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import traverse_util
 
 from nondet_jax.errors import UsageError
 
@@ -165,31 +164,101 @@ def one_replica(arm: str = "init", replica: int = 0, seed: int = 0) -> tuple[Rep
     return replica_slice(arm_keys(seed, varied, replica + 1), replica), perturbations(varied)
 
 
-def bitflip(params, key: jax.Array):
-    """Move one weight of ``params`` by exactly one ulp.
+class StepKeys:
+    """The keys :func:`nondet_jax.replicate` hands one replica's ``init`` and ``step``.
 
-    The weight is drawn uniformly over the scalars of all ``kernel`` tensors (biases and
-    BatchNorm parameters start at 0 or 1, where a one-ulp step is a subnormal that XLA:CPU flushes
-    to zero); the direction (toward +inf or -inf) is a fair coin. Both come from ``key``.
-    Returns the new params (same structure and dtypes).
+    ``keys.init``, ``keys.data_order``, ``keys.augmentation``, ``keys.dropout``, ``keys.bitflip``,
+    ``keys.batch_order``: the replica's own key where the arm varies that source, one key shared by
+    every replica otherwise; in ``step`` folded with the step index (a fresh draw per step).
+    ``keys.varies(source)``: a boolean array, True where the arm varies ``source`` (traced, so one
+    compiled program serves every arm: use it with ``jnp.where`` / ``lax.cond``, not ``if``).
+    :func:`bitflip` takes these keys directly and is the identity in an arm that does not vary it.
+    Which sources the functions read is recorded while they are traced (``reads``), so that an arm
+    whose sources are never read is refused instead of returning copies of control.
     """
-    flat = traverse_util.flatten_dict(params)
-    names = sorted(k for k in flat if k[-1] == "kernel")
-    if not names:
-        raise ValueError("bitflip needs at least one 'kernel' parameter")
-    sizes = [flat[n].size for n in names]
+
+    __slots__ = ("_keys", "_on", "_step", "_reads")
+
+    def __init__(self, keys: ReplicaKeys, on: ReplicaKeys, step=None, reads: set | None = None):
+        self._keys, self._on, self._step = keys, on, step
+        self._reads = reads if reads is not None else set()
+
+    def __getattr__(self, name: str):
+        if name in IMPLEMENTED:
+            self._reads.add(name)
+            key = getattr(self._keys, name)
+            return key if self._step is None else jax.random.fold_in(key, self._step)
+        raise AttributeError(f"keys have no source '{name}'; sources: {', '.join(IMPLEMENTED)}")
+
+    def varies(self, source: str) -> jax.Array:
+        """True (a boolean array) where this arm varies ``source``."""
+        if source not in IMPLEMENTED:
+            raise UsageError(f"keys.varies('{source}'): unknown source; choose one of {', '.join(IMPLEMENTED)}")
+        return getattr(self._on, source)
+
+    def tree_flatten(self):
+        return tuple(getattr(self, n) for n in IMPLEMENTED) + tuple(self._on), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        n = len(IMPLEMENTED)
+        return cls(ReplicaKeys(*children[:n]), ReplicaKeys(*children[n:]))
+
+
+jax.tree_util.register_pytree_node_class(StepKeys)
+
+
+def switches(varied: frozenset[str], replicas: int) -> ReplicaKeys:
+    """Per source, (replicas,) booleans: whether the arm varies it (what :meth:`StepKeys.varies` returns)."""
+    return ReplicaKeys(*(jnp.full((replicas,), s in varied) for s in IMPLEMENTED))
+
+
+def _leaf_name(path) -> str:
+    last = path[-1] if path else None
+    return str(getattr(last, "key", getattr(last, "name", getattr(last, "idx", ""))))
+
+
+def bitflip(params, key):
+    """Move one weight of ``params`` (any pytree of arrays) by exactly one ulp.
+
+    The weight is drawn uniformly over the scalars of all ``kernel`` leaves (biases and BatchNorm
+    parameters start at 0 or 1, where a one-ulp step is a subnormal that XLA:CPU flushes to zero);
+    a tree without ``kernel`` leaves draws among the nonzero scalars of all its floating-point
+    leaves. The direction (toward +inf or -inf) is a fair coin. Both come from ``key``; given the
+    :class:`StepKeys` of :func:`nondet_jax.replicate`, the flip happens only in arms that vary
+    ``bitflip`` (elsewhere the params come back unchanged). Returns the new params (same structure
+    and dtypes).
+    """
+    if isinstance(key, StepKeys):
+        flipped = bitflip(params, key.bitflip)
+        on = key.varies("bitflip")
+        return jax.tree.map(lambda a, b: jnp.where(on, a, b), flipped, params)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    floats = [i for i, (_, leaf) in enumerate(leaves) if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
+              and jnp.size(leaf)]
+    kernels = [i for i in floats if _leaf_name(leaves[i][0]) == "kernel"]
+    chosen = kernels or floats
+    if not chosen:
+        raise ValueError("bitflip needs at least one floating-point parameter")
+    arrays = [jnp.asarray(leaves[i][1]) for i in chosen]
+    sizes = [a.size for a in arrays]
     k_idx, k_dir = jax.random.split(key)
-    flat_index = jax.random.randint(k_idx, (), 0, sum(sizes))
+    if kernels:
+        flat_index = jax.random.randint(k_idx, (), 0, sum(sizes))
+    else:  # the j-th nonzero scalar, j uniform
+        nonzero = jnp.cumsum(jnp.concatenate([(a.reshape(-1) != 0).astype(jnp.int32) for a in arrays]))
+        j = jax.random.randint(k_idx, (), 0, jnp.maximum(nonzero[-1], 1))
+        flat_index = jnp.searchsorted(nonzero, j + 1)
     up = jax.random.bernoulli(k_dir)
     start = 0
-    for name, size in zip(names, sizes):
-        w = flat[name]
+    out = [leaf for _, leaf in leaves]
+    for i, w in zip(chosen, arrays):
         local = flat_index - start
-        start += size
+        start += w.size
         hit = (local >= 0) & (local < w.size)
         v = w.reshape(-1)
         j = jnp.clip(local, 0, w.size - 1)
         target = jnp.where(up, jnp.inf, -jnp.inf).astype(w.dtype)
         moved = jnp.nextafter(v[j], target)
-        flat[name] = v.at[j].set(jnp.where(hit, moved, v[j])).reshape(w.shape)
-    return traverse_util.unflatten_dict(flat)
+        out[i] = v.at[j].set(jnp.where(hit, moved, v[j])).reshape(w.shape)
+    return jax.tree_util.tree_unflatten(treedef, out)

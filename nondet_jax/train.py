@@ -59,6 +59,7 @@ class DataSpec(NamedTuple):
     image_shape: tuple[int, int, int]
     num_classes: int
     name: str = "digits"
+    x_dtype: Any = np.dtype(np.float32)  # the inputs' dtype: float32, or integers (token ids) kept as given
 
 
 class Health(NamedTuple):

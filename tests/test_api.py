@@ -198,3 +198,92 @@ def test_nnx_module_through_split_and_merge(tmp_path):
     assert np.array_equal(control[0], control[1])
     assert not np.array_equal(r.logits["init"][0], r.logits["init"][1])
     assert not np.array_equal(r.logits["dropout"][0], r.logits["dropout"][1])  # the dropout source reaches NNX
+
+
+def test_replicate_bitflip_on_any_tree_only_where_the_arm_varies_it():
+    import jax
+    import jax.numpy as jnp
+
+    from nondet_jax.sources import bitflip
+
+    def init(keys):  # no 'kernel' leaf: a hand-written parameter tree
+        params = {"w": jax.random.normal(jax.random.key(7), (3, 4)), "b": jnp.zeros(4)}
+        return bitflip(params, keys)
+
+    def step(state, batch, keys):
+        return state
+
+    out = nj.replicate(init, step, steps=1, arms="control,bitflip", replicas=3)
+    base = jax.random.normal(jax.random.key(7), (3, 4))
+    assert all(np.array_equal(w, base) for w in out["control"]["w"])  # control is never flipped
+    ulps = [np.abs(w.view(np.int32) - np.asarray(base).view(np.int32)) for w in np.asarray(out["bitflip"]["w"])]
+    assert [int(u.sum()) for u in ulps] == [1, 1, 1] and not np.array_equal(ulps[0], ulps[1])
+    assert not np.any(out["bitflip"]["b"])  # zeros are never the flipped weight
+
+
+def test_replicate_refuses_arms_whose_sources_are_never_read_and_bad_seeds():
+    import jax
+
+    def init(keys):
+        return jax.random.normal(keys.init, (2,))
+
+    def step(state, batch, keys):
+        return state + 0.0 * jax.numpy.where(keys.varies("dropout"), 1.0, 0.0)  # asks, never draws
+
+    with pytest.raises(UsageError, match=r"arm 'dropout' varies dropout, which neither init nor step reads"):
+        nj.replicate(init, step, steps=2, arms="control,dropout")
+    out = nj.replicate(init, step, steps=2, arms="control,all", replicas=2)  # all: init is read
+    assert not np.array_equal(out["all"][0], out["all"][1])
+    for kwargs, message in [({"seed": 2**32}, "seed must be an integer in 0 .. 4294967295"),
+                            ({"seed": -1}, "seed must be an integer"),
+                            ({"arms": "init,init"}, "arm 'init' is named twice")]:
+        with pytest.raises(UsageError, match=message):
+            nj.replicate(init, step, steps=2, **kwargs)
+
+
+class NoDropout(nn.Module):
+    num_classes: int = 3
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        return nn.Dense(self.num_classes)(x)
+
+
+def test_run_study_refuses_sources_the_users_parts_do_not_have(tmp_path):
+    kwargs = dict(data=own_arrays(), optimizer=optax.sgd(0.05), epochs=1, batch_size=32, replicas=2,
+                  out=tmp_path / "run", **QUIET)
+    with pytest.raises(UsageError, match=r"arm 'dropout' varies only dropout, which is absent from your model"):
+        nj.run_study(model=NoDropout, arms="control,dropout", **kwargs)
+    with pytest.raises(UsageError, match=r"never drawn by your augment function"):
+        nj.run_study(model=NoDropout, arms="control,augmentation", augment=lambda key, x: x * 1.0, **kwargs)
+    assert not (tmp_path / "run").exists()
+    result = nj.run_study(model=OwnNet, arms="control,dropout", settings={"metrics.lmc_pairs": 0}, **kwargs)
+    assert not np.array_equal(result.logits["dropout"][0], result.logits["dropout"][1])  # OwnNet has dropout
+    report = result.report.read_text()
+    assert "batch_order: this model draws one dropout mask per batch position" in report
+    assert "linear CKA of the logits (the model exposes no features)" in report
+
+
+class Tokens(nn.Module):
+    num_classes: int = 2
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        return nn.Dense(self.num_classes)(nn.Embed(50, 8)(x).mean(1))
+
+
+def test_integer_inputs_keep_their_dtype_for_embeddings(tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 50, size=(96, 7))
+    y = (x[:, 0] > 25).astype(int)
+    result = nj.run_study(model=Tokens, data=(x[:64], y[:64], x[64:], y[64:]), optimizer=optax.adam(1e-2),
+                          epochs=2, batch_size=16, arms="control,init", replicas=2, out=tmp_path / "run",
+                          settings={"metrics.lmc_pairs": 0}, **QUIET)
+    assert result.logits["init"].shape == (2, 32, 2)
+    assert json_of(tmp_path / "run" / "model.json")["identity"]["data"]["shapes"]["x_train"] == [[64, 7], "int32"]
+
+
+def json_of(path):
+    import json
+
+    return json.loads(path.read_text())

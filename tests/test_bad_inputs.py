@@ -127,6 +127,9 @@ CASES: list[tuple[str, str]] = [
     ("API", "data.load_dataset('nosuch')"),
     ("API", "train.make_train(from_flat({'train.batch_size': 5000}), digits_spec)"),
     ("API", "metrics.accuracy(np.zeros((2, 5, 10)), np.zeros(4, int))"),
+    ("API", "replicate(lambda keys: 0.0, lambda s, b, keys: s, steps=2, arms='control,dropout')"),
+    ("API", "replicate(lambda keys: 0.0, lambda s, b, keys: s, steps=2, seed=2**32)"),
+    ("API", "replicate(lambda keys: 0.0, lambda s, b, keys: s, steps=2, arms='init,init')"),
     ("API", "memory.check_fits(from_flat({'study.replicas': 10**7, 'model.name': 'mlp'}), digits_spec, 360, "
             "available=16 * 2**30, where='host memory')"),
 ]
@@ -191,6 +194,7 @@ def run_case(where: str, text: str, ctx: Context, capsys) -> tuple[str, int, boo
 
     from nondet_jax import config, data, sources, train
     from nondet_jax.analysis import metrics
+    from nondet_jax.api import replicate
     from nondet_jax.cli import sweep
     from nondet_jax.config import from_flat
     from nondet_jax.errors import UsageError
@@ -201,7 +205,8 @@ def run_case(where: str, text: str, ctx: Context, capsys) -> tuple[str, int, boo
         spec = train.DataSpec(1437, (8, 8, 1), 10, "digits")
         try:
             eval(text, {"config": config, "sources": sources, "data": data, "train": train,  # noqa: S307
-                        "from_flat": from_flat, "digits_spec": spec, "np": np, "metrics": metrics, "memory": memory})
+                        "from_flat": from_flat, "digits_spec": spec, "np": np, "metrics": metrics, "memory": memory,
+                        "replicate": replicate})
         except UsageError as e:
             return _normalize(str(e), tmp), 2, True
         raise AssertionError(f"{text} raised nothing")

@@ -45,7 +45,8 @@ ARRAY_NAMES = ("x_train", "y_train", "x_test", "y_test")
 def from_arrays(name: str, x_train, y_train, x_test, y_test, num_classes: int | None = None) -> Dataset:
     """A :class:`Dataset` of the user's own arrays, checked: images (N, H, W, C) or any (N, features)
     array, integer labels in [0, classes); UsageError naming the problem otherwise. Arrays are used
-    as given (cast to float32 / int32), not standardised."""
+    as given (inputs cast to float32, or to int32 when both splits hold integers such as token ids;
+    labels to int32), not standardised."""
     arrays = {k: np.asarray(v) for k, v in zip(ARRAY_NAMES, (x_train, y_train, x_test, y_test))}
     for split in ("train", "test"):
         x, y = arrays[f"x_{split}"], arrays[f"y_{split}"]
@@ -69,8 +70,10 @@ def from_arrays(name: str, x_train, y_train, x_test, y_test, num_classes: int | 
     if labels.min() < 0 or labels.max() >= classes or classes < 2:
         raise UsageError(f"{name}: labels range over {labels.min()} .. {labels.max()}, but must be class indices "
                          f"0 .. {classes - 1} with at least 2 classes; relabel them 0 .. classes-1")
-    return Dataset(name, arrays["x_train"].astype(np.float32), arrays["y_train"].astype(np.int32),
-                   arrays["x_test"].astype(np.float32), arrays["y_test"].astype(np.int32), classes)
+    x_dtype = np.int32 if np.issubdtype(arrays["x_train"].dtype, np.integer) and \
+        np.issubdtype(arrays["x_test"].dtype, np.integer) else np.float32  # token ids stay integers (nn.Embed)
+    return Dataset(name, arrays["x_train"].astype(x_dtype), arrays["y_train"].astype(np.int32),
+                   arrays["x_test"].astype(x_dtype), arrays["y_test"].astype(np.int32), classes)
 
 
 def load_npz(path: str) -> Dataset:

@@ -66,12 +66,32 @@ def verify_step(root: Path, epoch: int) -> None:
         raise CorruptCheckpoint(f"checkpoint {folder} is corrupt ({bad[0]} does not match its sha256 manifest)")
 
 
-def verify_latest(root: Path) -> None:
-    """Check the newest step of an arm's checkpoint folder that has a manifest (no orbax needed)."""
+def verify_latest(root: Path, expect: dict | None = None) -> None:
+    """Check the newest step of an arm's checkpoint folder that has a manifest (no orbax needed) and,
+    given ``expect``, that its JSON meta holds those values (e.g. the study's identity): a checkpoint
+    of another study is refused before anything in the folder is written."""
     steps = sorted(int(p.stem) for p in (Path(root) / "sha256").glob("*.json") if p.stem.isdigit()
                    and (Path(root) / "orbax" / p.stem).is_dir())
-    if steps:
-        verify_step(root, steps[-1])
+    if not steps:
+        return
+    verify_step(root, steps[-1])
+    folder = Path(root) / "orbax" / str(steps[-1])
+    try:  # orbax's JsonSave file; restore_latest checks the same meta again through orbax
+        meta = json.loads((folder / "meta" / "metadata").read_text())
+    except (OSError, ValueError):
+        return
+    _check_meta(folder, meta if isinstance(meta, dict) else {}, expect or {})
+
+
+_META_WHAT = {"config_sha256": "another config", "identity_sha256": "another study's data, model, optimiser, loss or "
+              "augmentation", "keys_sha256": "other replica keys", "strategy": "another strategy"}
+
+
+def _check_meta(folder: Path, meta: dict, expect: dict) -> None:
+    for k, v in expect.items():
+        if meta.get(k) != v:
+            raise CorruptCheckpoint(f"checkpoint {folder} belongs to a different run ({k} differs: it was written "
+                                    f"with {_META_WHAT.get(k, 'other settings')})")
 
 
 def write_refusal(e: BaseException) -> OSError | None:
@@ -173,12 +193,7 @@ class ArmCheckpoints:
                 meta=ocp.args.JsonRestore()))
         except Exception as e:  # orbax/tensorstore raise many types for unreadable data
             raise CorruptCheckpoint(f"checkpoint {folder} cannot be read ({type(e).__name__})") from None
-        for k, v in meta_check.items():
-            if restored.meta.get(k) != v:
-                what = {"config_sha256": "another config", "identity_sha256": "another study's data, model, optimiser, "
-                        "loss or augmentation", "keys_sha256": "other replica keys", "strategy": "another strategy"}
-                raise CorruptCheckpoint(f"checkpoint {folder} belongs to a different run ({k} differs: it was written "
-                                        f"with {what.get(k, 'other settings')})")
+        _check_meta(folder, restored.meta, meta_check)
         history = _restore_empty(restored.history)
         return (epoch, restored.state, history["steps"], np.asarray(history["weight_distance"]),
                 history.get("snapshots"))

@@ -201,7 +201,8 @@ class RunStore:
                         )
 
                         try:
-                            verify_latest(root / "checkpoints" / arm)
+                            verify_latest(root / "checkpoints" / arm,
+                                          {"identity_sha256": self.identity} if self.identity else None)
                         except CorruptCheckpoint as e:
                             raise UsageError(f"{e}; rerun with --recompute {arm} to train arm '{arm}' again from "
                                              "scratch") from None

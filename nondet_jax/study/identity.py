@@ -94,9 +94,9 @@ def reads_argument(fn: Callable, args: tuple, index: int) -> bool:
     closed = jax.make_jaxpr(fn)(*args)
     counts = [len(jax.tree.leaves(a)) for a in args]
     start = sum(counts[:index])
-    wanted = set(closed.jaxpr.invars[start:start + counts[index]])
-    return any(v in wanted for e in closed.jaxpr.eqns for v in e.invars) or any(v in wanted
-                                                                                for v in closed.jaxpr.outvars)
+    wanted = {id(v) for v in closed.jaxpr.invars[start:start + counts[index]]}  # Literals are not hashable
+    return any(id(v) in wanted for e in closed.jaxpr.eqns for v in e.invars) or any(
+        id(v) in wanted for v in closed.jaxpr.outvars)
 
 
 def model_facts(fns, x_dtype) -> dict:
@@ -191,8 +191,28 @@ def _readable_diff(part: str, a: dict, b: dict) -> str:
     if part == "data":
         return f"{b.get('name')} holds other arrays: sha256 {str(a.get('sha256'))[:8]} -> {str(b.get('sha256'))[:8]}"
     if part == "optimizer" and a.get("transforms") != b.get("transforms"):
-        return f"was {format_optimizer(a.get('transforms') or [])}, now {format_optimizer(b.get('transforms') or [])}"
+        return _transforms_diff(a.get("transforms") or [], b.get("transforms") or [])
     return ""
+
+
+def _num(v) -> str:
+    return f"{v:.6g}" if isinstance(v, float) else repr(v)
+
+
+def _transforms_diff(a: list[dict], b: list[dict]) -> str:
+    """The settings that differ between two optimiser descriptions, or both in full."""
+    if [t.get("transform") for t in a] != [t.get("transform") for t in b]:
+        return f"was {format_optimizer(a)}, now {format_optimizer(b)}"
+    out = []
+    for ta, tb in zip(a, b):
+        for k in [k for k in {**ta, **tb} if ta.get(k) != tb.get(k)]:
+            va, vb = ta.get(k), tb.get(k)
+            if isinstance(va, dict) and isinstance(vb, dict):  # a schedule: its first step that differs
+                step = next((s for s in vb if va.get(s) != vb.get(s)), None)
+                out.append(f"{ta['transform']} {k} at step {step}: {_num(va.get(step))} -> {_num(vb.get(step))}")
+            else:
+                out.append(f"{ta['transform']} {k} {_num(va)} -> {_num(vb)}")
+    return "; ".join(out[:3]) or "its computation changed"
 
 
 def check_identity(root: Path, stored: dict | None, parts: dict[str, dict]) -> None:

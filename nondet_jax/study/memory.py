@@ -14,7 +14,6 @@ import gc
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from nondet_jax import train
@@ -71,9 +70,9 @@ def estimate(config: Config, spec, n_test: int, replicas: int | None = None, fns
     fns = fns or make_train(config, spec)
     r = config.study.replicas if replicas is None else replicas
     keys = replica_slice(arm_keys(0, frozenset(), 1), 0)
-    x = jax.ShapeDtypeStruct((1, *spec.image_shape), jnp.float32)
+    x = jax.ShapeDtypeStruct((1, *spec.image_shape), spec.x_dtype)
     state = jax.eval_shape(fns.init, keys, perturbations(frozenset()), x)
-    logits, feats = jax.eval_shape(fns.evaluate, state, jax.ShapeDtypeStruct((n_test, *spec.image_shape), jnp.float32))
+    logits, feats = jax.eval_shape(fns.evaluate, state, jax.ShapeDtypeStruct((n_test, *spec.image_shape), spec.x_dtype))
     steps = max(1, spec.n_train // config.train.batch_size) * config.train.epochs
     per_replica = _bytes(state) + _bytes(logits) + _bytes(feats) + steps * 8  # loss and accuracy per step
     data = (spec.n_train + n_test) * (int(np.prod(spec.image_shape)) * 4 + 4)

@@ -22,7 +22,13 @@ from nondet_jax.models.parts import (
     shape_fingerprint,
 )
 from nondet_jax.sources import Arm, arm_keys, parse_arm, perturbations, replica_slice
-from nondet_jax.study.identity import check_identity, identity_sha256, model_facts, part_identities
+from nondet_jax.study.identity import (
+    check_identity,
+    identity_sha256,
+    model_facts,
+    part_identities,
+    reads_argument,
+)
 from nondet_jax.study.memory import check_fits
 from nondet_jax.train import augmentation_settings
 
@@ -39,21 +45,30 @@ def default_out(config: Config, identity: str = "") -> Path:
     return Path("runs") / f"{name(config.data.name)}-{name(config.model.name)}-{digest}"
 
 
-def check_arms_active(config: Config, arms: list[Arm], dataset: str, image_size: int, dropout_known: bool = True,
-                      augment_given: bool = False) -> None:
-    """Refuse an arm that varies only sources switched off in this config (its replicas would
-    equal the control arm's): e.g. ``dropout`` with model.dropout = 0. A user's model may use
-    dropout or not (``dropout_known`` False): not checked."""
-    inactive = set()
-    if not augment_given and not augmentation_settings(config, dataset, image_size)[0]:
-        inactive.add(("augmentation", "--augment on"))
-    if dropout_known and config.model.dropout == 0:
-        inactive.add(("dropout", "--dropout 0.1 (say)"))
+def check_arms_active(config: Config, arms: list[Arm], fns) -> None:
+    """Refuse an arm that varies only sources this study does not have (its replicas would equal
+    the control arm's): augmentation switched off, ``dropout`` with model.dropout = 0, and, traced
+    from the user's own parts, a model whose training pass never reads its dropout input or an
+    ``augment`` that never reads its key."""
+    parts, inactive = fns.parts, set()
+    if fns.augment is None:
+        inactive.add(("augmentation", "off in this config", "turn it on with --augment on"))
+    elif parts.augment is not None:
+        xb = jax.ShapeDtypeStruct((fns.batch_size, *fns.spec.image_shape), fns.spec.x_dtype)
+        if not reads_argument(fns.augment, (jax.random.key(0), xb), 0):
+            inactive.add(("augmentation", "never drawn by your augment function (it ignores its key)",
+                          "use the key in augment(key, x)"))
+    if parts.model is not None:
+        if not model_facts(fns, fns.spec.x_dtype)["dropout"]:
+            inactive.add(("dropout", "absent from your model (its training pass never reads a dropout key)",
+                          "add dropout to the model (flax.linen.Dropout)"))
+    elif config.model.dropout == 0:
+        inactive.add(("dropout", "off in this config", "turn it on with --dropout 0.1 (say)"))
     for arm in arms:
-        off = [(src, fix) for src, fix in sorted(inactive) if src in arm.varied]
+        off = [(src, why, fix) for src, why, fix in sorted(inactive) if src in arm.varied]
         if arm.name not in ("control", "all") and arm.varied and len(off) == len(arm.varied):
-            raise UsageError(f"arm '{arm.name}' varies only {', '.join(s for s, _ in off)}, which is off in this config, "
-                             f"so its replicas would equal control's; turn it on with {off[0][1]} or drop the arm")
+            raise UsageError(f"arm '{arm.name}' varies only {', '.join(s for s, _, _ in off)}, which is {off[0][1]}, "
+                             f"so its replicas would equal control's; {off[0][2]} or drop the arm")
 
 
 def parse_arms(config: Config) -> list[Arm]:
@@ -77,7 +92,7 @@ def prepare(config: Config, parts: Parts = Parts(), data=None):
 
     ``parts`` are the user's own (None for what the config names); ``data`` a
     :class:`nondet_jax.data.Dataset` given in memory (None: load what ``config.data`` names)."""
-    from nondet_jax.train import DataSpec, augmentation_settings, make_train
+    from nondet_jax.train import DataSpec, make_train
 
     cfg.validate(config)
     parts = resolve_parts(config, parts)
@@ -94,17 +109,14 @@ def prepare(config: Config, parts: Parts = Parts(), data=None):
     if config.train.batch_size > n_train:
         raise UsageError(f"batch size {config.train.batch_size} is larger than the {n_train} training examples of "
                          f"{data.name}; use --batch-size {n_train} or less")
-    check_arms_active(config, parse_arms(config), data.name, data.x_train.shape[1],
-                      dropout_known=parts.model is None, augment_given=parts.augment is not None)
     if config.metrics.tta:
         from nondet_jax.analysis.tta import view_grid
-        from nondet_jax.train import augmentation_settings
 
         for name in config.metrics.tta:
             view_grid(name, augmentation_settings(config, data.name, data.x_train.shape[1])[2])
-    spec = DataSpec(n_train, tuple(data.x_train.shape[1:]), data.num_classes, data.name)
+    spec = DataSpec(n_train, tuple(data.x_train.shape[1:]), data.num_classes, data.name, np.dtype(data.x_train.dtype))
     fns = make_train(config, spec, parts)
-
+    check_arms_active(config, parse_arms(config), fns)
     check_fits(config, spec, len(data.x_test), fns=fns)  # before anything is allocated or written
     return data, fns
 
