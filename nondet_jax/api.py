@@ -91,7 +91,7 @@ class _LazyArrays(dict):
         return [(k, self[k]) for k in self._keys]
 
 
-def _dataset(data) -> tuple[Any, str | None]:
+def _dataset(data, task: str | None = None) -> tuple[Any, str | None]:
     """(Dataset or None, data.name): arrays, a Dataset, a catalogue name or a .npz path."""
     if data is None:
         return None, None
@@ -108,7 +108,7 @@ def _dataset(data) -> tuple[Any, str | None]:
         raise UsageError("data must be (x_train, y_train, x_test, y_test), a dict of those four arrays, a "
                          "nondet_jax.data.Dataset, a catalogue data set name or a PATH.npz")
     name = _arrays_name(data)
-    return from_arrays(name, *data), name
+    return from_arrays(name, *data, task=task), name
 
 
 def _catalogue_data() -> tuple[str, ...]:
@@ -153,8 +153,8 @@ def study_config(*, model=None, data_name: str | None = None, optimizer=None, ep
 def run_study(model=None, data=None, optimizer=None, loss: Callable | None = None, augment: Callable | None = None,
               *, epochs: int | None = None, batch_size: int | None = None, arms: Sequence[str] | str = DEFAULT_ARMS,
               replicas: int = 4, seed: int = 0, out: str | Path | None = None, strategy: str = "auto",
-              features: str | None = None, settings: dict | None = None, config: cfg.Config | None = None,
-              progress: bool = False, log: Callable = print) -> StudyResult:
+              features: str | None = None, task: str | None = None, settings: dict | None = None,
+              config: cfg.Config | None = None, progress: bool = False, log: Callable = print) -> StudyResult:
     """Train ``replicas`` replicas per arm of your own parts and write a run folder and report.
 
     Args:
@@ -176,6 +176,10 @@ def run_study(model=None, data=None, optimizer=None, loss: Callable | None = Non
         whose data, model, optimiser, loss or augmentation differ by content is refused, naming the part.
       features: submodule whose output CKA uses when the model has no ``return_features`` (default:
         the logits).
+      task: ``"classification"`` or ``"regression"`` for arrays; default: recognised from the targets
+        (floating-point targets are a regression: the model's outputs are shaped like the targets, the
+        default loss is the squared error, and the report gives test MSE and MAE, the distance and
+        correlation of replicas' predictions, in place of accuracy, disagreement and LMC).
       settings: further config keys, dotted (``{"optim.lr": 0.1, "metrics.lmc_pairs": 0}``).
       config: a base :class:`~nondet_jax.config.Config` the above apply on top of.
       progress, log: a progress bar; where messages go (``log=lambda *a: None`` for silence).
@@ -189,7 +193,7 @@ def run_study(model=None, data=None, optimizer=None, loss: Callable | None = Non
         result = nj.run_study(model=MyCNN, data=(x_tr, y_tr, x_te, y_te), optimizer=optax.adam(1e-3),
                               epochs=3, batch_size=64, arms="control,init,all", replicas=3, out="runs/mine")
     """
-    dataset, data_name = _dataset(data)
+    dataset, data_name = _dataset(data, task)
     config = study_config(model=model, data_name=data_name, optimizer=optimizer, epochs=epochs,
                           batch_size=batch_size, arms=arms, replicas=replicas, seed=seed, strategy=strategy,
                           settings=settings, base=config)

@@ -60,6 +60,7 @@ class DataSpec(NamedTuple):
     num_classes: int
     name: str = "digits"
     x_dtype: Any = np.dtype(np.float32)  # the inputs' dtype: float32, or integers (token ids) kept as given
+    task: str = "classification"  # or "regression": num_classes is then the outputs per example
 
 
 class Health(NamedTuple):
@@ -144,6 +145,12 @@ def epoch_metrics(out) -> dict:
     if len(out) > 2:
         metrics["instruments"], metrics["tracked"] = out[2], out[3]
     return metrics
+
+
+def squared_error(predictions, targets):
+    """Per-example squared error, averaged over outputs: the default loss of a regression."""
+    d = (predictions - targets).reshape(targets.shape[0], -1)
+    return jnp.mean(d * d, axis=-1)
 
 
 def make_schedule(o: OptimConfig, epochs: int, steps_per_epoch: int) -> optax.Schedule:
@@ -233,7 +240,12 @@ def _make_train(config: Config, spec: DataSpec, parts: Parts) -> TrainFns:
                           parts.features)
     else:
         model = model_fns(parts.model, spec.num_classes, features=parts.features)
-    example_loss = parts.loss or optax.softmax_cross_entropy_with_integer_labels
+    regression = spec.task == "regression"
+    if regression:  # the model's outputs, shaped like the targets, are what the loss and metrics see
+        user_loss = parts.loss or squared_error
+        example_loss = lambda out, y: user_loss(out.reshape(y.shape), y)  # noqa: E731
+    else:
+        example_loss = parts.loss or optax.softmax_cross_entropy_with_integer_labels
     b = config.train.batch_size
     steps = spec.n_train // b
     if steps < 1:
@@ -252,7 +264,7 @@ def _make_train(config: Config, spec: DataSpec, parts: Parts) -> TrainFns:
         from nondet_jax.instruments.schedules import most_in_epoch
         from nondet_jax.instruments.trainer import defer_in_epoch, for_model
 
-        if parts != Parts() or not model.per_example_dropout:
+        if parts != Parts() or not model.per_example_dropout or regression:
             raise UsageError("instruments need a catalogue model, optimiser and loss (their per-example loss assumes "
                              "them); drop --instruments / instruments.config for your own parts")
         inst = for_model(config.instruments, model.module, lambda *a: loss_fn(*a), lambda *a: recompute_batch_stats(*a),
@@ -300,7 +312,8 @@ def _make_train(config: Config, spec: DataSpec, parts: Parts) -> TrainFns:
                 state.params, state.batch_stats, x, y, dkeys)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        acc = jnp.mean(jnp.argmax(logits, -1) == y)
+        # the step's score: accuracy, or for a regression the batch's mean absolute error
+        acc = jnp.mean(jnp.abs(logits.reshape(y.shape) - y)) if regression else jnp.mean(jnp.argmax(logits, -1) == y)
         if inst is not None:
             seen = _Seen(state.params, (x, y, dkeys), state.batch_stats, updates, grads, loss, g,
                          None if tape is None else (tape.records, tape.deltas, tape.losses))

@@ -280,6 +280,7 @@ def test_integer_inputs_keep_their_dtype_for_embeddings(tmp_path):
                           epochs=2, batch_size=16, arms="control,init", replicas=2, out=tmp_path / "run",
                           settings={"metrics.lmc_pairs": 0}, **QUIET)
     assert result.logits["init"].shape == (2, 32, 2)
+    assert "the model has no BatchNorm, so nothing is recomputed" in result.report.read_text()
     assert json_of(tmp_path / "run" / "model.json")["identity"]["data"]["shapes"]["x_train"] == [[64, 7], "int32"]
 
 

@@ -130,9 +130,26 @@ CASES: list[tuple[str, str]] = [
     ("API", "replicate(lambda keys: 0.0, lambda s, b, keys: s, steps=2, arms='control,dropout')"),
     ("API", "replicate(lambda keys: 0.0, lambda s, b, keys: s, steps=2, seed=2**32)"),
     ("API", "replicate(lambda keys: 0.0, lambda s, b, keys: s, steps=2, arms='init,init')"),
+    ("API", "run_study(Linear, TWO_CLASSES, batch_size=4, arms='control,dropout')"),
+    ("API", "run_study(Linear, TWO_CLASSES, batch_size=4, arms='control,augmentation', augment=lambda key, x: x)"),
+    ("API", "run_study(lambda num_classes: Linear(5), TWO_CLASSES, batch_size=4)"),
     ("API", "memory.check_fits(from_flat({'study.replicas': 10**7, 'model.name': 'mlp'}), digits_spec, 360, "
             "available=16 * 2**30, where='host memory')"),
 ]
+
+class Linear:  # a user's model without dropout (built lazily: flax is imported by the cases that use it)
+    def __new__(cls, num_classes: int = 2):
+        import flax.linen as nn
+
+        class Dense(nn.Module):
+            num_classes: int = 2
+
+            @nn.compact
+            def __call__(self, x, train: bool):
+                return nn.Dense(self.num_classes)(x)
+
+        return Dense(num_classes)
+
 
 ALIAS_BOMB = "".join(f"{b}: &{b} [{','.join([f'*{a}'] * 9) if a else ','.join(['x'] * 9)}]\n"
                      for a, b in zip(["", *"abcdefgh"], "abcdefghi"))
@@ -194,7 +211,7 @@ def run_case(where: str, text: str, ctx: Context, capsys) -> tuple[str, int, boo
 
     from nondet_jax import config, data, sources, train
     from nondet_jax.analysis import metrics
-    from nondet_jax.api import replicate
+    from nondet_jax.api import replicate, run_study
     from nondet_jax.cli import sweep
     from nondet_jax.config import from_flat
     from nondet_jax.errors import UsageError
@@ -206,7 +223,9 @@ def run_case(where: str, text: str, ctx: Context, capsys) -> tuple[str, int, boo
         try:
             eval(text, {"config": config, "sources": sources, "data": data, "train": train,  # noqa: S307
                         "from_flat": from_flat, "digits_spec": spec, "np": np, "metrics": metrics, "memory": memory,
-                        "replicate": replicate})
+                        "replicate": replicate, "run_study": run_study, "Linear": Linear,
+                        "TWO_CLASSES": (np.zeros((8, 3), np.float32), np.arange(8) % 2, np.zeros((4, 3), np.float32),
+                                        np.arange(4) % 2)})
         except UsageError as e:
             return _normalize(str(e), tmp), 2, True
         raise AssertionError(f"{text} raised nothing")

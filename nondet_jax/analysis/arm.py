@@ -12,11 +12,11 @@ import numpy as np
 
 from nondet_jax.analysis import metrics as M
 from nondet_jax.analysis import stats as S
+from nondet_jax.analysis.task import PAIRWISE, QUANTITIES, task_of
 from nondet_jax.config import MetricsConfig
 from nondet_jax.train import TrainFns, TrainState
 
-PAIRWISE = ("disagreement", "pearson", "spearman", "ensemble_gain_accuracy", "ensemble_gain_cross_entropy",
-            "cka", "weight_distance")
+CLASSIFICATION_PAIRS = [p for p in PAIRWISE["classification"] if p != "lmc_barrier"]
 
 
 def lmc_pairs(replicas: int, count: int) -> list[tuple[int, int]]:
@@ -46,6 +46,8 @@ def arm_metrics(result, data, fns: TrainFns, cfg: MetricsConfig) -> tuple[dict, 
     LMC: barrier on up to ``cfg.lmc_pairs`` disjoint pairs, BatchNorm recomputed at each point.
     """
     labels = np.asarray(data.y_test)
+    if getattr(data, "task", "classification") == "regression":
+        return regression_metrics(result, labels, cfg)
     acc, ce = M.accuracy(result.logits, labels), M.cross_entropy(result.logits, labels)
     r = len(acc)
     out = {"accuracy": S.spread(acc, std_max=S.ACCURACY_STD_MAX), "cross_entropy": S.spread(ce),
@@ -63,7 +65,7 @@ def arm_metrics(result, data, fns: TrainFns, cfg: MetricsConfig) -> tuple[dict, 
         "cka": M.linear_cka(result.features),
         "weight_distance": result.weight_distance[-1],
     })
-    for name in PAIRWISE:
+    for name in CLASSIFICATION_PAIRS:
         ci = S.pairwise_mean_ci(arrays[name], r, bounds=M.PAIRWISE_RANGE.get(name, (-np.inf, np.inf)))
         out[name] = {"mean": float(arrays[name].mean()), "ci": list(ci)}
     pairs = lmc_pairs(r, cfg.lmc_pairs)
@@ -82,16 +84,17 @@ def arm_metrics(result, data, fns: TrainFns, cfg: MetricsConfig) -> tuple[dict, 
 
 
 def compare_arms(records: dict[str, dict], reference: str = "all") -> dict[str, dict]:
-    """Each arm's accuracy and cross-entropy std relative to the ``reference`` arm (F-test,
-    Brown-Forsythe, replicas for 80% power). Empty when the reference arm is absent."""
+    """Each arm's spread of the task's two per-replica scores (accuracy and cross-entropy, or test MSE
+    and MAE) relative to the ``reference`` arm (F-test, Brown-Forsythe, replicas for 80% power).
+    Empty when the reference arm is absent."""
     if reference not in records:
         return {}
+
     def healthy(rows):  # diverged replicas are left out of every metric
         return [row for row in rows if row.get("diverged_at_step", -1) < 0]
 
+    quantities = QUANTITIES[task_of(records[reference])]
     ref = healthy(records[reference]["rows"])
-    ref_acc = np.array([row["test_accuracy"] for row in ref])
-    ref_ce = np.array([row["test_loss"] for row in ref])
     out = {}
     for arm, rec in records.items():
         if arm == reference or len(ref) < 2:
@@ -99,7 +102,25 @@ def compare_arms(records: dict[str, dict], reference: str = "all") -> dict[str, 
         rows = healthy(rec["rows"])
         if len(rows) < 2:
             continue
-        acc = np.array([row["test_accuracy"] for row in rows])
-        ce = np.array([row["test_loss"] for row in rows])
-        out[arm] = {"accuracy": S.compare_spread(acc, ref_acc), "cross_entropy": S.compare_spread(ce, ref_ce)}
+        out[arm] = {q.name: S.compare_spread(np.array([row[q.row] for row in rows]),
+                                             np.array([row[q.row] for row in ref])) for q in quantities}
     return out
+
+
+def regression_metrics(result, targets: np.ndarray, cfg: MetricsConfig) -> tuple[dict, dict[str, np.ndarray]]:
+    """:func:`arm_metrics` of a regression: test MSE and MAE (mean, std with CIs), and over pairs the
+    RMS distance between predictions, their Pearson/Spearman correlation, the 2-model ensemble's MSE
+    gain, CKA of the features and the weight distance. No LMC barrier (it is defined on test error)."""
+    mse, mae = M.regression_errors(result.logits, targets)
+    out = {"mse": S.spread(mse), "mae": S.spread(mae)}
+    arrays: dict[str, np.ndarray] = {"mse": mse, "mae": mae}
+    r = len(mse)
+    if not cfg.pairwise or r < 2:
+        return out, arrays
+    arrays.update({"prediction_distance": M.prediction_distance(result.logits), "pearson": M.pearson(result.logits),
+                   "spearman": M.spearman(result.logits), "ensemble_gain_mse": M.ensemble_gain_mse(result.logits, targets),
+                   "cka": M.linear_cka(result.features), "weight_distance": result.weight_distance[-1]})
+    for name in PAIRWISE["regression"]:
+        ci = S.pairwise_mean_ci(arrays[name], r, bounds=M.PAIRWISE_RANGE.get(name, (-np.inf, np.inf)))
+        out[name] = {"mean": float(arrays[name].mean()), "ci": list(ci)}
+    return out, arrays

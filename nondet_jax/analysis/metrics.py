@@ -31,7 +31,7 @@ CHUNK_ELEMENTS = 1 << 24  # and at most this many float64 elements per block (12
 # The possible range of each pairwise metric: their intervals are clipped to it (stats.pairwise_mean_ci).
 # Ensemble gains are differences of accuracies or losses and can have either sign.
 PAIRWISE_RANGE = {"disagreement": (0.0, 1.0), "pearson": (-1.0, 1.0), "spearman": (-1.0, 1.0), "cka": (0.0, 1.0),
-                  "weight_distance": (0.0, np.inf)}
+                  "weight_distance": (0.0, np.inf), "prediction_distance": (0.0, np.inf)}
 
 
 def pair_indices(r: int) -> tuple[np.ndarray, np.ndarray]:
@@ -126,6 +126,35 @@ def ensemble_gain(logits, labels) -> dict[str, np.ndarray]:
         gains_acc.append(accuracy(ens, labels) - 0.5 * (acc[a] + acc[b]))
         gains_ce.append(cross_entropy(ens, labels) - 0.5 * (ce[a] + ce[b]))
     return {"accuracy": np.concatenate(gains_acc), "cross_entropy": np.concatenate(gains_ce)}
+
+
+def regression_errors(predictions, targets) -> tuple[np.ndarray, np.ndarray]:
+    """Per-replica test MSE and MAE of ``predictions`` (R, N, ...) against ``targets`` (N, ...):
+    ((R,), (R,)), averaged over examples and outputs."""
+    p = np.asarray(predictions, np.float64)
+    y = np.asarray(targets, np.float64)
+    if p.ndim < 2 or p.shape[1] != len(y) or p[0].size != y.size:
+        raise UsageError(f"predictions of shape {p.shape} do not match targets of shape {y.shape}; pass predictions "
+                         "as (replicas, examples, outputs) and targets as (examples,) or (examples, outputs)")
+    err = p.reshape(len(p), -1) - y.reshape(1, -1)
+    return np.mean(err ** 2, axis=1), np.mean(np.abs(err), axis=1)
+
+
+def prediction_distance(predictions) -> np.ndarray:
+    """Root-mean-square difference of two replicas' predictions, per pair: (P,)."""
+    p = np.asarray(predictions, np.float64).reshape(len(predictions), -1)
+    a, b = pair_indices(len(p))
+    return np.sqrt(np.mean((p[a] - p[b]) ** 2, axis=1))
+
+
+def ensemble_gain_mse(predictions, targets) -> np.ndarray:
+    """MSE of a pair's averaged predictions minus its members' mean MSE, per pair (negative: the
+    ensemble is better): (P,)."""
+    p = np.asarray(predictions, np.float64).reshape(len(predictions), -1)
+    y = np.asarray(targets, np.float64).reshape(1, -1)
+    mse = np.mean((p - y) ** 2, axis=1)
+    a, b = pair_indices(len(p))
+    return np.mean((0.5 * (p[a] + p[b]) - y) ** 2, axis=1) - 0.5 * (mse[a] + mse[b])
 
 
 def linear_cka(features) -> np.ndarray:

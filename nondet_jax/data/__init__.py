@@ -28,7 +28,11 @@ class Dataset(NamedTuple):
     y_train: np.ndarray
     x_test: np.ndarray
     y_test: np.ndarray
-    num_classes: int
+    num_classes: int  # classification: classes; regression: outputs per example (the model's width)
+    task: str = "classification"  # or "regression": float targets (see from_arrays)
+
+
+TASKS = ("classification", "regression")
 
 
 def standardize(x_train: np.ndarray, x_test: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -42,22 +46,36 @@ def standardize(x_train: np.ndarray, x_test: np.ndarray) -> tuple[np.ndarray, np
 ARRAY_NAMES = ("x_train", "y_train", "x_test", "y_test")
 
 
-def from_arrays(name: str, x_train, y_train, x_test, y_test, num_classes: int | None = None) -> Dataset:
+def from_arrays(name: str, x_train, y_train, x_test, y_test, num_classes: int | None = None,
+                task: str | None = None) -> Dataset:
     """A :class:`Dataset` of the user's own arrays, checked: images (N, H, W, C) or any (N, features)
-    array, integer labels in [0, classes); UsageError naming the problem otherwise. Arrays are used
-    as given (inputs cast to float32, or to int32 when both splits hold integers such as token ids;
-    labels to int32), not standardised."""
+    array; UsageError naming the problem otherwise. The task is recognised from the targets, not
+    guessed: integer targets are class labels in [0, classes) (classification); floating-point
+    targets, (N,) or (N, outputs), are a regression (``task="regression"`` says so for integer
+    targets too; ``task="classification"`` accepts whole-number float labels). Arrays are used as
+    given (inputs cast to float32, or to int32 when both splits hold integers such as token ids;
+    class labels to int32, regression targets to float32), not standardised."""
     arrays = {k: np.asarray(v) for k, v in zip(ARRAY_NAMES, (x_train, y_train, x_test, y_test))}
+    if task is not None and task not in TASKS:
+        raise UsageError(f"task '{task}' is unknown; use 'classification' or 'regression'")
+    if task is None:
+        floats = [np.issubdtype(arrays[k].dtype, np.floating) for k in ("y_train", "y_test")]
+        task = "regression" if any(floats) else "classification"
     for split in ("train", "test"):
         x, y = arrays[f"x_{split}"], arrays[f"y_{split}"]
         if x.ndim < 2 or len(x) == 0:
             raise UsageError(f"{name}: x_{split} has shape {x.shape}; it must be (N, features) or (N, H, W, C) images "
                              "with N >= 1")
-        if y.ndim != 1 or len(y) != len(x):
+        want = "(N,) or (N, outputs) regression targets" if task == "regression" else f"({len(x)},) integer class labels"
+        if y.ndim not in ((1, 2) if task == "regression" else (1,)) or len(y) != len(x):
             raise UsageError(f"{name}: y_{split} has shape {y.shape} for {len(x)} examples in x_{split}; it must be "
-                             f"({len(x)},) integer class labels")
-        if not (np.issubdtype(y.dtype, np.integer) or (np.issubdtype(y.dtype, np.floating)
-                                                       and np.all(np.isfinite(y)) and np.all(y == np.round(y)))):
+                             f"{want}")
+        if task == "regression" and (not np.issubdtype(y.dtype, np.number) or np.iscomplexobj(y)
+                                     or not np.all(np.isfinite(y))):
+            raise UsageError(f"{name}: y_{split} must hold finite real numbers for a regression; got dtype {y.dtype} "
+                             "or NaN/inf values")
+        if task == "classification" and not (np.issubdtype(y.dtype, np.integer) or (
+                np.issubdtype(y.dtype, np.floating) and np.all(np.isfinite(y)) and np.all(y == np.round(y)))):
             raise UsageError(f"{name}: y_{split} holds {y.dtype} values that are not whole numbers; labels must be "
                              "integer class indices 0 .. classes-1")
         if not np.issubdtype(x.dtype, np.number) or not np.all(np.isfinite(x)):
@@ -65,13 +83,20 @@ def from_arrays(name: str, x_train, y_train, x_test, y_test, num_classes: int | 
     if arrays["x_train"].shape[1:] != arrays["x_test"].shape[1:]:
         raise UsageError(f"{name}: x_train examples have shape {arrays['x_train'].shape[1:]} but x_test examples "
                          f"{arrays['x_test'].shape[1:]}; both splits must have the same example shape")
+    x_dtype = np.int32 if np.issubdtype(arrays["x_train"].dtype, np.integer) and \
+        np.issubdtype(arrays["x_test"].dtype, np.integer) else np.float32  # token ids stay integers (nn.Embed)
+    if task == "regression":
+        if arrays["y_train"].shape[1:] != arrays["y_test"].shape[1:]:
+            raise UsageError(f"{name}: y_train has {arrays['y_train'].shape[1:]} outputs per example but y_test "
+                             f"{arrays['y_test'].shape[1:]}; both splits need the same targets")
+        outputs = int(np.prod(arrays["y_train"].shape[1:]))
+        return Dataset(name, arrays["x_train"].astype(x_dtype), arrays["y_train"].astype(np.float32),
+                       arrays["x_test"].astype(x_dtype), arrays["y_test"].astype(np.float32), outputs, "regression")
     labels = np.concatenate([arrays["y_train"], arrays["y_test"]]).astype(np.int64)
     classes = int(labels.max()) + 1 if num_classes is None else num_classes
     if labels.min() < 0 or labels.max() >= classes or classes < 2:
         raise UsageError(f"{name}: labels range over {labels.min()} .. {labels.max()}, but must be class indices "
                          f"0 .. {classes - 1} with at least 2 classes; relabel them 0 .. classes-1")
-    x_dtype = np.int32 if np.issubdtype(arrays["x_train"].dtype, np.integer) and \
-        np.issubdtype(arrays["x_test"].dtype, np.integer) else np.float32  # token ids stay integers (nn.Embed)
     return Dataset(name, arrays["x_train"].astype(x_dtype), arrays["y_train"].astype(np.int32),
                    arrays["x_test"].astype(x_dtype), arrays["y_test"].astype(np.int32), classes)
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from nondet_jax.analysis.task import QUANTITIES, task_of
 from nondet_jax.report.summary import _healthy
 from nondet_jax.store.io import atomic_write_bytes
 from nondet_jax.store.paths import RunPaths
@@ -65,10 +66,12 @@ def make_figures(run: Path, summary: dict, records: dict[str, dict]) -> list[str
         atomic_write_bytes(figdir / f"{name}.png", buf.getvalue())
         made.append(f"figures/{name}.png")
 
-    # 1. accuracy of every replica, per arm (strip + violin)
+    q1, q2 = QUANTITIES[task_of(summary)]
+    classes = task_of(summary) == "classification"
+    # 1. accuracy (a regression: test MSE) of every replica, per arm (strip + violin)
     fig, ax = plt.subplots(figsize=(1.3 * len(arms) + 2, 4))
     healthy = [sorted(_healthy(records[a])) for a in arms]
-    accs = [np.array([r["test_accuracy"] for r in records[a]["rows"] if r["replica"] in h], float) * 100
+    accs = [np.array([r[q1.row] for r in records[a]["rows"] if r["replica"] in h], float) * q1.scale
             for a, h in zip(arms, healthy)]
     if all(len(v) > 1 and np.ptp(v) > 0 for v in accs):
         ax.violinplot(accs, positions=x, showextrema=False)
@@ -89,14 +92,16 @@ def make_figures(run: Path, summary: dict, records: dict[str, dict]) -> list[str
     if marked:
         ax.legend(fontsize=8)
     ax.set_xticks(x, arms, rotation=30, ha="right")
-    ax.set_ylabel("test accuracy (%)")
-    ax.set_title("Test accuracy of each replica (line: mean)")
-    save(fig, "accuracy")
+    ax.set_ylabel("test accuracy (%)" if classes else q1.label)
+    ax.set_title(f"{'Test accuracy' if classes else q1.label} of each replica (line: mean)")
+    save(fig, "accuracy" if classes else q1.name)
 
     # 2. std with CI bars, accuracy and cross-entropy, with the independent-errors baseline
     fig, axes = plt.subplots(1, 2, figsize=(2 * (0.8 * len(arms) + 2), 4))
-    for ax, q, scale, label in ((axes[0], "accuracy", 100, "std of test accuracy (%)"),
-                                (axes[1], "cross_entropy", 1, "std of test cross-entropy (nats)")):
+    panels = ((axes[0], "accuracy", 100, "std of test accuracy (%)"),
+              (axes[1], "cross_entropy", 1, "std of test cross-entropy (nats)")) if classes else \
+        ((axes[0], q1.name, q1.scale, f"std of {q1.label}"), (axes[1], q2.name, q2.scale, f"std of {q2.label}"))
+    for ax, q, scale, label in panels:
         spread = [summary["arms"][a]["metrics"].get(q, {}) for a in arms]  # {} for an arm that fully diverged
         s = np.array([m.get("std", np.nan) for m in spread], dtype=float) * scale
         ci = np.array([m.get("std_ci", [np.nan, np.nan]) for m in spread], dtype=float) * scale
@@ -127,8 +132,10 @@ def make_figures(run: Path, summary: dict, records: dict[str, dict]) -> list[str
 
     # 3. pairwise diversity per arm
     names = [("disagreement", "pairwise disagreement (%)", 100), ("cka", "linear CKA of features (0 to 1)", 1),
-             ("ensemble_gain_accuracy", "2-model ensemble gain in accuracy (pp)", 100)]
-    if any("disagreement" in summary["arms"][a]["metrics"] for a in arms):
+             ("ensemble_gain_accuracy", "2-model ensemble gain in accuracy (pp)", 100)] if classes else \
+        [("prediction_distance", "RMS distance of predictions", 1), ("cka", "linear CKA of features (0 to 1)", 1),
+         ("ensemble_gain_mse", "2-model ensemble gain in MSE (negative: better)", 1)]
+    if any(names[0][0] in summary["arms"][a]["metrics"] for a in arms):
         fig, axes = plt.subplots(1, 3, figsize=(3 * (0.7 * len(arms) + 1.8), 4))
         for ax, (key, label, scale) in zip(axes, names):
             vals = np.array([summary["arms"][a]["metrics"].get(key, {}).get("mean", np.nan) for a in arms],

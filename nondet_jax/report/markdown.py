@@ -10,6 +10,7 @@ import numpy as np
 
 from nondet_jax.analysis.mitigations import mitigation_table
 from nondet_jax.analysis.stats import METHODS
+from nondet_jax.analysis.task import QUANTITIES, task_of
 from nondet_jax.errors import UsageError
 from nondet_jax.report.figures import make_figures
 from nondet_jax.report.optimizer import format_optimizer
@@ -29,10 +30,11 @@ def _comparison_md(summary: dict) -> list[str]:
     vs = summary["vs_all"]
     if not vs:
         return ["(No `all` arm in this study: no ratios to it.)", ""]
-    lines = ["| arm | accuracy std ratio [95% CI] | F-test p | Brown–Forsythe p | R for 80% power "
-             "| CE std ratio [95% CI] | F-test p | Brown–Forsythe p |", "|---|---|---|---|---|---|---|---|"]
+    q1, q2 = QUANTITIES[task_of(summary)]
+    lines = [f"| arm | {q1.label} std ratio [95% CI] | F-test p | Brown–Forsythe p | R for 80% power "
+             f"| {q2.label} std ratio [95% CI] | F-test p | Brown–Forsythe p |", "|---|---|---|---|---|---|---|---|"]
     for arm, c in vs.items():
-        a, l_ = c["accuracy"], c["cross_entropy"]
+        a, l_ = c[q1.name], c[q2.name]
         lines.append(f"| {arm} | {_fmt(a['ratio'], 2)}{_ci(a['ratio_ci'], 2)} | {_fmt(a['f_test_p'], 3)} | "
                      f"{_fmt(a['brown_forsythe_p'], 3)} | {a['replicas_for_80pct_power'] or '—'} | "
                      f"{_fmt(l_['ratio'], 2)}{_ci(l_['ratio_ci'], 2)} | {_fmt(l_['f_test_p'], 3)} | "
@@ -63,14 +65,15 @@ def _findings(summary: dict) -> list[str]:
     for arm, c in vs.items():
         if arm == "control":
             continue
-        a = c["accuracy"]
+        q = QUANTITIES[task_of(summary)][0]
+        a = c[q.name]
         lo, hi = a["ratio_ci"]
         if not np.isfinite(a["ratio"]):
             continue
         where = ("includes 1: not distinguishable from all sources together" if lo <= 1 <= hi else
                  "lies below 1: less spread than all sources together" if hi < 1 else
                  "lies above 1: more spread than all sources together")
-        out.append(f"- `{arm}`: accuracy std is {a['ratio']:.2f}× the `all` arm's; the 95% CI "
+        out.append(f"- `{arm}`: {q.label} std is {a['ratio']:.2f}× the `all` arm's; the 95% CI "
                    f"[{lo:.2f}, {hi:.2f}] {where} (F-test p = {a['f_test_p']:.3f}).")
     for arm in ("control", "hardware"):
         rec = summary["arms"].get(arm)
@@ -112,7 +115,9 @@ def _trained_md(model: dict) -> list[str]:
         return []
     d, m, o = ident.get("data", {}), ident.get("model", {}), ident.get("optimizer", {})
     lines = ["## What was trained", "",
-             f"- data: {d.get('name')} (sha256 {str(d.get('sha256'))[:12]}; test split {str(d.get('test_sha256'))[:12]})",
+             f"- data: {d.get('name')} (sha256 {str(d.get('sha256'))[:12]}; test split {str(d.get('test_sha256'))[:12]}); "
+             + (f"regression, {d.get('classes')} output(s) per example" if d.get("task") == "regression"
+                else f"classification, {d.get('classes')} classes"),
              f"- model: {m.get('name')}, {m.get('parameters')} parameters"
              f"{', BatchNorm' if model.get('batch_norm') else ', no BatchNorm'}"
              f"{', dropout' if model.get('dropout') else ', no dropout'} (fingerprint {str(m.get('sha256'))[:12]})",
@@ -166,6 +171,22 @@ def write_report(run: str | Path, command: str | None = None) -> dict:
     bn = ("BatchNorm statistics recomputed on training data at each point (the endpoints too, so their error can "
           "differ from the table's, which uses the stored running averages)" if model.get("batch_norm", True)
           else "the model has no BatchNorm, so nothing is recomputed")
+    if task_of(summary) == "regression":
+        md += ["", "## Definitions", "",
+               "- Regression: each replica's test MSE and MAE over every test example and output; std over replicas "
+               "(ddof=1), 95% CI: " + METHODS["std"] + "; mean: " + METHODS["mean"] + ". Both n/a below R=2.",
+               "- Pairwise metrics (prediction distance: the RMS difference of two replicas' test predictions; "
+               "Pearson/Spearman of their flattened predictions; 2-model ensemble gain in MSE: the MSE of the "
+               f"pair's averaged predictions minus the members' mean, negative when averaging helps; linear CKA of "
+               f"{features} on the test set; weight distance ||θa−θb||/||θa||): mean over the R(R−1)/2 pairs; 95% "
+               "CI: " + METHODS["pairwise"] + "; n/a below R=3.",
+               "- Not computed for a regression: accuracy, disagreement, cross-entropy, the independent-errors "
+               "baseline and the LMC barrier (each needs classes or a test error).",
+               "- Ratio vs all: std(arm)/std(all) of the test MSE (and MAE) with an F-distribution CI, two-sided "
+               "F-test and Brown–Forsythe p-values, and the replicas per arm the F-test needs for 80% power at the "
+               "observed ratio.", ""]
+        atomic_write_bytes(paths.report, "\n".join(md).encode())
+        return summary
     md += ["", "## Definitions", "",
            "- std: sample standard deviation over replicas (ddof=1); 95% CI: " + METHODS["std"] + "; mean: "
            + METHODS["mean"] + ". Both n/a below R=2.",

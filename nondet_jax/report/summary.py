@@ -12,6 +12,7 @@ import numpy as np
 from nondet_jax.analysis.arm import compare_arms
 from nondet_jax.analysis.mitigations import mitigation_metrics, snapshot_ensemble
 from nondet_jax.analysis.stats import METHODS, format_ci
+from nondet_jax.analysis.task import PAIRWISE, QUANTITIES, task_of
 from nondet_jax.errors import UsageError
 from nondet_jax.sources import split_variant
 from nondet_jax.store.io import _finite, atomic_write_bytes, check_no_links
@@ -70,6 +71,7 @@ def build_summary(run: Path) -> tuple[dict, dict[str, dict]]:
         "epochs": config["train"]["epochs"], "seed": config["study"]["seed"],
         "backend": env.get("backend"), "device_kind": env.get("device_kind"),
         "std_ddof": 1, "ci_level": 0.95, "ci_methods": METHODS,
+        "task": task_of(next(iter(records.values()))),
         "arms": {a: {k: v for k, v in rec.items() if k != "rows"} for a, rec in records.items()},
         "vs_all": compare_arms(records),
         "mitigations": mitigation_results(run, records),
@@ -98,8 +100,8 @@ def mitigation_results(run: Path, records: dict[str, dict]) -> dict[str, dict]:
     every key, so the comparison is paired; replicas that diverged in either are left out.
     """
     paths = RunPaths(run)
-    if not paths.test_labels.exists():
-        return {}
+    if not paths.test_labels.exists() or task_of(next(iter(records.values()), {})) != "classification":
+        return {}  # the variants are scored by accuracy and cross-entropy
     labels = _load(paths.test_labels)
     out = {}
     for arm, rec in records.items():
@@ -134,32 +136,38 @@ def _ci_cols(name: str, ci, unit: str = "", scale=lambda v: v) -> dict:
 
 
 # Units of the tables (arms.csv, replicas.csv, StudyResult.table/.rows): accuracy-like quantities in %, as
-# in the report and the figures, cross-entropy in nats; the unit ends the column name (_pct, _nats), and a
-# name without one is a ratio, correlation, similarity or p-value.
-_PAIR_COLUMNS = {"disagreement": "_pct", "pearson": "", "spearman": "", "ensemble_gain_accuracy": "_pct",
-                 "ensemble_gain_cross_entropy": "_nats", "cka": "", "weight_distance": "", "lmc_barrier": "_pct"}
+# in the report and the figures, cross-entropy in nats, a regression's MSE and MAE in the targets' units
+# (squared for MSE); the unit ends the column name (_pct, _nats), and a name without one is a ratio,
+# correlation, similarity, p-value or a regression's error.
 
 
 def arm_rows(summary: dict) -> list[dict]:
-    """One flat row per arm (the ``arms.csv`` table); units in the column names (see ``_PAIR_COLUMNS``)."""
+    """One flat row per arm (the ``arms.csv`` table); units in the column names (see
+    :data:`nondet_jax.analysis.task.PAIRWISE`)."""
+    task = task_of(summary)
+    quantities = QUANTITIES[task]
     rows = []
     for arm, a in summary["arms"].items():
         m = a["metrics"]  # empty when every replica diverged: the row says so, its numbers are empty (n/a)
         row = {"arm": arm, "varied": "+".join(a["varied"]) or "none", "replicas": a["replicas"],
                "diverged": len(a.get("diverged", [])),
                "diverged_at_steps": " ".join(f"{d['replica']}@{d['step']}" for d in a.get("diverged", []))}
-        for q, unit, scale in (("accuracy", "_pct", _x100), ("cross_entropy", "_nats", lambda v: v)):
-            s = m.get(q, {})
-            row.update({f"{q}_mean{unit}": scale(s.get("mean")), f"{q}_std{unit}": scale(s.get("std")),
-                        **_ci_cols(f"{q}_std", s.get("std_ci"), unit, scale)})
-        row["independent_errors_std_pct"] = _x100(m.get("independent_errors_std"))
+        for q in quantities:
+            def scale(v, k=q.scale):
+                return None if v is None else k * v
+
+            st = m.get(q.name, {})
+            row.update({f"{q.name}_mean{q.unit}": scale(st.get("mean")), f"{q.name}_std{q.unit}": scale(st.get("std")),
+                        **_ci_cols(f"{q.name}_std", st.get("std_ci"), q.unit, scale)})
+        if task == "classification":
+            row["independent_errors_std_pct"] = _x100(m.get("independent_errors_std"))
         vs = summary["vs_all"].get(arm)
-        for q in ("accuracy", "cross_entropy"):
-            c = vs[q] if vs else {}
-            row.update({f"{q}_std_ratio_vs_all": c.get("ratio"), **_ci_cols(f"{q}_ratio", c.get("ratio_ci")),
-                        f"{q}_f_test_p": c.get("f_test_p"), f"{q}_brown_forsythe_p": c.get("brown_forsythe_p"),
-                        f"{q}_replicas_for_80pct_power": c.get("replicas_for_80pct_power")})
-        for name, unit in _PAIR_COLUMNS.items():
+        for q in quantities:
+            c = vs[q.name] if vs else {}
+            row.update({f"{q.name}_std_ratio_vs_all": c.get("ratio"), **_ci_cols(f"{q.name}_ratio", c.get("ratio_ci")),
+                        f"{q.name}_f_test_p": c.get("f_test_p"), f"{q.name}_brown_forsythe_p": c.get("brown_forsythe_p"),
+                        f"{q.name}_replicas_for_80pct_power": c.get("replicas_for_80pct_power")})
+        for name, unit in PAIRWISE[task].items():
             scale = _x100 if unit == "_pct" else (lambda v: v)
             row[f"{name}{unit}"] = scale(m[name]["mean"]) if name in m else None
             if name != "lmc_barrier":  # same units as the mean; empty where "n/a" (R < 3)
@@ -173,6 +181,8 @@ def replica_rows(rows: list[dict]) -> list[dict]:
     """The stored per-replica rows (fractions, as in ``arms/<arm>.json``) in the tables' units: the
     ``replicas.csv`` table and ``StudyResult.rows``."""
     units = {"test_accuracy": "_pct", "train_accuracy": "_pct", "test_loss": "_nats", "train_loss": "_nats"}
+    if rows and "test_mse" in rows[0]:  # a regression: the loss is the user's (or MSE), in the targets' units
+        units = {}
     return [{k + units.get(k, ""): (_x100(v) if units.get(k) == "_pct" else v) for k, v in row.items()}
             for row in rows]
 
@@ -188,6 +198,8 @@ def _write_csv(path: Path, rows: list[dict]) -> None:
 
 def format_table(summary: dict) -> str:
     """The main per-arm table (plain text): printed by the sweep, embedded in the report."""
+    if task_of(summary) == "regression":
+        return _regression_table(summary)
     head = (f"{'arm':<13}{'R':>3} {'accuracy %':>10} {'acc std % [95% CI]':>22} {'ratio vs all':>12} {'p(F)':>6}"
             f" {'CE std [95% CI]':>24} {'disagree %':>10} {'CKA':>6} {'LMC bar. %':>10}")
     lines = [head, "-" * len(head)]
@@ -213,4 +225,31 @@ def format_table(summary: dict) -> str:
             f"{arm} {len(d)} of {summary['arms'][arm]['replicas']} (replica "
             + ", ".join(f"{x['replica']} at step {x['step']}" + (" with non-finite outputs" if x.get("cause") == "outputs"
                         else "") for x in d) + ")" for arm, d in diverged.items()))
+    return "\n".join(lines)
+
+
+def _regression_table(summary: dict) -> str:
+    """:func:`format_table` of a regression: test MSE and MAE in place of accuracy and cross-entropy,
+    the RMS distance and correlation of replicas' predictions in place of disagreement."""
+    head = (f"{'arm':<13}{'R':>3} {'test MSE':>11} {'MSE std [95% CI]':>28} {'ratio vs all':>12} {'p(F)':>6}"
+            f" {'MAE std [95% CI]':>28} {'pred. dist':>10} {'pred. r':>7} {'CKA':>6}")
+    lines = [head, "-" * len(head)]
+    g = lambda v: "n/a" if v is None or not np.isfinite(v) else f"{v:.4g}"  # noqa: E731
+    ci = lambda c: "" if not c or c[0] is None or not np.isfinite(c[0]) else f" [{g(c[0])}, {g(c[1])}]"  # noqa: E731
+    for arm, a in summary["arms"].items():
+        m = a["metrics"]
+        vs = summary["vs_all"].get(arm, {}).get("mse", {})
+        if not m:
+            lines.append(f"{arm:<13}{0:>3} {'n/a':>11}  every replica diverged, nothing left to measure (see below)")
+            continue
+        mse, mae = m["mse"], m["mae"]
+        lines.append(f"{arm:<13}{a.get('replicas_used', a['replicas']):>3} {g(mse['mean']):>11} "
+                     f"{(g(mse['std']) + ci(mse['std_ci'])):>28} {_fmt(vs.get('ratio'), 2):>12} "
+                     f"{_fmt(vs.get('f_test_p'), 3):>6} {(g(mae['std']) + ci(mae['std_ci'])):>28} "
+                     f"{g(m.get('prediction_distance', {}).get('mean')):>10} {_fmt(m.get('pearson', {}).get('mean'), 3):>7} "
+                     f"{_fmt(m.get('cka', {}).get('mean'), 3):>6}")
+    lines.append("regression: std over replicas (ddof=1), chi-square 95% CI (normal data; n/a below R=2); ratio: "
+                 "test-MSE std / the all arm's, two-sided F-test p; pred. dist: RMS difference of two replicas' test "
+                 "predictions, pred. r: their Pearson correlation, mean over pairs (no accuracy, disagreement or LMC "
+                 "barrier: they need classes)")
     return "\n".join(lines)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nondet_jax.analysis.metrics import accuracy, cross_entropy
+from nondet_jax.analysis.metrics import accuracy, cross_entropy, regression_errors
 from nondet_jax.errors import UsageError
 from nondet_jax.store.paths import RunPaths
 
@@ -47,7 +47,11 @@ def arm_scalars(run: Path, arm: str) -> list[dict[str, list[tuple[int, float]]]]
     hist = _load(paths.arm_file("history", arm))
     logits = np.load(paths.arm_file("logits", arm), allow_pickle=False)
     labels = np.load(paths.test_labels, allow_pickle=False)
-    acc, nll = accuracy(logits, labels), cross_entropy(logits, labels)
+    regression = np.issubdtype(labels.dtype, np.floating)  # a regression's targets (classes are integers)
+    if regression:
+        acc, nll = regression_errors(logits, labels)  # test MSE, MAE
+    else:
+        acc, nll = accuracy(logits, labels), cross_entropy(logits, labels)
     inst_path = paths.arm_file("instruments", arm)
     inst = _load(inst_path) if inst_path.exists() else {}
     epochs = hist["train_loss"].shape[1]
@@ -55,9 +59,10 @@ def arm_scalars(run: Path, arm: str) -> list[dict[str, list[tuple[int, float]]]]
     for r in range(len(logits)):
         tags: dict[str, list[tuple[int, float]]] = {
             "train/loss": [(e + 1, float(v)) for e, v in enumerate(hist["train_loss"][r])],
-            "train/accuracy": [(e + 1, float(v)) for e, v in enumerate(hist["train_accuracy"][r])],
-            "test/accuracy": [(epochs, float(acc[r]))],
-            "test/loss": [(epochs, float(nll[r]))],
+            "train/mae" if regression else "train/accuracy":
+                [(e + 1, float(v)) for e, v in enumerate(hist["train_accuracy"][r])],
+            "test/mse" if regression else "test/accuracy": [(epochs, float(acc[r]))],
+            "test/mae" if regression else "test/loss": [(epochs, float(nll[r]))],
         }
         if "step_loss" in hist:
             tags["train/step_loss"] = [(t, float(v)) for t, v in enumerate(np.ravel(hist["step_loss"][r]))]

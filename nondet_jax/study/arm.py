@@ -15,8 +15,9 @@ from nondet_jax.analysis.health import (
     divergence_records,
     healthy_subset,
 )
-from nondet_jax.analysis.metrics import accuracy, cross_entropy
+from nondet_jax.analysis.metrics import accuracy, cross_entropy, regression_errors
 from nondet_jax.analysis.mitigations import snapshot_epochs
+from nondet_jax.analysis.task import TRAIN_SCORE
 from nondet_jax.analysis.tta import tta_logits, view_grid
 from nondet_jax.config import Config
 from nondet_jax.errors import UsageError
@@ -35,14 +36,19 @@ from nondet_jax.store.run import config_digest
 from nondet_jax.train import augmentation_settings, make_schedule, make_train
 
 
-def arm_record(arm: Arm, result, strategy_reason: str, arm_metrics: dict, acc: np.ndarray, nll: np.ndarray) -> dict:
-    """The JSON record of a finished arm: per-replica rows (test accuracy ``acc`` and cross-entropy
-    ``nll``), metrics, and how it was trained."""
-    rows = [{"arm": arm.name, "replica": r, "test_accuracy": float(acc[r]), "test_loss": float(nll[r]),
-             "train_loss": float(result.train_loss[r, -1]), "train_accuracy": float(result.train_accuracy[r, -1]),
-             "diverged_at_step": int(result.diverged_at[r]), "strategy": result.strategy} for r in range(len(acc))]
+def arm_record(arm: Arm, result, strategy_reason: str, arm_metrics: dict, scores: dict[str, np.ndarray],
+               task: str = "classification") -> dict:
+    """The JSON record of a finished arm: per-replica rows (the task's test ``scores``, e.g.
+    ``{"test_accuracy": ..., "test_loss": ...}``, and the training loss and score at the end),
+    metrics, and how it was trained."""
+    n = len(next(iter(scores.values())))
+    rows = [{"arm": arm.name, "replica": r, **{k: float(v[r]) for k, v in scores.items()},
+             "train_loss": float(result.train_loss[r, -1]), TRAIN_SCORE[task]: float(result.train_accuracy[r, -1]),
+             "diverged_at_step": int(result.diverged_at[r]), "strategy": result.strategy} for r in range(n)]
+    acc = next(iter(scores.values()))
     return {
         "arm": arm.name,
+        "task": task,
         "varied": sorted(arm.varied),
         "replicas": len(acc),
         "replicas_used": int((result.diverged_at < 0).sum()),  # the metrics leave diverged replicas out
@@ -135,8 +141,12 @@ def finish_arm(config: Config, data, fns, store, arm: Arm, result, reason: str, 
         metrics, pair_arrays = arm_metrics(used, data, fns, config.metrics)
     else:
         metrics, pair_arrays = {}, {}
-    record = arm_record(arm, result, reason, metrics, accuracy(result.logits, labels),
-                        cross_entropy(result.logits, labels))
+    task = getattr(data, "task", "classification")
+    if task == "regression":
+        scores = dict(zip(("test_mse", "test_mae"), regression_errors(result.logits, labels)))
+    else:
+        scores = {"test_accuracy": accuracy(result.logits, labels), "test_loss": cross_entropy(result.logits, labels)}
+    record = arm_record(arm, result, reason, metrics, scores, task)
     record["diverged"] = diverged
     trace = None
     if study.dynamics_every and arm.name != "control" and study.replicas >= 2:

@@ -70,8 +70,10 @@ def data_identity(data) -> dict:
         if key in _DATA_CACHE:
             return _DATA_CACHE[key]
     arrays = (data.x_train, data.y_train, data.x_test, data.y_test)
-    out = {"sha256": hashlib.sha256((arrays_sha256(arrays) + f"classes={data.num_classes}").encode()).hexdigest(),
-           "test_sha256": arrays_sha256(arrays[2:]), "classes": int(data.num_classes),
+    task = getattr(data, "task", "classification")
+    out = {"sha256": hashlib.sha256((arrays_sha256(arrays) + f"classes={data.num_classes};task={task}").encode()
+                                    ).hexdigest(),
+           "test_sha256": arrays_sha256(arrays[2:]), "classes": int(data.num_classes), "task": task,
            "shapes": {n: [list(np.shape(a)), str(np.asarray(a).dtype)]
                       for n, a in zip(("x_train", "y_train", "x_test", "y_test"), arrays)}}
     if key is not None:
@@ -124,7 +126,7 @@ def part_identities(config, data, fns) -> dict[str, dict]:
     x_dtype = np.asarray(data.x_train[:1]).dtype
     x1 = jax.ShapeDtypeStruct((1, *fns.spec.image_shape), x_dtype)
     xb = jax.ShapeDtypeStruct((b, *fns.spec.image_shape), x_dtype)
-    yb = jax.ShapeDtypeStruct((b,), np.asarray(data.y_train[:1]).dtype)
+    yb = jax.ShapeDtypeStruct((b, *np.shape(data.y_train)[1:]), np.asarray(data.y_train[:1]).dtype)
     key = jax.random.key(0)
     variables = jax.eval_shape(model.init, key, x1)
     dropout = jax.eval_shape(lambda k, perm: model.dropout_input(k, b, perm), key, jnp.arange(b))

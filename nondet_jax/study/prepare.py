@@ -71,6 +71,27 @@ def check_arms_active(config: Config, arms: list[Arm], fns) -> None:
                              f"so its replicas would equal control's; {off[0][2]} or drop the arm")
 
 
+def check_outputs(fns) -> None:
+    """Refuse, before anything trains, a model whose outputs do not fit the data: one score per class
+    (classification) or as many outputs as the targets have (regression); traced, not run."""
+    spec, b = fns.spec, fns.batch_size
+    key = jax.random.key(0)
+    variables = jax.eval_shape(fns.model.init, key, jax.ShapeDtypeStruct((1, *spec.image_shape), spec.x_dtype))
+    out = jax.eval_shape(fns.model.evaluate, variables, jax.ShapeDtypeStruct((b, *spec.image_shape), spec.x_dtype))[0]
+    shape = tuple(out.shape)
+    if spec.task == "regression":
+        if len(shape) < 1 or shape[0] != b or int(np.prod(shape[1:])) != spec.num_classes:
+            raise UsageError(f"the model returns outputs of shape {shape} for a batch of {b}, but the targets have "
+                             f"{spec.num_classes} value(s) per example; build its last layer with num_classes="
+                             f"{spec.num_classes} outputs")
+    elif shape != (b, spec.num_classes):
+        raise UsageError(f"the model returns outputs of shape {shape} for a batch of {b}, but the data has "
+                         f"{spec.num_classes} classes; build its last layer with num_classes outputs (shape "
+                         f"({b}, {spec.num_classes}))")
+    if not jax.numpy.issubdtype(out.dtype, jax.numpy.floating):
+        raise UsageError(f"the model returns {out.dtype} outputs; return floating-point logits or predictions")
+
+
 def parse_arms(config: Config) -> list[Arm]:
     """The study's arms, each parsed once (UsageError for unknown names)."""
     return [parse_arm(a) for a in config.study.arms]
@@ -114,9 +135,11 @@ def prepare(config: Config, parts: Parts = Parts(), data=None):
 
         for name in config.metrics.tta:
             view_grid(name, augmentation_settings(config, data.name, data.x_train.shape[1])[2])
-    spec = DataSpec(n_train, tuple(data.x_train.shape[1:]), data.num_classes, data.name, np.dtype(data.x_train.dtype))
+    spec = DataSpec(n_train, tuple(data.x_train.shape[1:]), data.num_classes, data.name, np.dtype(data.x_train.dtype),
+                    getattr(data, "task", "classification"))
     fns = make_train(config, spec, parts)
     check_arms_active(config, parse_arms(config), fns)
+    check_outputs(fns)
     check_fits(config, spec, len(data.x_test), fns=fns)  # before anything is allocated or written
     return data, fns
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from nondet_jax.analysis.task import QUANTITIES, task_of
 from nondet_jax.config import Config
 from nondet_jax.errors import UsageError
 from nondet_jax.machine.determinism import (
@@ -68,8 +69,10 @@ def finish_study(store, log) -> dict:
 
 def log_accuracy(log, arm: Arm, record: dict) -> None:
     if record["metrics"]:
-        acc = record["metrics"]["accuracy"]
-        log(f"arm {arm.name}: test accuracy {acc['mean']:.4f} +- {acc['std']:.4f}, {record['seconds']:.1f} s")
+        q = QUANTITIES[task_of(record)][0]
+        acc = record["metrics"][q.name]
+        log(f"arm {arm.name}: {q.label if q.name != 'accuracy' else 'test accuracy'} {acc['mean']:.4f} +- "
+            f"{acc['std']:.4f}, {record['seconds']:.1f} s")
 
 
 def run(config: Config, out: str | Path | None = None, progress: bool | None = None, log=print,

@@ -1,0 +1,83 @@
+"""Regression is recognised from the targets, trained with its own loss and reported in MSE, not accuracy."""
+
+from __future__ import annotations
+
+import json
+
+import flax.linen as nn
+import numpy as np
+import optax
+import pytest
+
+import nondet_jax as nj
+from nondet_jax.data import from_arrays
+from nondet_jax.errors import UsageError
+
+QUIET = {"log": lambda *a, **k: None}
+
+
+class MLP(nn.Module):
+    num_classes: int = 1  # a regression's outputs per example
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        x = nn.Dropout(0.1, deterministic=not train)(nn.relu(nn.Dense(16)(x)))
+        return nn.Dense(self.num_classes)(x)
+
+
+def diabetes():
+    from sklearn.datasets import load_diabetes
+
+    x, y = load_diabetes(return_X_y=True)  # 442 patients; targets are whole-number floats (25.0 .. 346.0)
+    x = ((x - x.mean(0)) / x.std(0)).astype(np.float32)
+    return x[:352], y[:352], x[352:], y[352:]
+
+
+def test_float_targets_are_a_regression_whole_numbers_included():
+    d = from_arrays("diabetes", *diabetes())
+    assert d.task == "regression" and d.num_classes == 1 and d.y_train.dtype == np.float32
+    assert np.array_equal(d.y_train, diabetes()[1].astype(np.float32))  # not relabelled as 347 classes
+    two = from_arrays("two", np.zeros((4, 3)), np.zeros((4, 2)), np.zeros((2, 3)), np.zeros((2, 2)))
+    assert two.task == "regression" and two.num_classes == 2
+    labels = from_arrays("c", np.zeros((4, 3)), np.array([0.0, 1, 2, 1]), np.zeros((2, 3)), np.array([0.0, 2]),
+                         task="classification")
+    assert labels.task == "classification" and labels.num_classes == 3
+    with pytest.raises(UsageError, match="y_train must hold finite real numbers for a regression"):
+        from_arrays("n", np.zeros((2, 3)), np.array([0.0, np.nan]), np.zeros((1, 3)), np.array([0.0]))
+    with pytest.raises(UsageError, match="task 'ranking' is unknown"):
+        from_arrays("n", np.zeros((2, 3)), np.zeros(2), np.zeros((1, 3)), np.zeros(1), task="ranking")
+
+
+def test_diabetes_study_end_to_end_speaks_of_mse(tmp_path):
+    x_tr, y_tr, x_te, y_te = diabetes()
+    mu, sd = y_tr.mean(), y_tr.std()
+    data = (x_tr, (y_tr - mu) / sd, x_te, (y_te - mu) / sd)
+    result = nj.run_study(model=MLP, data=data, optimizer=optax.adam(1e-2), loss=lambda p, t: (p - t) ** 2,
+                          epochs=3, batch_size=32, arms="control,init,dropout,all", replicas=3,
+                          out=tmp_path / "run", **QUIET)
+    rows = {r["arm"]: r for r in result.table}
+    assert "accuracy_mean_pct" not in rows["init"] and "disagreement_pct" not in rows["init"]
+    assert rows["control"]["mse_std"] == 0.0 and rows["init"]["mse_std"] > 0
+    assert rows["init"]["prediction_distance"] > 0 and -1 <= rows["init"]["pearson"] <= 1
+    assert rows["init"]["mse_std_ratio_vs_all"] > 0 and "lmc_barrier_pct" not in rows["init"]
+    # the stored per-replica MSE is the MSE of the stored predictions
+    preds = result.logits["init"].reshape(3, -1)
+    mse = np.mean((preds - data[3][None]) ** 2, axis=1)
+    assert np.allclose([r["test_mse"] for r in result.rows if r["arm"] == "init"], mse, rtol=1e-6)
+    report = result.report.read_text()
+    assert "test MSE" in report and "regression, 1 output(s) per example" in report
+    assert "accuracy std" not in report and "disagreement (%)" not in report
+    assert (tmp_path / "run" / "figures" / "mse.png").exists()
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["task"] == "regression" and set(summary["vs_all"]["init"]) == {"mse", "mae"}
+
+
+def test_regression_through_the_cli_from_an_npz(tmp_path):
+    from nondet_jax.cli import sweep
+
+    x_tr, y_tr, x_te, y_te = diabetes()
+    np.savez(tmp_path / "d.npz", x_train=x_tr, y_train=(y_tr - 150) / 80, x_test=x_te, y_test=(y_te - 150) / 80)
+    assert sweep.main(["--model", "mlp", "--dataset", str(tmp_path / "d.npz"), "--augment", "off", "--epochs", "1",
+                       "--replicas", "2", "--batch-size", "32", "--arms", "control,init", "--no-progress",
+                       "--out", str(tmp_path / "run")]) == 0
+    assert "test MSE" in (tmp_path / "run" / "report.md").read_text()
