@@ -196,60 +196,66 @@ def _write_csv(path: Path, rows: list[dict]) -> None:
     atomic_write_bytes(path, buf.getvalue().encode())
 
 
-def format_table(summary: dict) -> str:
-    """The main per-arm table (plain text): printed by the sweep, embedded in the report."""
-    if task_of(summary) == "regression":
-        return _regression_table(summary)
-    head = (f"{'arm':<13}{'R':>3} {'accuracy %':>10} {'acc std % [95% CI]':>22} {'ratio vs all':>12} {'p(F)':>6}"
+def _classification_columns(arm: str, a: dict, summary: dict) -> tuple[str, str, str]:
+    """(header, row after the arm and R, legend) of the classification table."""
+    m = a["metrics"]
+    vs = summary["vs_all"].get(arm, {}).get("accuracy", {})
+    head = (f"{'accuracy %':>10} {'acc std % [95% CI]':>22} {'ratio vs all':>12} {'p(F)':>6}"
             f" {'CE std [95% CI]':>24} {'disagree %':>10} {'CKA':>6} {'LMC bar. %':>10}")
-    lines = [head, "-" * len(head)]
-    for arm, a in summary["arms"].items():
-        m = a["metrics"]
-        vs = summary["vs_all"].get(arm, {}).get("accuracy", {})
-        if not m:
-            lines.append(f"{arm:<13}{0:>3} {'n/a':>10}  every replica diverged, nothing left to measure (see below)")
-            continue
+    row = ""
+    if m:
         acc, ce = m["accuracy"], m["cross_entropy"]
-        lines.append(
-            f"{arm:<13}{a.get('replicas_used', a['replicas']):>3} {acc['mean'] * 100:>10.2f} "
-            f"{acc['std'] * 100:>6.2f}{_ci(acc['std_ci'], 2, 100):<16} {_fmt(vs.get('ratio'), 2):>12} "
-            f"{_fmt(vs.get('f_test_p'), 3):>6} {ce['std']:>7.4f}{_ci(ce['std_ci']):<17} "
-            f"{_pct(m.get('disagreement', {}).get('mean')):>10} {_fmt(m.get('cka', {}).get('mean'), 3):>6} "
-            f"{_pct(m.get('lmc_barrier', {}).get('mean')):>10}")
-    lines.append("std: sample std over replicas (ddof=1), chi-square 95% CI (normal data; n/a below R=2); ratio: "
-                 "accuracy std / the all arm's, two-sided F-test p; CE in nats; disagreement and LMC barrier "
-                 "(test error) in %, mean over pairs")
+        row = (f"{acc['mean'] * 100:>10.2f} {acc['std'] * 100:>6.2f}{_ci(acc['std_ci'], 2, 100):<16} "
+               f"{_fmt(vs.get('ratio'), 2):>12} {_fmt(vs.get('f_test_p'), 3):>6} {ce['std']:>7.4f}"
+               f"{_ci(ce['std_ci']):<17} {_pct(m.get('disagreement', {}).get('mean')):>10} "
+               f"{_fmt(m.get('cka', {}).get('mean'), 3):>6} {_pct(m.get('lmc_barrier', {}).get('mean')):>10}")
+    legend = ("std: sample std over replicas (ddof=1), chi-square 95% CI (normal data; n/a below R=2); ratio: "
+              "accuracy std / the all arm's, two-sided F-test p; CE in nats; disagreement and LMC barrier "
+              "(test error) in %, mean over pairs")
+    return head, row, legend
+
+
+def _regression_columns(arm: str, a: dict, summary: dict) -> tuple[str, str, str]:
+    """(header, row, legend) of a regression's table: test MSE and MAE in place of accuracy and
+    cross-entropy, the RMS distance and correlation of replicas' predictions in place of disagreement."""
+    m = a["metrics"]
+    vs = summary["vs_all"].get(arm, {}).get("mse", {})
+    g = lambda v: "n/a" if v is None or not np.isfinite(v) else f"{v:.4g}"  # noqa: E731
+    ci = lambda c: "" if not c or c[0] is None or not np.isfinite(c[0]) else f" [{g(c[0])}, {g(c[1])}]"  # noqa: E731
+    head = (f"{'test MSE':>10} {'MSE std [95% CI]':>28} {'ratio vs all':>12} {'p(F)':>6}"
+            f" {'MAE std [95% CI]':>28} {'pred. dist':>10} {'pred. r':>7} {'CKA':>6}")
+    row = ""
+    if m:
+        mse, mae = m["mse"], m["mae"]
+        row = (f"{g(mse['mean']):>10} {(g(mse['std']) + ci(mse['std_ci'])):>28} {_fmt(vs.get('ratio'), 2):>12} "
+               f"{_fmt(vs.get('f_test_p'), 3):>6} {(g(mae['std']) + ci(mae['std_ci'])):>28} "
+               f"{g(m.get('prediction_distance', {}).get('mean')):>10} {_fmt(m.get('pearson', {}).get('mean'), 3):>7} "
+               f"{_fmt(m.get('cka', {}).get('mean'), 3):>6}")
+    legend = ("regression: std over replicas (ddof=1), chi-square 95% CI (normal data; n/a below R=2); ratio: "
+              "test-MSE std / the all arm's, two-sided F-test p; pred. dist: RMS difference of two replicas' test "
+              "predictions, pred. r: their Pearson correlation, mean over pairs (no accuracy, disagreement or LMC "
+              "barrier: they need classes)")
+    return head, row, legend
+
+
+def format_table(summary: dict) -> str:
+    """The main per-arm table (plain text): printed by the sweep, embedded in the report; its
+    columns are the task's (:func:`_classification_columns`, :func:`_regression_columns`)."""
+    columns = _regression_columns if task_of(summary) == "regression" else _classification_columns
+    head = legend = ""
+    rows = []
+    for arm, a in summary["arms"].items():
+        head, row, legend = columns(arm, a, summary)
+        if not a["metrics"]:
+            rows.append(f"{arm:<13}{0:>3} {'n/a':>10}  every replica diverged, nothing left to measure (see below)")
+        else:
+            rows.append(f"{arm:<13}{a.get('replicas_used', a['replicas']):>3} {row}")
+    head = f"{'arm':<13}{'R':>3} {head}"
+    lines = [head, "-" * len(head), *rows, legend]
     diverged = {arm: a["diverged"] for arm, a in summary["arms"].items() if a.get("diverged")}
     if diverged:
         lines.append("diverged (left out of every metric; R counts the rest): " + "; ".join(
             f"{arm} {len(d)} of {summary['arms'][arm]['replicas']} (replica "
             + ", ".join(f"{x['replica']} at step {x['step']}" + (" with non-finite outputs" if x.get("cause") == "outputs"
                         else "") for x in d) + ")" for arm, d in diverged.items()))
-    return "\n".join(lines)
-
-
-def _regression_table(summary: dict) -> str:
-    """:func:`format_table` of a regression: test MSE and MAE in place of accuracy and cross-entropy,
-    the RMS distance and correlation of replicas' predictions in place of disagreement."""
-    head = (f"{'arm':<13}{'R':>3} {'test MSE':>11} {'MSE std [95% CI]':>28} {'ratio vs all':>12} {'p(F)':>6}"
-            f" {'MAE std [95% CI]':>28} {'pred. dist':>10} {'pred. r':>7} {'CKA':>6}")
-    lines = [head, "-" * len(head)]
-    g = lambda v: "n/a" if v is None or not np.isfinite(v) else f"{v:.4g}"  # noqa: E731
-    ci = lambda c: "" if not c or c[0] is None or not np.isfinite(c[0]) else f" [{g(c[0])}, {g(c[1])}]"  # noqa: E731
-    for arm, a in summary["arms"].items():
-        m = a["metrics"]
-        vs = summary["vs_all"].get(arm, {}).get("mse", {})
-        if not m:
-            lines.append(f"{arm:<13}{0:>3} {'n/a':>11}  every replica diverged, nothing left to measure (see below)")
-            continue
-        mse, mae = m["mse"], m["mae"]
-        lines.append(f"{arm:<13}{a.get('replicas_used', a['replicas']):>3} {g(mse['mean']):>11} "
-                     f"{(g(mse['std']) + ci(mse['std_ci'])):>28} {_fmt(vs.get('ratio'), 2):>12} "
-                     f"{_fmt(vs.get('f_test_p'), 3):>6} {(g(mae['std']) + ci(mae['std_ci'])):>28} "
-                     f"{g(m.get('prediction_distance', {}).get('mean')):>10} {_fmt(m.get('pearson', {}).get('mean'), 3):>7} "
-                     f"{_fmt(m.get('cka', {}).get('mean'), 3):>6}")
-    lines.append("regression: std over replicas (ddof=1), chi-square 95% CI (normal data; n/a below R=2); ratio: "
-                 "test-MSE std / the all arm's, two-sided F-test p; pred. dist: RMS difference of two replicas' test "
-                 "predictions, pred. r: their Pearson correlation, mean over pairs (no accuracy, disagreement or LMC "
-                 "barrier: they need classes)")
     return "\n".join(lines)
