@@ -1,10 +1,14 @@
-"""Simulated coverage of every interval nondet_jax prints, at R=4, 8 and 12 (nominal 95%).
+"""Simulated coverage of every interval nondet_jax prints, at R=3, 4, 5, 8 and 16 (nominal 95%), and the
+false-alarm rates of its spread tests.
 
 For each case of :data:`nondet_jax.analysis.coverage.CASES` (an interval, its method and a data model with a
 known true value), draws ``--trials`` seeded simulated studies per replica count and prints the
-fraction whose interval contains the truth. Writes benchmarks/results/coverage.json.
+fraction whose interval contains the truth ("n/a" where the tool prints no interval at that R; for the
+borderline pairwise cases, the coverage among the studies that print one, and how many do). Then, with
+every arm drawn from one scenario, how often each spread test says "different" at p < 0.05, alone and
+(Holm) over 5 arms. Writes benchmarks/results/coverage.json.
 
-Run ``python benchmarks/coverage.py [--trials 4000]`` (a few seconds).
+Run ``python benchmarks/coverage.py [--trials 4000]`` (about a minute).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from nondet_jax.analysis import coverage  # noqa: E402  (after the checkout is put on sys.path)
-from nondet_jax.analysis.stats import METHODS  # noqa: E402
+from nondet_jax.analysis.stats import METHODS, MIN_REPLICAS  # noqa: E402
 from nondet_jax.store.io import atomic_write_json  # noqa: E402
 
 
@@ -38,22 +42,43 @@ def percentile_bootstrap(statistic: str, replicas: int, trials: int, seed: int, 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trials", type=int, default=4000)
-    p.add_argument("--replicas", type=int, nargs="+", default=[4, 8, 12])
+    p.add_argument("--replicas", type=int, nargs="+", default=[3, 4, 5, 8, 16])
+    p.add_argument("--test-trials", type=int, default=1000)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "coverage.json")
     args = p.parse_args(argv)
     rows = []
-    print(f"{'interval':<36}" + "".join(f"{'R=' + str(r):>8}" for r in args.replicas) + "  data model; method")
+    print(f"{'interval: scenario':<50}" + "".join(f"{'R=' + str(r):>8}" for r in args.replicas) + "  data model")
     for name, (kind, model, _) in coverage.CASES.items():
-        cov = {str(r): coverage.simulate(name, r, args.trials, seed=r) for r in args.replicas}
-        rows.append({"interval": name, "kind": kind, "method": METHODS[kind], "data_model": model, "coverage": cov})
-        print(f"{name:<36}" + "".join(f"{100 * c:>7.1f}%" for c in cov.values()) + f"  {model}; {METHODS[kind]}")
+        cov, shown = {}, {}
+        for r in args.replicas:
+            ok = r >= MIN_REPLICAS[kind]
+            cov[str(r)] = coverage.simulate(name, r, args.trials, seed=r) if ok else None
+            shown[str(r)] = coverage.shown(name, r) if ok else 0.0
+        rows.append({"interval": name, "kind": kind, "method": METHODS[kind], "data_model": model, "coverage": cov,
+                     "printed": shown})
+        cells = "".join(f"{'n/a':>8}" if c is None or c != c else f"{100 * c:>7.1f}%" for c in cov.values())
+        print(f"{name:<50}{cells}  {model}" + ("" if shown[str(args.replicas[-1])] is None else
+              "; printed in " + ", ".join(f"{100 * v:.0f}%" for v in shown.values())))
+    alarms = []
+    print(f"\nfalse alarms at p < 0.05, every arm from one scenario ({args.test_trials} studies; 5 arms: at least one)")
+    print(f"{'test':<18}{'scenario':<26}" + "".join(f"{'R=' + str(r):>8}" for r in args.replicas) + f"{'5 arms R=8':>12}")
+    for test in ("spread_p", "f_test_p", "brown_forsythe_p"):
+        for sc in ("normal", "skewed", "heavy tails", "bad seeds", "counts, 360 images", "near ties, 360 images"):
+            rate = {str(r): coverage.false_alarm(test, sc, r, args.test_trials, seed=r) for r in args.replicas}
+            family = coverage.false_alarm(test, sc, 8, args.test_trials // 2, seed=1, arms=5)
+            holm = coverage.false_alarm("spread_p_holm", sc, 8, args.test_trials // 2, seed=1, arms=5) \
+                if test == "spread_p" else None
+            alarms.append({"test": test, "scenario": sc, "false_alarm": rate, "five_arms": family, "five_arms_holm": holm})
+            print(f"{test:<18}{sc:<26}" + "".join(f"{100 * v:>7.1f}%" for v in rate.values()) + f"{100 * family:>11.1f}%"
+                  + ("" if holm is None else f"  Holm {100 * holm:.1f}%"))
     before = []
     for statistic in ("std", "mean"):
         cov = {str(r): percentile_bootstrap(statistic, r, args.trials, seed=r) for r in args.replicas}
         before.append({"interval": statistic, "method": "percentile bootstrap, 1000 resamples (replaced)",
                        "data_model": "normal", "coverage": cov})
         print(f"{statistic + ' (percentile bootstrap, before)':<36}" + "".join(f"{100 * c:>7.1f}%" for c in cov.values()))
-    atomic_write_json(args.out, {"nominal": 0.95, "trials": args.trials, "rows": rows, "replaced": before})
+    atomic_write_json(args.out, {"nominal": 0.95, "trials": args.trials, "rows": rows, "false_alarms": alarms,
+                                 "replaced": before})
     print(f"{args.trials} simulated studies per cell; wrote {args.out}")
     return 0
 

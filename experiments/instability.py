@@ -87,8 +87,9 @@ def run(epochs: int | None, out: Path) -> dict:
 
 
 def table(result: dict) -> str:
-    """Mean over pairs at a few epochs, with a 95% replica-jackknife t interval at the last one."""
-    from nondet_jax.analysis.stats import pairwise_mean_ci
+    """Mean over pairs at a few epochs, with the report's 95% replica-jackknife interval at the last one
+    (on the metric's log scale, within its range; "n/a" where the replicas are too alike to estimate)."""
+    from nondet_jax.analysis.stats import pairwise_summary
 
     arms = result["arms"]
     last = min(len(a["epoch"]) for a in arms.values()) - 1
@@ -97,7 +98,7 @@ def table(result: dict) -> str:
     for arm, a in arms.items():
         for key, scale, unit in (("disagreement", 100, "%"), ("cka", 1, ""), ("weight_distance", 1, "")):
             vals = [float(np.mean(a[key][e])) * scale for e in marks]
-            lo, hi = pairwise_mean_ci(a[key][last], a["replicas"])
+            lo, hi = pairwise_summary(key, np.asarray(a[key][last]), a["replicas"])["ci"]
             ci = f"[{lo * scale:.3g}, {hi * scale:.3g}]" if np.isfinite(lo) else "n/a"
             lines.append(f"{arm:<12}{key + unit:<17}" + "".join(f" {v:>8.3g}" for v in vals) + f"   {ci}")
         lines.append(f"{arm:<12}{'accuracy %':<17}" + "".join(f" {np.mean(a['accuracy'][e]) * 100:>8.4g}" for e in marks))

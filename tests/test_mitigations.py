@@ -52,9 +52,10 @@ def test_snapshot_epochs():
 def test_identical_replicas_have_no_spread_and_no_disagreement():
     logits = np.repeat(np.random.default_rng(1).normal(size=(1, 40, 5)), 4, axis=0)
     m = variant_metrics(logits, np.arange(40) % 5)
-    assert m["accuracy"]["std"] == 0.0 and m["accuracy"]["std_ci"] == [0.0, 0.0]
-    assert m["cross_entropy"]["std"] == 0.0
-    assert m["disagreement"]["mean"] == 0.0 and m["disagreement"]["ci"] == [0.0, 0.0]
+    assert m["accuracy"]["std"] == 0.0 and m["accuracy"]["std_ci"][0] == 0.0 < m["accuracy"]["std_ci"][1] < 2 / 40
+    assert m["cross_entropy"]["std"] == 0.0 and m["cross_entropy"]["std_ci"] == [0.0, 0.0]
+    assert m["disagreement"]["mean"] == 0.0 and all(np.isnan(m["disagreement"]["ci"]))  # no zero-width bar
+    assert m["disagreement"]["na"].startswith("n/a: replicas too alike")
     assert m["pearson"]["mean"] == pytest.approx(1.0, abs=1e-12)
 
 

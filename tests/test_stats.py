@@ -8,14 +8,64 @@ from scipy import stats as sps
 from nondet_jax.analysis import stats
 
 
-def test_std_ci_is_the_chi_square_interval():
+def test_std_ci_normal_is_the_chi_square_interval():
     x = np.random.default_rng(1).normal(size=12)
-    lo, hi = stats.std_ci(x)
+    lo, hi = stats.std_ci_normal(x)
     s = x.std(ddof=1)
     assert lo == pytest.approx(s * np.sqrt(11 / sps.chi2.ppf(0.975, 11)))
     assert hi == pytest.approx(s * np.sqrt(11 / sps.chi2.ppf(0.025, 11)))
     assert lo < s < hi
-    assert all(np.isnan(stats.std_ci([1.0])))
+    assert all(np.isnan(stats.std_ci_normal([1.0])))
+
+
+def test_std_ci_is_bonetts_interval_by_hand():
+    """Bonett (2006), written out: kurtosis about the mean trimmed by 1/(2√(n−4)), floored at 3."""
+    x = np.random.default_rng(1).standard_t(3, size=12)
+    n, z = 12, sps.norm.ppf(0.975)
+    m = sps.trim_mean(x, 1 / (2 * np.sqrt(n - 4)))
+    kurt = max(n * ((x - m) ** 4).sum() / (((x - x.mean()) ** 2).sum()) ** 2, 3.0)
+    c = n / (n - z)
+    se = c * np.sqrt((kurt - (n - 3) / n) / (n - 1))
+    lo, hi = stats.std_ci(x)
+    assert lo == pytest.approx(np.sqrt(c * x.var(ddof=1) * np.exp(-z * se)))
+    assert hi == pytest.approx(np.sqrt(c * x.var(ddof=1) * np.exp(z * se)))
+    assert lo < x.std(ddof=1) < hi
+    assert all(np.isnan(stats.std_ci([1.0, 2.0])))  # the robust interval needs 3 values
+    assert stats.na_reason("std", 2).startswith("n/a: R=2 < 3")
+
+
+def test_ratio_ci_is_bonetts_pooled_kurtosis_interval_by_hand():
+    rng = np.random.default_rng(2)
+    a, b = rng.normal(0, 1, 10), rng.normal(0, 2, 12)
+    z = sps.norm.ppf(0.975)
+    tm = lambda v: sps.trim_mean(v, 1 / (2 * np.sqrt(len(v) - 4)))  # noqa: E731
+    kurt = 22 * (((a - tm(a)) ** 4).sum() + ((b - tm(b)) ** 4).sum()) / (
+        ((a - a.mean()) ** 2).sum() + ((b - b.mean()) ** 2).sum()) ** 2
+    kurt = max(kurt, 3.0)
+    se = np.sqrt((kurt - 7 / 10) / 9 + (kurt - 9 / 12) / 11)
+    c = (10 / (10 - z)) / (12 / (12 - z))
+    f = a.var(ddof=1) / b.var(ddof=1)
+    assert stats.std_ratio_ci(a, b) == pytest.approx((np.sqrt(c * f * np.exp(-z * se)), np.sqrt(c * f * np.exp(z * se))))
+
+
+def test_spread_test_is_the_exact_permutation_of_brown_forsythe():
+    """Every split of the pooled absolute deviations, counted by hand against scipy's t statistic."""
+    import itertools
+    rng = np.random.default_rng(3)
+    a, b = rng.normal(0, 1, 5), rng.normal(0, 3, 6)
+    z = np.r_[np.abs(a - np.median(a)), np.abs(b - np.median(b))]
+    t = lambda idx: abs(sps.ttest_ind(z[list(idx)], np.delete(z, list(idx))).statistic)  # noqa: E731
+    obs = t(range(5))
+    null = [t(c) for c in itertools.combinations(range(11), 5)]
+    assert stats.spread_test(a, b) == pytest.approx(np.mean(np.array(null) >= obs - 1e-12))
+    assert stats.spread_test(np.zeros(4), np.zeros(4)) == 1.0
+    big = stats.spread_test(rng.normal(size=20), rng.normal(size=20))  # 10,000 seeded random splits
+    assert big == stats.spread_test(*np.random.default_rng(3).normal(size=(2, 20))) or 0 < big <= 1
+
+
+def test_holm_matches_the_textbook_step_down():
+    assert stats.holm([0.01, 0.04, 0.03, None, 0.5]) == pytest.approx([0.04, 0.09, 0.09, None, 0.5], nan_ok=True)
+    assert stats.holm([]) == []
 
 
 def test_mean_ci_is_the_t_interval():
@@ -29,6 +79,7 @@ def test_intervals_take_batches_of_studies():
     x = np.random.default_rng(2).normal(size=(5, 8))
     lo, hi = stats.std_ci(x)
     assert lo.shape == (5,) and lo[3] == pytest.approx(stats.std_ci(x[3])[0])
+    assert stats.std_ratio_ci(x, 2 * x[::-1])[1][2] == pytest.approx(stats.std_ratio_ci(x[2], 2 * x[2])[1])
     lo, hi = stats.mean_ci(x)
     assert hi[1] == pytest.approx(stats.mean_ci(x[1])[1])
 
@@ -87,14 +138,16 @@ def test_std_ratio_ci_covers():
     for _ in range(500):
         lo, hi = stats.std_ratio_ci(rng.normal(0, 2, 12), rng.normal(0, 1, 12))
         hits += lo <= 2.0 <= hi
-    assert 0.92 <= hits / 500 <= 0.98
+    assert 0.92 <= hits / 500 <= 0.99
 
 
 def test_compare_spread_fields():
     rng = np.random.default_rng(9)
     out = stats.compare_spread(rng.normal(0, 1, 10), rng.normal(0, 1, 10))
-    assert set(out) == {"ratio", "ratio_ci", "f_test_p", "brown_forsythe_p", "replicas_for_80pct_power"}
+    assert set(out) == {"ratio", "ratio_ci", "ratio_ci_normal", "spread_p", "f_test_p", "brown_forsythe_p",
+                        "replicas_for_ratio"}
     assert out["ratio_ci"][0] < out["ratio"] < out["ratio_ci"][1]
+    assert out["replicas_for_ratio"] == {"0.5": stats.replicas_for_power(0.5), "0.75": stats.replicas_for_power(0.75)}
 
 
 def test_pairwise_mean_ci_is_the_replica_jackknife():
@@ -149,7 +202,7 @@ def test_compare_spread_from_summary_agrees_with_raw_data():
     for ddof in (0, 1):
         s = stats.compare_spread_from_summary(a.std(ddof=ddof), 9, b.std(ddof=ddof), 14, ddof=ddof)
         assert s["f_test_p"] == pytest.approx(raw["f_test_p"]) and s["ratio"] == pytest.approx(raw["ratio"])
-        assert s["ratio_ci"] == pytest.approx(raw["ratio_ci"])
+        assert s["ratio_ci"] == pytest.approx(raw["ratio_ci_normal"])  # from stds alone: the F interval
     with pytest.raises(ValueError, match="at least 2"):
         stats.compare_spread_from_summary(0.1, 1, 0.2, 5)
 
@@ -202,18 +255,35 @@ def test_compare_means_fields():
 
 
 def test_identical_values_have_exactly_zero_spread():
+    """A continuous score tied across replicas is bitwise-identical training: zero by construction. An
+    accuracy (a count) tied across replicas is not: its interval reaches the largest std that ties."""
     x = np.full(12, 0.9833333333333333)
     assert stats.std(x) == 0.0 and stats.std_ci(x) == (0.0, 0.0)
+    lo, hi = stats.std_ci(x, resolution=1 / 360)
+    assert lo == 0.0 and hi == pytest.approx(np.sqrt(stats.tie_rate(12)) / 360)
     out = stats.compare_spread(x, np.random.default_rng(0).normal(0.98, 0.006, 12))
-    assert out["ratio"] == 0.0 and out["replicas_for_80pct_power"] is None
+    assert out["ratio"] == 0.0 and out["ratio_ci"] == [0.0, 0.0]  # continuous: exactly zero
+    out = stats.compare_spread(x, np.random.default_rng(0).normal(0.98, 0.006, 12), resolution=1 / 360)
+    assert out["ratio_ci"][0] == 0.0 < out["ratio_ci"][1]
+
+
+def test_tie_rate_is_where_r_skellam_replicas_tie_with_probability_2_5_percent():
+    from scipy import special
+    for r in (4, 8):
+        lam = stats.tie_rate(r)
+        k = np.arange(-40, 41)
+        assert (special.ive(k, lam) ** r).sum() == pytest.approx(0.025, rel=1e-6)
+        sim = np.random.default_rng(r).poisson(lam / 2, (2, 40000, r))
+        d = sim[0] - sim[1]
+        assert (np.ptp(d, axis=1) == 0).mean() == pytest.approx(0.025, abs=0.004)
 
 
 def test_accuracy_std_interval_ends_at_the_largest_possible_std():
-    """At R=2 the chi-square upper end is 32x the estimate: for an accuracy (in [0, 1], so its std is at
+    """At R=3 the robust upper end is many times the estimate: for an accuracy (in [0, 1], so its std is at
     most 0.5) it is clipped to 0.5, which keeps every possible true std."""
-    acc = [0.80, 0.86]
+    acc = [0.60, 0.86, 0.70]
     raw = stats.std_ci(acc)
-    assert raw[1] > 1.0  # an impossible std of an accuracy
+    assert raw[1] > 0.5  # an impossible std of an accuracy
     lo, hi = stats.spread(acc, std_max=stats.ACCURACY_STD_MAX)["std_ci"]
     assert lo == raw[0] and hi == 0.5
     assert stats.spread([0.80, 0.81, 0.82, 0.80, 0.79, 0.83], std_max=0.5)["std_ci"] == list(stats.std_ci(

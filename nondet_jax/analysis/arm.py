@@ -50,7 +50,8 @@ def arm_metrics(result, data, fns: TrainFns, cfg: MetricsConfig) -> tuple[dict, 
         return regression_metrics(result, labels, cfg)
     acc, ce = M.accuracy(result.logits, labels), M.cross_entropy(result.logits, labels)
     r = len(acc)
-    out = {"accuracy": S.spread(acc, std_max=S.ACCURACY_STD_MAX), "cross_entropy": S.spread(ce),
+    out = {"accuracy": S.spread(acc, std_max=S.ACCURACY_STD_MAX, resolution=1 / len(labels)),
+           "cross_entropy": S.spread(ce),
            "independent_errors_std": M.independent_errors_std(result.logits, labels)}
     arrays: dict[str, np.ndarray] = {"accuracy": acc, "cross_entropy": ce}
     if not cfg.pairwise or r < 2:
@@ -66,8 +67,7 @@ def arm_metrics(result, data, fns: TrainFns, cfg: MetricsConfig) -> tuple[dict, 
         "weight_distance": result.weight_distance[-1],
     })
     for name in CLASSIFICATION_PAIRS:
-        ci = S.pairwise_mean_ci(arrays[name], r, bounds=M.PAIRWISE_RANGE.get(name, (-np.inf, np.inf)))
-        out[name] = {"mean": float(arrays[name].mean()), "ci": list(ci)}
+        out[name] = S.pairwise_summary(name, arrays[name], r)
     pairs = lmc_pairs(r, cfg.lmc_pairs)
     if pairs:
         x_bn = np.asarray(data.x_train[: cfg.bn_examples])
@@ -83,9 +83,10 @@ def arm_metrics(result, data, fns: TrainFns, cfg: MetricsConfig) -> tuple[dict, 
     return out, arrays
 
 
-def compare_arms(records: dict[str, dict], reference: str = "all") -> dict[str, dict]:
+def compare_arms(records: dict[str, dict], reference: str = "all", ratios=S.POWER_RATIOS) -> dict[str, dict]:
     """Each arm's spread of the task's two per-replica scores (accuracy and cross-entropy, or test MSE
-    and MAE) relative to the ``reference`` arm (F-test, Brown-Forsythe, replicas for 80% power).
+    and MAE) relative to the ``reference`` arm (:func:`nondet_jax.analysis.stats.compare_spread`), with
+    the permutation spread test's p Holm-adjusted over the arms (``spread_p_holm``, per quantity).
     Empty when the reference arm is absent."""
     if reference not in records:
         return {}
@@ -103,7 +104,13 @@ def compare_arms(records: dict[str, dict], reference: str = "all") -> dict[str, 
         if len(rows) < 2:
             continue
         out[arm] = {q.name: S.compare_spread(np.array([row[q.row] for row in rows]),
-                                             np.array([row[q.row] for row in ref])) for q in quantities}
+                                             np.array([row[q.row] for row in ref]),
+                                             resolution=(rec.get("metrics") or {}).get(q.name, {}).get("resolution"),
+                                             ratios=ratios) for q in quantities}
+    for q in quantities:
+        arms = list(out)
+        for arm, p in zip(arms, S.holm([out[a][q.name]["spread_p"] for a in arms])):
+            out[arm][q.name]["spread_p_holm"] = p
     return out
 
 
@@ -121,6 +128,5 @@ def regression_metrics(result, targets: np.ndarray, cfg: MetricsConfig) -> tuple
                    "spearman": M.spearman(result.logits), "ensemble_gain_mse": M.ensemble_gain_mse(result.logits, targets),
                    "cka": M.linear_cka(result.features), "weight_distance": result.weight_distance[-1]})
     for name in PAIRWISE["regression"]:
-        ci = S.pairwise_mean_ci(arrays[name], r, bounds=M.PAIRWISE_RANGE.get(name, (-np.inf, np.inf)))
-        out[name] = {"mean": float(arrays[name].mean()), "ci": list(ci)}
+        out[name] = S.pairwise_summary(name, arrays[name], r)
     return out, arrays

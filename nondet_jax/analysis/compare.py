@@ -82,6 +82,14 @@ def csv_scores(path: str | Path, column: str | None = None) -> tuple[np.ndarray,
     if any(len(r) != len(header) for r in body):
         raise UsageError(f"{path} has rows with different numbers of fields; fix the file")
     numeric = [i for i, _ in enumerate(header) if body and all(number(r[i]) is not None for r in body)]
+    for i, name in enumerate(header):  # a column of numbers with a hole in it: name the cell
+        cells = [r[i] for r in body]
+        holes = [k for k, c in enumerate(cells) if number(c) is None]
+        if body and holes and len(holes) < len(cells) and (column is None or column == name) and \
+                all(cells[k].strip().upper() in ("", "NA", "N/A", "NAN", "NULL", "NONE") for k in holes):
+            line = holes[0] + (2 if header is rows[0] else 1)
+            raise UsageError(f"{path} row {line}, column '{name}' is empty or NA ({cells[holes[0]]!r}); remove that "
+                             "seed's row or fill in its score")
     if column is None:  # a seed or replica number is an index, not a score
         numeric = [i for i in numeric if header[i].strip().lower() not in INDEX_COLUMNS]
         if len(numeric) != 1:

@@ -14,6 +14,9 @@ Example::
 
 from __future__ import annotations
 
+import math
+from typing import Callable, NamedTuple
+
 import numpy as np
 from scipy import stats as sps
 
@@ -26,16 +29,97 @@ def _hit(ci, truth) -> float:
     return float(np.mean((lo <= truth) & (truth <= hi)))
 
 
-def _mean(rng, r, t):  # accuracies: normal around 0.9 with a run-to-run std of 1 point
-    return _hit(S.mean_ci(rng.normal(0.9, 0.01, (t, r))), 0.9)
+class Scenario(NamedTuple):
+    """Per-replica scores as studies produce them: ``draw(rng, shape)`` gives values whose true mean and
+    std are ``mean`` and ``std``; ``resolution`` is the step of a count (None: continuous); the second
+    arm of a ratio is ``reference(rng, shape)`` with true std ``reference_std``."""
+    description: str
+    draw: Callable
+    mean: float
+    std: float
+    resolution: float | None
+    reference: Callable
+    reference_std: float
+    stress: bool = False
 
 
-def _std(rng, r, t):
-    return _hit(S.std_ci(rng.normal(0.9, 0.01, (t, r))), 0.01)
+def _continuous(description, draw, mean, sd, stress=False) -> Scenario:
+    """A continuous score; the ratio's reference arm is the same shape with twice the spread."""
+    return Scenario(description, draw, mean, sd, None, lambda rng, shape: 2 * draw(rng, shape), 2 * sd, stress)
 
 
-def _ratio(rng, r, t):
-    return _hit(S.std_ratio_ci(rng.normal(0, 0.5, (t, r)), rng.normal(0, 1.0, (t, r))), 0.5)
+def _counts(description, n_test, base, flips, q, wide=None) -> Scenario:
+    """An accuracy on ``n_test`` images: ``base`` correct plus ``flips`` borderline images, each right
+    with probability ``q`` independently per replica (binomial); the ratio's reference arm is a
+    binomial accuracy of ``wide`` = (images, p) or, by default, twice the deviations from ``base``."""
+    sd = math.sqrt(flips * q * (1 - q)) / n_test
+
+    def draw(rng, shape):
+        return (base + rng.binomial(flips, q, shape)) / n_test
+
+    if wide is None:
+        def reference(rng, shape):
+            return (base + 2 * rng.binomial(flips, q, shape)) / n_test
+        ref_sd = 2 * sd
+    else:
+        def reference(rng, shape):
+            return rng.binomial(n_test, wide, shape) / n_test
+        ref_sd = math.sqrt(n_test * wide * (1 - wide)) / n_test
+    return Scenario(description, draw, (base + flips * q) / n_test, sd, 1 / n_test, reference, ref_sd)
+
+
+def _bad_seeds(rng, shape, share=0.1, shift=-4.0):
+    x = rng.normal(0.0, 1.0, shape)
+    return np.where(rng.random(shape) < share, x + shift, x)
+
+
+_LN = lambda s: math.sqrt((math.exp(s * s) - 1) * math.exp(s * s))  # noqa: E731  the std of lognormal(0, s)
+SCENARIOS = {
+    "normal": _continuous("normal", lambda rng, sh: rng.normal(0.0, 1.0, sh), 0.0, 1.0),
+    "skewed": _continuous("lognormal(0, 0.5): skewness 1.8", lambda rng, sh: rng.lognormal(0.0, 0.5, sh),
+                          math.exp(0.125), _LN(0.5)),
+    "heavy tails": _continuous("Student t, 5 df: excess kurtosis 6", lambda rng, sh: rng.standard_t(5, sh),
+                               0.0, math.sqrt(5 / 3)),
+    "bad seeds": _continuous("10% of seeds 4 std below the rest", _bad_seeds, -0.4, math.sqrt(1 + 0.09 * 16)),
+    "counts, 10,000 images": _counts("accuracy on 10,000 images, binomial, p = 0.9", 10_000, 0, 10_000, 0.9),
+    "counts, 360 images": _counts("accuracy on 360 images, binomial, p = 0.95", 360, 0, 360, 0.95),
+    "near ties, 360 images": _counts("3 borderline images of 360, each right with p = 0.08 (13% of R=8 arms tie)",
+                                     360, 340, 3, 0.08, wide=0.95),
+    "fraction of an image": _counts("2 borderline images of 360, p = 0.05: std 0.3 images (44% of R=8 arms tie)",
+                                    360, 340, 2, 0.05, wide=0.95),
+    "strong skew (stress)": _continuous("lognormal(0, 1): skewness 6.2", lambda rng, sh: rng.lognormal(0.0, 1.0, sh),
+                                        math.exp(0.5), _LN(1.0), stress=True),
+}
+
+
+def _interval_case(kind: str, scenario: Scenario) -> Callable:
+    def run(rng, r, t):
+        x = scenario.draw(rng, (t, r))
+        if kind == "mean":
+            return _hit(S.mean_ci(x, resolution=scenario.resolution), scenario.mean)
+        if kind == "std":
+            return _hit(S.std_ci(x, resolution=scenario.resolution), scenario.std)
+        ref = scenario.reference(rng, (t, r))
+        return _hit(S.std_ratio_ci(x, ref, resolution=scenario.resolution), scenario.std / scenario.reference_std)
+    return run
+
+
+def false_alarm(test: str, scenario: str, replicas: int, trials: int = 1000, seed: int = 0, arms: int = 1) -> float:
+    """How often ``test`` (a key of :data:`nondet_jax.analysis.stats.TESTS`) finds a different spread at
+    p < 0.05 when every arm is drawn from the same ``scenario``: with ``arms`` > 1, the share of studies
+    with at least one false finding among ``arms`` arms compared with one reference (``spread_p_holm``:
+    after Holm's adjustment)."""
+    rng, sc = np.random.default_rng(seed), SCENARIOS[scenario]
+    fn = {"spread_p": S.spread_test, "spread_p_holm": S.spread_test, "f_test_p": S.f_test,
+          "brown_forsythe_p": S.brown_forsythe}[test]
+    found = 0
+    for _ in range(trials):
+        ref = sc.draw(rng, (replicas,))
+        p = [fn(sc.draw(rng, (replicas,)), ref) for _ in range(arms)]
+        if test == "spread_p_holm":
+            p = S.holm(p)
+        found += min(p) < 0.05
+    return found / trials
 
 
 def _pairwise_random_effects(rng, r, t):
@@ -64,7 +148,39 @@ def _pairwise_disagreement(rng, r, t, n=200):
 
     a, b = pair_indices(r)
     y = draw(rng, (t, r))
-    return _hit(S.pairwise_mean_ci((y[:, a] != y[:, b]).mean(-1), r, bounds=(0.0, 1.0)), truth)
+    return _hit(S.pairwise_mean_ci((y[:, a] != y[:, b]).mean(-1), r, bounds=(0.0, 1.0), scale="log"), truth)
+
+
+def _borderline_disagreement(rng, r, t, borderline, p, unequal, n=360):
+    """Replicas that agree on all but ``borderline`` of ``n`` test images, on each of which a replica
+    flips with probability ``p`` (times a per-replica factor lognormal(0, 0.7) when ``unequal``: seeds
+    of unequal noise). Returns the coverage among the studies that print an interval (the rest print
+    "n/a: replicas too alike"), a miss counted as such: the fraction printed is :func:`shown`'s."""
+    def draw(gen, trials, reps):
+        factor = gen.lognormal(0.0, 0.7, (trials, reps, 1)) if unequal else 1.0
+        flips = gen.random((trials, reps, borderline)) < np.minimum(p * factor, 0.5)
+        i, j = pair_indices(reps)
+        return (flips[:, i] != flips[:, j]).sum(-1) / n
+
+    truth = float(draw(np.random.default_rng(1234), 200_000, 2).mean())
+    lo, hi = S.pairwise_mean_ci(draw(rng, t, r), r, bounds=(0.0, 1.0), scale="log")
+    printed = np.isfinite(lo)
+    _SHOWN[(borderline, p, unequal, r)] = float(printed.mean())
+    return float(np.mean(((lo <= truth) & (truth <= hi))[printed])) if printed.any() else float("nan")
+
+
+_SHOWN: dict = {}
+
+
+def shown(case: str, replicas: int) -> float | None:
+    """The fraction of simulated studies of a ``borderline`` pairwise case that printed an interval
+    (after :func:`simulate` ran it), None for the other cases (they always print one)."""
+    args = _BORDERLINE.get(case)
+    return None if args is None else _SHOWN.get((*args, replicas))
+
+
+_BORDERLINE = {"pairwise disagreement, unequal noise": (30, 0.1, True),
+               "pairwise disagreement, near-identical (stress)": (2, 0.06, True)}
 
 
 def _pairwise_abs_difference(rng, r, t):
@@ -92,14 +208,20 @@ def _poi_discrete(rng, r, t, n_test=360):
     return _hit(ci, truth)
 
 
-# name -> (interval kind in stats.METHODS, data model, simulator)
+# name -> (interval kind in stats.METHODS, data model, simulator); "(stress)" cases are recorded, not required
 CASES = {
-    "mean": ("mean", "normal", _mean),
-    "std": ("std", "normal", _std),
-    "std ratio": ("ratio", "normal, true ratio 0.5", _ratio),
+    **{f"{kind}: {name}": (kind, sc.description, _interval_case(kind, sc))
+       for kind in ("mean", "std", "ratio") for name, sc in SCENARIOS.items()},
     "pairwise mean": ("pairwise", "pair = μ + u_a + u_b + e_ab (normal)", _pairwise_random_effects),
     "pairwise disagreement": ("pairwise", "Bernoulli predictions, replica-level shift", _pairwise_disagreement),
     "pairwise |X_a−X_b| (stress)": ("pairwise", "one skewed value per pair", _pairwise_abs_difference),
+    "pairwise disagreement, unequal noise": (
+        "pairwise", "30 borderline images of 360, flip p = 0.1 times a per-seed lognormal(0, 0.7) factor",
+        lambda rng, r, t: _borderline_disagreement(rng, r, t, *_BORDERLINE["pairwise disagreement, unequal noise"])),
+    "pairwise disagreement, near-identical (stress)": (
+        "pairwise", "2 borderline images of 360, flip p = 0.06, unequal seeds: 0.06% disagreement (a bitflip arm)",
+        lambda rng, r, t: _borderline_disagreement(
+            rng, r, t, *_BORDERLINE["pairwise disagreement, near-identical (stress)"])),
     "difference of means": ("difference", "normal, stds 1 and 2", _difference),
     "probability of improvement": ("probability_of_improvement", "normal, shift 1 std", _poi),
     "probability of improvement, ties": ("probability_of_improvement", "binomial accuracies, 360 images",

@@ -32,6 +32,10 @@ CHUNK_ELEMENTS = 1 << 24  # and at most this many float64 elements per block (12
 # Ensemble gains are differences of accuracies or losses and can have either sign.
 PAIRWISE_RANGE = {"disagreement": (0.0, 1.0), "pearson": (-1.0, 1.0), "spearman": (-1.0, 1.0), "cka": (0.0, 1.0),
                   "weight_distance": (0.0, np.inf), "prediction_distance": (0.0, np.inf)}
+# the scale of each metric's jackknife interval (stats.pairwise_mean_ci): log of the distance to the bound
+# that near-identical replicas approach; the ensemble gains, signed, stay linear
+PAIRWISE_SCALE = {"disagreement": "log", "weight_distance": "log", "prediction_distance": "log",
+                  "cka": "log-upper", "pearson": "log-upper", "spearman": "log-upper"}
 
 
 def pair_indices(r: int) -> tuple[np.ndarray, np.ndarray]:

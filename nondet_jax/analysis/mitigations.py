@@ -66,11 +66,11 @@ def variant_metrics(logits, labels) -> dict:
     logits, labels = np.asarray(logits), np.asarray(labels)
     acc, ce = M.accuracy(logits, labels), M.cross_entropy(logits, labels)
     r = len(acc)
-    out = {"replicas": r, "accuracy": S.spread(acc, std_max=S.ACCURACY_STD_MAX), "cross_entropy": S.spread(ce),
-           "independent_errors_std": M.independent_errors_std(logits, labels)}
+    out = {"replicas": r, "accuracy": S.spread(acc, std_max=S.ACCURACY_STD_MAX, resolution=1 / len(labels)),
+           "cross_entropy": S.spread(ce), "independent_errors_std": M.independent_errors_std(logits, labels)}
     if r >= 2:
         for name, values in (("disagreement", M.disagreement(logits)), ("pearson", M.pearson(logits))):
-            out[name] = {"mean": float(values.mean()), "ci": list(S.pairwise_mean_ci(values, r, bounds=M.PAIRWISE_RANGE[name]))}
+            out[name] = S.pairwise_summary(name, values, r)
     return out
 
 
@@ -112,7 +112,7 @@ def mitigation_metrics(variants: dict, labels, reference: str = "single") -> dic
             v = np.asarray(v)
             acc, ce = M.accuracy(v, labels), M.cross_entropy(v, labels)
             if len(acc) >= 2:
-                out[name]["accuracy_vs_reference"] = S.compare_spread(acc, acc_ref)
+                out[name]["accuracy_vs_reference"] = S.compare_spread(acc, acc_ref, resolution=1 / len(labels))
                 out[name]["cross_entropy_vs_reference"] = S.compare_spread(ce, ce_ref)
             out[name]["accuracy_gain"] = float(acc.mean() - acc_ref.mean())
     return out
@@ -128,18 +128,18 @@ _ci = S.format_ci
 def mitigation_table(results: dict[str, dict[str, dict]]) -> str:
     """A Markdown table, one row per arm x variant, from ``{arm: mitigation_metrics(...)}``.
 
-    Accuracy in %, its std (ddof=1) in percentage points, both with 95% CIs (t, chi-square); the
-    std ratio to the reference variant with its F-test p; mean pairwise disagreement (%) and logit
+    Accuracy in %, its std (ddof=1) in percentage points, both with 95% CIs (t, robust); the
+    std ratio to the reference variant with its permutation spread-test p; mean pairwise disagreement (%) and logit
     correlation with replica-jackknife CIs ("n/a" below 3 replicas); cross-entropy mean and std.
     """
-    lines = ["| arm | variant | R | accuracy % [95% CI] | acc std (pp) [95% CI] | std ratio vs single (p F) "
+    lines = ["| arm | variant | R | accuracy % [95% CI] | acc std (pp) [95% CI] | std ratio vs single (spread p) "
              "| disagreement % [95% CI] | correlation [95% CI] | cross-entropy mean | CE std |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for arm, variants in results.items():
         for name, m in variants.items():
             acc, ce = m["accuracy"], m["cross_entropy"]
             vs = m.get("accuracy_vs_reference")
-            ratio = f"{_num(vs['ratio'], 2)} ({_num(vs['f_test_p'], 3)})" if vs else "–"
+            ratio = f"{_num(vs['ratio'], 2)} ({_num(vs['spread_p'], 3)})" if vs else "–"
             dis, cor = m.get("disagreement"), m.get("pearson")
             lines.append(
                 f"| {arm} | {name} | {m['replicas']} | {_num(acc['mean'], 2, 100)}{_ci(acc['mean_ci'], 2, 100)} "

@@ -21,30 +21,43 @@ Example::
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 
 import numpy as np
+from scipy import special
 from scipy import stats as sps
 
-from nondet_jax.analysis.metrics import pair_indices
+from nondet_jax.analysis.metrics import PAIRWISE_RANGE, PAIRWISE_SCALE, pair_indices
 
 LEVEL = 0.95
 BOOTSTRAP_SAMPLES = 4000
 BOOTSTRAP_SEED = 0
 
 METHODS = {
-    "mean": "t interval: mean ± t(R−1)·s/√R",
-    "std": "chi-square interval (normal data): s·√((R−1)/χ²(R−1)) at the two tail quantiles",
+    "mean": "t interval: mean ± t(R−1)·s/√R; a tied arm: its value ± the largest mean shift that leaves R replicas tied",
+    "std": ("Bonett (2006) robust interval: exp(ln(c·s²) ± z·se)^½, se from the trimmed-mean kurtosis (never below a "
+            "normal's); a tied arm of counts: [0, the largest std that ties R replicas with probability 2.5%]"),
     "pairwise": "replica jackknife (leave one replica and all its pairs out) of the mean over pairs, ± t(R−1)·se",
-    "ratio": "F interval of std(a)/std(b) (normal data)",
+    "ratio": ("Bonett (2006) robust interval of std(a)/std(b), pooled kurtosis (never below a normal's); a tied arm: "
+              "[0, its tie bound / the lower end of the other's std]"),
     "difference": "Welch t interval of mean(B) − mean(A), Welch–Satterthwaite degrees of freedom",
     "probability_of_improvement": ("P(B > A) + ½P(B = A) over all pairs of runs (as rliable); Newcombe's score interval "
                                    "with the Hanley–McNeil variance (method 5)"),
 }
-MIN_REPLICAS = {"mean": 2, "std": 2, "pairwise": 3, "ratio": 2, "difference": 2, "probability_of_improvement": 2}
-_WHY = {"mean": "a mean's interval needs a spread estimate", "std": "a std needs two values",
-        "pairwise": "the jackknife needs two pairs left when one replica is left out",
-        "ratio": "each std needs two values", "difference": "each mean's spread needs two values",
+TESTS = {
+    "spread_p": ("permutation Brown–Forsythe test: the pooled t of absolute deviations from each arm's median, "
+                 "exact over every split of the replicas (10,000 seeded random splits above 20,000), two-sided"),
+    "spread_p_holm": "spread_p Holm-adjusted over the arms compared with `all` (per quantity)",
+    "f_test_p": "F-test of equal variances (normal data only; Morin & Willetts' test)",
+    "brown_forsythe_p": "Brown–Forsythe (Levene with medians), F approximation",
+}
+MIN_REPLICAS = {"mean": 2, "std": 3, "pairwise": 3, "ratio": 5, "difference": 2, "probability_of_improvement": 2}
+_WHY = {"mean": "a mean's interval needs a spread estimate", "std": "the robust interval needs three values",
+        "pairwise": "the jackknife needs a pair left when one replica is left out",
+        "ratio": "below 5 replicas per arm the robust ratio interval covers < 93% of skewed or heavy-tailed spreads",
+        "difference": "each mean's spread needs two values",
         "probability_of_improvement": "its variance needs two values per method"}
 
 
@@ -81,43 +94,133 @@ def _nan2(shape=()) -> tuple:
     return _out(np.full(shape, np.nan)), _out(np.full(shape, np.nan))
 
 
-def mean_ci(x, level: float = LEVEL) -> tuple:
-    """t interval of the mean (exact for normal data); (nan, nan) below 2 values. Last axis: replicas."""
+def _z(level: float) -> float:
+    return float(sps.norm.ppf(0.5 + level / 2))
+
+
+def tie_rate(replicas: int, level: float = LEVEL) -> float:
+    """The largest variance, in squared steps of the count, of a count-valued score (correct test
+    examples) whose R replicas all tie with probability at least (1 − level)/2.
+
+    The count is modelled as many test examples flipping independently between replicas, either way:
+    a symmetric Skellam variable (the difference of two Poisson counts), the most concentrated count
+    of a given variance of that kind, so the bound holds for every such count. Replicas that differ
+    by a whole bad seed are not counts of that kind (see docs/statistics.md).
+    """
+    beta = (1 - level) / 2
+
+    def tie_probability(lam):  # sum over k of P(X = k)^R, X ~ Skellam(lam/2, lam/2)
+        k = np.arange(-60, 61)
+        return float((special.ive(k, lam) ** replicas).sum())
+
+    lo, hi = 0.0, 1.0
+    while tie_probability(hi) > beta:
+        hi *= 2
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if tie_probability(mid) > beta else (lo, mid)
+    return 0.5 * (lo + hi)
+
+
+def _tied(x) -> np.ndarray:
+    return np.ptp(x, axis=-1) == 0
+
+
+def mean_ci(x, level: float = LEVEL, resolution: float | None = None) -> tuple:
+    """t interval of the mean (exact for normal data); (nan, nan) below 2 values. Last axis: replicas.
+
+    ``resolution``: the step of a count-valued score (1/n_test for an accuracy). R tied values then
+    give their value ± the largest mean shift of a count that ties R replicas (:func:`tie_rate`), not
+    a zero-width interval.
+    """
     x = np.asarray(x, dtype=np.float64)
     n = x.shape[-1]
     if n < MIN_REPLICAS["mean"]:
         return _nan2(x.shape[:-1])
     m, half = x.mean(-1), sps.t.ppf(0.5 + level / 2, n - 1) * std(x) / math.sqrt(n)
+    if resolution:
+        half = np.where(_tied(x), tie_rate(n, level) * resolution, half)
     return _out(m - half), _out(m + half)
 
 
-def std_ci(x, level: float = LEVEL, std_max: float = np.inf) -> tuple:
-    """Chi-square interval of the standard deviation of normal data (brackets ``std(x, ddof=1)``).
+def _trimmed_mean(x: np.ndarray) -> np.ndarray:
+    """Bonett's centre for the kurtosis: the mean trimmed by 1/(2√(R−4)) at each end (the mean below R=5)."""
+    n = x.shape[-1]
+    return x.mean(-1) if n < 5 else sps.trim_mean(x, 1 / (2 * math.sqrt(n - 4)), axis=-1)
 
-    ``(R−1)s²/σ² ~ χ²(R−1)``, so σ lies in ``s·√((R−1)/χ²_{(1+level)/2})`` to
-    ``s·√((R−1)/χ²_{(1−level)/2})``; (nan, nan) below 2 values. Last axis: replicas.
-    ``std_max`` is the largest std the quantity can have (0.5 for a value in [0, 1], such as an
-    accuracy): the upper end is clipped to it, which keeps every possible true std (at R=2 the
-    unclipped upper end is 32 times the estimate).
+
+def _fourth(x: np.ndarray) -> np.ndarray:
+    return ((x - _trimmed_mean(x)[..., None]) ** 4).sum(-1)
+
+
+def _squares(x: np.ndarray) -> np.ndarray:
+    return ((x - x.mean(-1, keepdims=True)) ** 2).sum(-1)
+
+
+NORMAL_KURTOSIS = 3.0
+
+
+def _log_variance_se(kurtosis, n: int, level: float) -> tuple:
+    """(c, se of ln(c·s²)) of Bonett's interval at sample size n."""
+    c = n / (n - _z(level))
+    return c, c * np.sqrt((kurtosis - (n - 3) / n) / (n - 1))
+
+
+def std_ci(x, level: float = LEVEL, std_max: float = np.inf, resolution: float | None = None) -> tuple:
+    """Robust interval of the standard deviation (brackets ``std(x, ddof=1)``); last axis: replicas.
+
+    Bonett (2006): σ² lies in ``exp(ln(c·s²) ± z·se)``, ``c = R/(R − z)``,
+    ``se = c·√((γ̂ − (R−3)/R)/(R−1))`` with ``γ̂`` the kurtosis about a trimmed mean, never taken
+    below a normal's (3), so the interval is never narrower than the normal-theory one's order.
+    It holds its coverage under skew, heavy tails and bad seeds where the chi-square interval
+    (:func:`std_ci_normal`) does not (docs/statistics.md). (nan, nan) below 3 values.
+
+    ``std_max`` is the largest std the quantity can have (0.5 for a value in [0, 1]): the upper end
+    is clipped to it. ``resolution`` is the step of a count-valued score (1/n_test for an accuracy):
+    R tied counts give ``[0, √tie_rate(R)·resolution]``, the largest std that still ties R replicas
+    with probability 2.5%; without it tied values give (0, 0): the spread is exactly zero.
     """
     x = np.asarray(x, dtype=np.float64)
     n = x.shape[-1]
     if n < MIN_REPLICAS["std"]:
+        return _nan2(x.shape[:-1])
+    s2, z = np.asarray(std(x)) ** 2, _z(level)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        kurt = np.maximum(np.where(s2 > 0, n * _fourth(x) / np.where(s2 > 0, _squares(x), 1.0) ** 2, 0.0), NORMAL_KURTOSIS)
+    c, se = _log_variance_se(kurt, n, level)
+    lo, hi = np.sqrt(c * s2 * np.exp(-z * se)), np.sqrt(c * s2 * np.exp(z * se))
+    if resolution:
+        hi = np.where(s2 > 0, hi, math.sqrt(tie_rate(n, level)) * resolution)
+    return _out(np.minimum(lo, std_max)), _out(np.minimum(hi, std_max))
+
+
+def std_ci_normal(x, level: float = LEVEL, std_max: float = np.inf) -> tuple:
+    """Chi-square interval of the standard deviation of normal data: ``(R−1)s²/σ² ~ χ²(R−1)``, so σ lies
+    in ``s·√((R−1)/χ²_{(1+level)/2})`` to ``s·√((R−1)/χ²_{(1−level)/2})``; (nan, nan) below 2 values.
+    Exact for normal data only: under skew or bad seeds it covers 55–90% at R=8 (docs/statistics.md)."""
+    x = np.asarray(x, dtype=np.float64)
+    n = x.shape[-1]
+    if n < 2:
         return _nan2(x.shape[:-1])
     s, d = std(x), n - 1
     return (_out(np.minimum(s * math.sqrt(d / sps.chi2.ppf(0.5 + level / 2, d)), std_max)),
             _out(np.minimum(s * math.sqrt(d / sps.chi2.ppf(0.5 - level / 2, d)), std_max)))
 
 
-def pairwise_mean_ci(values, replicas: int, level: float = LEVEL, bounds: tuple[float, float] = (-np.inf, np.inf)) -> tuple:
+def pairwise_mean_ci(values, replicas: int, level: float = LEVEL, bounds: tuple[float, float] = (-np.inf, np.inf),
+                     scale: str = "linear") -> tuple:
     """CI of the mean of a pairwise metric over R replicas, respecting that pairs share replicas.
 
     ``values`` holds one value per pair in :func:`nondet_jax.analysis.metrics.pair_indices` order (last
     axis). The mean over pairs is a U-statistic of the replicas; its standard error comes from the
-    jackknife over replicas (leave replica i and its R−1 pairs out), with t(R−1) quantiles.
-    The interval is clipped to ``bounds``, the metric's possible range (a disagreement is never
-    below 0): clipping never drops a possible true value, so coverage is unchanged.
-    (nan, nan) below 3 replicas.
+    jackknife over replicas (leave replica i and its R−1 pairs out), with t(R−1) quantiles, on the
+    ``scale`` given: ``"linear"``, ``"log"`` (a metric near its lower bound, e.g. a disagreement or a
+    distance: the jackknife of log(mean − low)) or ``"log-upper"`` (near its upper bound, e.g. CKA or a
+    correlation: of log(high − mean)). On a log scale the interval never crosses the bound and never
+    collapses while replicas differ; where a leave-one-out mean sits on the bound (no pair differs
+    without one replica) or every leave-one-out mean is the same (a zero standard error, which would
+    print a zero-width interval), it is (nan, nan): "n/a, replicas too alike to estimate" (:data:`TOO_ALIKE`).
+    The interval is clipped to ``bounds``, the metric's possible range. (nan, nan) below 3 replicas.
     """
     values = np.asarray(values, dtype=np.float64)
     r = replicas
@@ -130,17 +233,47 @@ def pairwise_mean_ci(values, replicas: int, level: float = LEVEL, bounds: tuple[
     incidence[np.arange(len(a)), a] = incidence[np.arange(len(a)), b] = 1.0
     per_replica = values @ incidence  # (..., R): sum over the pairs of replica i
     loo = (values.sum(-1, keepdims=True) - per_replica) / (len(a) - (r - 1))  # mean without replica i
-    se = np.sqrt((r - 1) / r * ((loo - loo.mean(-1, keepdims=True)) ** 2).sum(-1))
-    m, half = values.mean(-1), sps.t.ppf(0.5 + level / 2, r - 1) * se
-    return _out(np.clip(m - half, *bounds)), _out(np.clip(m + half, *bounds))
+    m = values.mean(-1)
+    forward, back = {"linear": (lambda v: v, lambda v: v),
+                     "log": (lambda v: np.log(v - bounds[0]), lambda v: bounds[0] + np.exp(v)),
+                     "log-upper": (lambda v: np.log(bounds[1] - v), lambda v: bounds[1] - np.exp(v))}[scale]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        loo_t, m_t = forward(loo), forward(m)
+        se = np.sqrt((r - 1) / r * ((loo_t - loo_t.mean(-1, keepdims=True)) ** 2).sum(-1))
+        half = sps.t.ppf(0.5 + level / 2, r - 1) * se
+        ends = back(m_t - half), back(m_t + half)
+    lo, hi = np.minimum(*ends), np.maximum(*ends)
+    shown = np.isfinite(se) & (se > 0)  # se = 0: every leave-one-out mean equal, nothing to estimate a spread from
+    lo, hi = np.where(shown, lo, np.nan), np.where(shown, hi, np.nan)
+    return _out(np.clip(lo, *bounds)), _out(np.clip(hi, *bounds))
 
 
-def spread(x, std_max: float = np.inf) -> dict:
-    """Mean and std (ddof=1) of per-replica values with their intervals (t; chi-square, its upper end
-    clipped to ``std_max``, see :func:`std_ci`)."""
+TOO_ALIKE = ("n/a: replicas too alike to estimate (leaving out any one replica leaves the same mean, or no pair "
+             "that differs)")
+
+
+def pairwise_summary(name: str, values, replicas: int) -> dict:
+    """Mean over pairs of the pairwise metric ``name`` (a metric of :mod:`nondet_jax.analysis.metrics`)
+    with its jackknife interval on the metric's scale (``PAIRWISE_SCALE``, within ``PAIRWISE_RANGE``);
+    ``na`` says why an interval is missing."""
+    values = np.asarray(values, dtype=np.float64)
+    ci = pairwise_mean_ci(values, replicas, bounds=PAIRWISE_RANGE.get(name, (-np.inf, np.inf)),
+                          scale=PAIRWISE_SCALE.get(name, "linear"))
+    out = {"mean": float(values.mean()), "ci": list(ci)}
+    if not np.isfinite(ci[0]):
+        out["na"] = na_reason("pairwise", replicas) or TOO_ALIKE
+    return out
+
+
+def spread(x, std_max: float = np.inf, resolution: float | None = None) -> dict:
+    """Mean and std (ddof=1) of per-replica values with their intervals (:func:`mean_ci`,
+    :func:`std_ci`: robust, its upper end clipped to ``std_max``; ``resolution`` the step of a count,
+    1/n_test for an accuracy, kept in the result so later comparisons know it)."""
     x = np.asarray(x, dtype=np.float64)
-    return {"mean": float(x.mean()), "mean_ci": list(mean_ci(x)), "std": std(x),
-            "std_ci": list(std_ci(x, std_max=std_max))}
+    out = {"mean": float(x.mean()), "mean_ci": list(mean_ci(x, resolution=resolution)), "std": std(x),
+           "std_ci": list(std_ci(x, std_max=std_max, resolution=resolution)),
+           "std_ci_normal": list(std_ci_normal(x, std_max=std_max))}
+    return {**out, "resolution": resolution} if resolution else out
 
 
 ACCURACY_STD_MAX = 0.5  # the largest std of a quantity in [0, 1]
@@ -172,12 +305,95 @@ def _ratio_ci(va, vb, d1: int, d2: int, level: float) -> tuple:
             _out(np.sqrt(f / sps.f.ppf(0.5 - level / 2, d1, d2))))
 
 
-def std_ratio_ci(a, b, level: float = LEVEL) -> tuple:
-    """F-distribution CI of std(a)/std(b) under normality (last axis: replicas)."""
+def std_ratio_ci_normal(a, b, level: float = LEVEL) -> tuple:
+    """F-distribution CI of std(a)/std(b) under normality (last axis: replicas); Morin & Willetts' interval."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    if min(a.shape[-1], b.shape[-1]) < MIN_REPLICAS["ratio"]:
+    if min(a.shape[-1], b.shape[-1]) < 2:
         return _nan2(np.broadcast_shapes(a.shape[:-1], b.shape[:-1]))
     return _ratio_ci(np.asarray(std(a)) ** 2, np.asarray(std(b)) ** 2, a.shape[-1] - 1, b.shape[-1] - 1, level)
+
+
+def std_ratio_ci(a, b, level: float = LEVEL, resolution: float | None = None) -> tuple:
+    """Robust interval of std(a)/std(b) (last axis: replicas): Bonett (2006).
+
+    ``ln(σa²/σb²)`` lies in ``ln(c·sa²/sb²) ± z·√(Va + Vb)``, ``Vj = (γ̂ − (nj−3)/nj)/(nj−1)``,
+    ``c = [na/(na−z)]/[nb/(nb−z)]``, ``γ̂`` the pooled kurtosis of both arms about their trimmed means
+    (never below a normal's). When ``a`` is tied (``resolution``: a count, see :func:`std_ci`):
+    ``[0, a's tie bound / the lower end of b's std interval]`` (each end fails at most 2.5% of the
+    time). NaN where b is tied (no ratio to a zero spread); (nan, nan) below 5 replicas per arm.
+    """
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    na, nb = a.shape[-1], b.shape[-1]
+    shape = np.broadcast_shapes(a.shape[:-1], b.shape[:-1])
+    if min(na, nb) < MIN_REPLICAS["ratio"]:
+        return _nan2(shape)
+    va, vb, z = np.asarray(std(a)) ** 2, np.asarray(std(b)) ** 2, _z(level)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        kurt = (na + nb) * (_fourth(a) + _fourth(b)) / (_squares(a) + _squares(b)) ** 2
+        kurt = np.maximum(np.nan_to_num(kurt, nan=0.0), NORMAL_KURTOSIS)
+        se = np.sqrt((kurt - (na - 3) / na) / (na - 1) + (kurt - (nb - 3) / nb) / (nb - 1))
+        c = (na / (na - z)) / (nb / (nb - z))
+        f = np.where(vb > 0, va / np.where(vb > 0, vb, 1.0), np.nan)
+        lo, hi = np.sqrt(c * f * np.exp(-z * se)), np.sqrt(c * f * np.exp(z * se))
+        if resolution:
+            tie_hi = math.sqrt(tie_rate(na, level)) * resolution / np.asarray(std_ci(b, level)[0])
+            hi = np.where((va == 0) & (vb > 0), tie_hi, hi)
+    return _out(lo), _out(hi)
+
+
+@functools.lru_cache(maxsize=16)
+def _splits(n: int, na: int, resamples: int) -> np.ndarray:
+    """Indicator rows of the first arm: every split of n values into na and n − na (``resamples`` = 0),
+    or that many seeded random splits plus the observed one (so p is never 0)."""
+    if not resamples:
+        masks = np.zeros((math.comb(n, na), n))
+        for row, chosen in enumerate(itertools.combinations(range(n), na)):
+            masks[row, list(chosen)] = 1.0
+        return masks
+    order = np.argsort(np.random.default_rng(BOOTSTRAP_SEED).random((resamples, n)), axis=1)[:, :na]
+    masks = np.zeros((resamples, n))
+    np.put_along_axis(masks, order, 1.0, axis=1)
+    return np.vstack([masks, np.r_[np.ones(na), np.zeros(n - na)]])
+
+
+def spread_test(a, b, resamples: int = 10_000, exact_up_to: int = 20_000) -> float:
+    """Two-sided permutation p-value for equal spread: the Brown–Forsythe statistic (pooled t of the
+    absolute deviations from each arm's own median) over every split of the pooled deviations into
+    arms of the same sizes, or ``resamples`` seeded random splits when there are more than
+    ``exact_up_to``. Exact under exchangeability, so right with ties and counts, where the F
+    approximation (:func:`brown_forsythe`) and the F-test are not; 1.0 when neither arm varies."""
+    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
+    z = np.concatenate([np.abs(a - np.median(a)), np.abs(b - np.median(b))])
+    n, na = len(z), len(a)
+    if np.ptp(z) == 0 or min(na, n - na) < 2:
+        return 1.0
+    z = z / z.max()
+    masks = _splits(n, na, resamples if math.comb(n, na) > exact_up_to else 0)
+
+    def t_stat(m):  # m: (..., n) indicator of arm a
+        s1, s2 = m @ z, m @ (z * z)
+        t1, t2 = z.sum() - s1, (z * z).sum() - s2
+        ma, mb = s1 / na, t1 / (n - na)
+        ss = (s2 - na * ma ** 2) + (t2 - (n - na) * mb ** 2)
+        sp = np.sqrt(np.maximum(ss, 0) / (n - 2) * (1 / na + 1 / (n - na)))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(sp > 0, np.abs(ma - mb) / np.where(sp > 0, sp, 1.0), np.where(ma == mb, 0.0, np.inf))
+
+    observed = t_stat(np.r_[np.ones(na), np.zeros(n - na)])
+    null = t_stat(masks)
+    return float((null >= observed * (1 - 1e-12)).sum() / len(masks))
+
+
+def holm(pvalues) -> list:
+    """Holm's step-down adjustment of p-values (family-wise error at most alpha for any dependence);
+    None entries are kept as None and not counted."""
+    idx = [i for i, p in enumerate(pvalues) if p is not None and np.isfinite(p)]
+    out: list = [None if p is None else float(p) for p in pvalues]
+    m, running = len(idx), 0.0
+    for rank, i in enumerate(sorted(idx, key=lambda i: pvalues[i])):
+        running = max(running, min(1.0, (m - rank) * pvalues[i]))
+        out[i] = running
+    return out
 
 
 def f_test_power(ratio: float, n: int, alpha: float = 0.05, n_b: int | None = None) -> float:
@@ -254,16 +470,34 @@ def _f_comparison(std_a: float, n_a: int, std_b: float, n_b: int, ddof: int = 1,
     return {"ratio": ratio, "ratio_ci": list(ci), "f_test_p": p}
 
 
-def compare_spread(x, reference) -> dict:
+POWER_RATIOS = (0.5, 0.75)
+
+
+def compare_spread(x, reference, resolution: float | None = None, ratios=POWER_RATIOS) -> dict:
     """Std of ``x`` relative to ``reference`` (Morin & Willetts' statistic) with its uncertainty.
 
-    Returns ratio, its 95% CI, F-test and Brown-Forsythe p-values, and the replicas per arm needed
-    for 80% power at the observed ratio.
+    Returns the ratio with its robust 95% interval (:func:`std_ratio_ci`; ``resolution``: the step
+    of a count, for tied arms) and the F interval, the permutation spread test's p (:func:`spread_test`,
+    the one to read), the F-test's and Brown–Forsythe's, and the replicas per arm at which the F-test
+    detects each true ratio in ``ratios`` with 80% power (normal data; a design figure, not a
+    post-hoc power).
     """
+    x, reference = np.asarray(x, np.float64), np.asarray(reference, np.float64)
     out = compare_spread_from_summary(std(x), len(x), std(reference), len(reference))
-    return {"ratio": out["ratio"], "ratio_ci": out["ratio_ci"], "f_test_p": out["f_test_p"],
+    return {"ratio": out["ratio"], "ratio_ci": list(std_ratio_ci(x, reference, resolution=resolution)),
+            "ratio_ci_normal": out["ratio_ci"], "spread_p": spread_test(x, reference), "f_test_p": out["f_test_p"],
             "brown_forsythe_p": brown_forsythe(x, reference),
-            "replicas_for_80pct_power": out["replicas_for_80pct_power"]}
+            "replicas_for_ratio": {str(r): replicas_for_power(r) for r in ratios}}
+
+
+def replicas_for_std_factor(factor: float = 2.0, level: float = LEVEL, max_n: int = 100_000) -> int | None:
+    """Replicas at which the 95% std interval of normal data spans at most ``factor`` (upper end /
+    lower end: 2.0 means the std is known to within a factor of about √2 either way); the robust
+    interval is wider on skewed data."""
+    if factor <= 1:
+        return None
+    return _smallest_n(lambda n: math.sqrt(sps.chi2.ppf(0.5 + level / 2, n - 1) / sps.chi2.ppf(0.5 - level / 2, n - 1))
+                       <= factor, max_n)
 
 
 def welch(a, b, level: float = LEVEL) -> dict:

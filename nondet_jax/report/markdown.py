@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from nondet_jax.analysis.mitigations import mitigation_table
-from nondet_jax.analysis.stats import METHODS
+from nondet_jax.analysis.stats import METHODS, TESTS, na_reason, replicas_for_std_factor
 from nondet_jax.analysis.task import QUANTITIES, task_of
 from nondet_jax.errors import UsageError
 from nondet_jax.report.figures import make_figures
@@ -31,14 +31,24 @@ def _comparison_md(summary: dict) -> list[str]:
     if not vs:
         return ["(No `all` arm in this study: no ratios to it.)", ""]
     q1, q2 = QUANTITIES[task_of(summary)]
-    lines = [f"| arm | {q1.label} std ratio [95% CI] | F-test p | Brown–Forsythe p | R for 80% power "
-             f"| {q2.label} std ratio [95% CI] | F-test p | Brown–Forsythe p |", "|---|---|---|---|---|---|---|---|"]
+    ratios = list(next(iter(vs.values()))[q1.name].get("replicas_for_ratio", {}))
+    lines = [f"| arm | {q1.label} std ratio [95% CI] | spread p | Holm p | F-test p (normal) "
+             f"| {q2.label} std ratio [95% CI] | spread p | Holm p | F-test p (normal) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for arm, c in vs.items():
-        a, l_ = c[q1.name], c[q2.name]
-        lines.append(f"| {arm} | {_fmt(a['ratio'], 2)}{_ci(a['ratio_ci'], 2)} | {_fmt(a['f_test_p'], 3)} | "
-                     f"{_fmt(a['brown_forsythe_p'], 3)} | {a['replicas_for_80pct_power'] or '—'} | "
-                     f"{_fmt(l_['ratio'], 2)}{_ci(l_['ratio_ci'], 2)} | {_fmt(l_['f_test_p'], 3)} | "
-                     f"{_fmt(l_['brown_forsythe_p'], 3)} |")
+        cells = []
+        for q in (q1, q2):
+            a = c[q.name]
+            cells.append(f"{_fmt(a['ratio'], 2)}{_ci(a['ratio_ci'], 2)} | {_fmt(a.get('spread_p'), 3)} | "
+                         f"{_fmt(a.get('spread_p_holm'), 3)} | {_fmt(a['f_test_p'], 3)}")
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    lines += ["", "Ratio interval: " + METHODS["ratio"] + ". Spread p: " + TESTS["spread_p"] + "; Holm p: "
+              + TESTS["spread_p_holm"] + " (read this one). F-test p: " + TESTS["f_test_p"] + "."]
+    if ratios:
+        n = next(iter(vs.values()))[q1.name]["replicas_for_ratio"]
+        lines.append("Design: to detect a true std ratio of " + ", ".join(f"{k} ({n[k]} replicas per arm)" for k in ratios)
+                     + " with 80% power (F-test, normal data); a std interval spanning at most a factor 2 needs "
+                     f"{replicas_for_std_factor(2.0)} replicas (normal data).")
     return lines + [""]
 
 
@@ -67,14 +77,18 @@ def _findings(summary: dict) -> list[str]:
             continue
         q = QUANTITIES[task_of(summary)][0]
         a = c[q.name]
-        lo, hi = a["ratio_ci"]
-        if not np.isfinite(a["ratio"]):
+        lo, hi = (np.nan if v is None else v for v in a["ratio_ci"])
+        if a["ratio"] is None or not np.isfinite(a["ratio"]):
             continue
-        where = ("includes 1: not distinguishable from all sources together" if lo <= 1 <= hi else
+        where = ("" if not np.isfinite(lo) else
+                 "includes 1: not distinguishable from all sources together" if lo <= 1 <= hi else
                  "lies below 1: less spread than all sources together" if hi < 1 else
                  "lies above 1: more spread than all sources together")
+        used = min(summary["arms"][x].get("replicas_used", summary["arms"][x]["replicas"]) for x in (arm, "all"))
+        ci = f"[{lo:.2f}, {hi:.2f}]" if np.isfinite(lo) else f"is {na_reason('ratio', used) or 'n/a'}"
         out.append(f"- `{arm}`: {q.label} std is {a['ratio']:.2f}× the `all` arm's; the 95% CI "
-                   f"[{lo:.2f}, {hi:.2f}] {where} (F-test p = {a['f_test_p']:.3f}).")
+                   f"{ci} {where} (permutation spread test p = {_fmt(a.get('spread_p'), 3)}, Holm-adjusted over "
+                   f"{len(vs)} arms {_fmt(a.get('spread_p_holm'), 3)}).")
     for arm in ("control", "hardware"):
         rec = summary["arms"].get(arm)
         if rec:

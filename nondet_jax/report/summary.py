@@ -11,7 +11,7 @@ import numpy as np
 
 from nondet_jax.analysis.arm import compare_arms
 from nondet_jax.analysis.mitigations import mitigation_metrics, snapshot_ensemble
-from nondet_jax.analysis.stats import METHODS, format_ci
+from nondet_jax.analysis.stats import METHODS, TESTS, format_ci
 from nondet_jax.analysis.task import PAIRWISE, QUANTITIES, task_of
 from nondet_jax.errors import UsageError
 from nondet_jax.sources import split_variant
@@ -70,7 +70,7 @@ def build_summary(run: Path) -> tuple[dict, dict[str, dict]]:
         "dataset": config["data"]["name"], "model": config["model"]["name"],
         "epochs": config["train"]["epochs"], "seed": config["study"]["seed"],
         "backend": env.get("backend"), "device_kind": env.get("device_kind"),
-        "std_ddof": 1, "ci_level": 0.95, "ci_methods": METHODS,
+        "std_ddof": 1, "ci_level": 0.95, "ci_methods": METHODS, "tests": TESTS,
         "task": task_of(next(iter(records.values()))),
         "arms": {a: {k: v for k, v in rec.items() if k != "rows"} for a, rec in records.items()},
         "vs_all": compare_arms(records),
@@ -165,8 +165,9 @@ def arm_rows(summary: dict) -> list[dict]:
         for q in quantities:
             c = vs[q.name] if vs else {}
             row.update({f"{q.name}_std_ratio_vs_all": c.get("ratio"), **_ci_cols(f"{q.name}_ratio", c.get("ratio_ci")),
+                        f"{q.name}_spread_p": c.get("spread_p"), f"{q.name}_spread_p_holm": c.get("spread_p_holm"),
                         f"{q.name}_f_test_p": c.get("f_test_p"), f"{q.name}_brown_forsythe_p": c.get("brown_forsythe_p"),
-                        f"{q.name}_replicas_for_80pct_power": c.get("replicas_for_80pct_power")})
+                        **{f"{q.name}_replicas_for_ratio_{k}": n for k, n in c.get("replicas_for_ratio", {}).items()}})
         for name, unit in PAIRWISE[task].items():
             scale = _x100 if unit == "_pct" else (lambda v: v)
             row[f"{name}{unit}"] = scale(m[name]["mean"]) if name in m else None
@@ -196,22 +197,44 @@ def _write_csv(path: Path, rows: list[dict]) -> None:
     atomic_write_bytes(path, buf.getvalue().encode())
 
 
+def _std_cell(st: dict, a: dict, scale: float = 100.0, digits: int = 2) -> str:
+    """``std [low, high]`` of an arm's score, or "bitwise identical" when its replicas are (the spread is
+    exactly zero by construction, not estimated)."""
+    if a.get("replicas_bitwise_identical"):
+        return "bitwise identical"
+    return f"{small(st['std'] * scale, digits)}{_ci(st['std_ci'], digits, scale)}"
+
+
+def small(x, digits: int) -> str:
+    """``x`` with ``digits`` decimals, or in scientific notation when that would print a nonzero value as 0."""
+    if x is None or not np.isfinite(x):
+        return "—"
+    return f"{x:.{digits}f}" if x == 0 or abs(x) >= 0.5 * 10 ** -digits else f"{x:.1e}"
+
+
+def _p_cell(c: dict) -> str:
+    return _fmt(c.get("spread_p_holm"), 3)
+
+
 def _classification_columns(arm: str, a: dict, summary: dict) -> tuple[str, str, str]:
     """(header, row after the arm and R, legend) of the classification table."""
     m = a["metrics"]
     vs = summary["vs_all"].get(arm, {}).get("accuracy", {})
-    head = (f"{'accuracy %':>10} {'acc std % [95% CI]':>22} {'ratio vs all':>12} {'p(F)':>6}"
-            f" {'CE std [95% CI]':>24} {'disagree %':>10} {'CKA':>6} {'LMC bar. %':>10}")
+    head = (f"{'accuracy %':>10} {'acc std % [95% CI]':>22} {'ratio vs all':>12} {'p':>6}"
+            f" {'CE std [95% CI]':>26} {'disagree %':>10} {'CKA':>6} {'w. dist':>8} {'LMC bar. %':>10}")
     row = ""
     if m:
         acc, ce = m["accuracy"], m["cross_entropy"]
-        row = (f"{acc['mean'] * 100:>10.2f} {acc['std'] * 100:>6.2f}{_ci(acc['std_ci'], 2, 100):<16} "
-               f"{_fmt(vs.get('ratio'), 2):>12} {_fmt(vs.get('f_test_p'), 3):>6} {ce['std']:>7.4f}"
-               f"{_ci(ce['std_ci']):<17} {_pct(m.get('disagreement', {}).get('mean')):>10} "
-               f"{_fmt(m.get('cka', {}).get('mean'), 3):>6} {_pct(m.get('lmc_barrier', {}).get('mean')):>10}")
-    legend = ("std: sample std over replicas (ddof=1), chi-square 95% CI (normal data; n/a below R=2); ratio: "
-              "accuracy std / the all arm's, two-sided F-test p; CE in nats; disagreement and LMC barrier "
-              "(test error) in %, mean over pairs")
+        wd = m.get("weight_distance", {}).get("mean")
+        row = (f"{acc['mean'] * 100:>10.2f} {_std_cell(acc, a):<22} "
+               f"{_fmt(vs.get('ratio'), 2):>12} {_p_cell(vs):>6} {_std_cell(ce, a, 1.0, 4):<26} "
+               f"{small(None if m.get('disagreement') is None else m['disagreement']['mean'] * 100, 2):>10} "
+               f"{_fmt(m.get('cka', {}).get('mean'), 3):>6} {small(wd, 3):>8} "
+               f"{_pct(m.get('lmc_barrier', {}).get('mean')):>10}")
+    legend = ("std: sample std over replicas (ddof=1), robust 95% CI (Bonett; a tied accuracy: up to the largest std "
+              "that ties R replicas; n/a below R=3); ratio: accuracy std / the all arm's; p: permutation spread test, "
+              "Holm-adjusted over the arms; CE in nats; disagreement and LMC barrier (test error) in %, mean over "
+              "pairs; w. dist: L2 distance between replicas' final weights, mean over pairs")
     return head, row, legend
 
 
@@ -222,17 +245,17 @@ def _regression_columns(arm: str, a: dict, summary: dict) -> tuple[str, str, str
     vs = summary["vs_all"].get(arm, {}).get("mse", {})
     g = lambda v: "n/a" if v is None or not np.isfinite(v) else f"{v:.4g}"  # noqa: E731
     ci = lambda c: "" if not c or c[0] is None or not np.isfinite(c[0]) else f" [{g(c[0])}, {g(c[1])}]"  # noqa: E731
-    head = (f"{'test MSE':>10} {'MSE std [95% CI]':>28} {'ratio vs all':>12} {'p(F)':>6}"
+    head = (f"{'test MSE':>10} {'MSE std [95% CI]':>28} {'ratio vs all':>12} {'p':>6}"
             f" {'MAE std [95% CI]':>28} {'pred. dist':>10} {'pred. r':>7} {'CKA':>6}")
     row = ""
     if m:
         mse, mae = m["mse"], m["mae"]
         row = (f"{g(mse['mean']):>10} {(g(mse['std']) + ci(mse['std_ci'])):>28} {_fmt(vs.get('ratio'), 2):>12} "
-               f"{_fmt(vs.get('f_test_p'), 3):>6} {(g(mae['std']) + ci(mae['std_ci'])):>28} "
+               f"{_p_cell(vs):>6} {(g(mae['std']) + ci(mae['std_ci'])):>28} "
                f"{g(m.get('prediction_distance', {}).get('mean')):>10} {_fmt(m.get('pearson', {}).get('mean'), 3):>7} "
                f"{_fmt(m.get('cka', {}).get('mean'), 3):>6}")
-    legend = ("regression: std over replicas (ddof=1), chi-square 95% CI (normal data; n/a below R=2); ratio: "
-              "test-MSE std / the all arm's, two-sided F-test p; pred. dist: RMS difference of two replicas' test "
+    legend = ("regression: std over replicas (ddof=1), robust 95% CI (Bonett; n/a below R=3); ratio: "
+              "test-MSE std / the all arm's; p: permutation spread test, Holm-adjusted over the arms; pred. dist: RMS difference of two replicas' test "
               "predictions, pred. r: their Pearson correlation, mean over pairs (no accuracy, disagreement or LMC "
               "barrier: they need classes)")
     return head, row, legend
