@@ -20,6 +20,7 @@ from nondet_jax.report.summary import (
     _write_csv,
     arm_rows,
     build_summary,
+    fmt_p,
     format_table,
 )
 from nondet_jax.store.io import atomic_write_bytes, atomic_write_json, strict_json
@@ -39,8 +40,8 @@ def _comparison_md(summary: dict) -> list[str]:
         cells = []
         for q in (q1, q2):
             a = c[q.name]
-            cells.append(f"{_fmt(a['ratio'], 2)}{_ci(a['ratio_ci'], 2)} | {_fmt(a.get('spread_p'), 3)} | "
-                         f"{_fmt(a.get('spread_p_holm'), 3)} | {_fmt(a['f_test_p'], 3)}")
+            cells.append(f"{_fmt(a['ratio'], 2)}{_ci(a['ratio_ci'], 2)} | {fmt_p(a.get('spread_p'))} | "
+                         f"{fmt_p(a.get('spread_p_holm'))} | {fmt_p(a['f_test_p'])}")
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     lines += ["", "Ratio interval: " + METHODS["ratio"] + ". Spread p: " + TESTS["spread_p"] + "; Holm p: "
               + TESTS["spread_p_holm"] + " (read this one). F-test p: " + TESTS["f_test_p"] + "."]
@@ -87,8 +88,8 @@ def _findings(summary: dict) -> list[str]:
         used = min(summary["arms"][x].get("replicas_used", summary["arms"][x]["replicas"]) for x in (arm, "all"))
         ci = f"[{lo:.2f}, {hi:.2f}]" if np.isfinite(lo) else f"is {na_reason('ratio', used) or 'n/a'}"
         out.append(f"- `{arm}`: {q.label} std is {a['ratio']:.2f}× the `all` arm's; the 95% CI "
-                   f"{ci} {where} (permutation spread test p = {_fmt(a.get('spread_p'), 3)}, Holm-adjusted over "
-                   f"{len(vs)} arms {_fmt(a.get('spread_p_holm'), 3)}).")
+                   f"{ci} {where} (permutation spread test p = {fmt_p(a.get('spread_p'))}, Holm-adjusted over "
+                   f"{len(vs)} arms {fmt_p(a.get('spread_p_holm'))}).")
     for arm in ("control", "hardware"):
         rec = summary["arms"].get(arm)
         if rec:

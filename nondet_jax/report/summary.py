@@ -212,22 +212,29 @@ def small(x, digits: int) -> str:
     return f"{x:.{digits}f}" if x == 0 or abs(x) >= 0.5 * 10 ** -digits else f"{x:.1e}"
 
 
+def fmt_p(x) -> str:
+    """A p-value with 3 decimals, or in scientific notation below 0.001 (never a bare "0.000")."""
+    if x is None or not np.isfinite(x):
+        return "—"
+    return f"{x:.3f}" if x >= 0.001 or x == 0 else f"{x:.1e}"
+
+
 def _p_cell(c: dict) -> str:
-    return _fmt(c.get("spread_p_holm"), 3)
+    return fmt_p(c.get("spread_p_holm"))
 
 
 def _classification_columns(arm: str, a: dict, summary: dict) -> tuple[str, str, str]:
     """(header, row after the arm and R, legend) of the classification table."""
     m = a["metrics"]
     vs = summary["vs_all"].get(arm, {}).get("accuracy", {})
-    head = (f"{'accuracy %':>10} {'acc std % [95% CI]':>22} {'ratio vs all':>12} {'p':>6}"
+    head = (f"{'accuracy %':>10} {'acc std % [95% CI]':>22} {'ratio vs all':>12} {'p':>7}"
             f" {'CE std [95% CI]':>26} {'disagree %':>10} {'CKA':>6} {'w. dist':>8} {'LMC bar. %':>10}")
     row = ""
     if m:
         acc, ce = m["accuracy"], m["cross_entropy"]
         wd = m.get("weight_distance", {}).get("mean")
         row = (f"{acc['mean'] * 100:>10.2f} {_std_cell(acc, a):<22} "
-               f"{_fmt(vs.get('ratio'), 2):>12} {_p_cell(vs):>6} {_std_cell(ce, a, 1.0, 4):<26} "
+               f"{_fmt(vs.get('ratio'), 2):>12} {_p_cell(vs):>7} {_std_cell(ce, a, 1.0, 4):<26} "
                f"{small(None if m.get('disagreement') is None else m['disagreement']['mean'] * 100, 2):>10} "
                f"{_fmt(m.get('cka', {}).get('mean'), 3):>6} {small(wd, 3):>8} "
                f"{_pct(m.get('lmc_barrier', {}).get('mean')):>10}")
@@ -245,13 +252,13 @@ def _regression_columns(arm: str, a: dict, summary: dict) -> tuple[str, str, str
     vs = summary["vs_all"].get(arm, {}).get("mse", {})
     g = lambda v: "n/a" if v is None or not np.isfinite(v) else f"{v:.4g}"  # noqa: E731
     ci = lambda c: "" if not c or c[0] is None or not np.isfinite(c[0]) else f" [{g(c[0])}, {g(c[1])}]"  # noqa: E731
-    head = (f"{'test MSE':>10} {'MSE std [95% CI]':>28} {'ratio vs all':>12} {'p':>6}"
+    head = (f"{'test MSE':>10} {'MSE std [95% CI]':>28} {'ratio vs all':>12} {'p':>7}"
             f" {'MAE std [95% CI]':>28} {'pred. dist':>10} {'pred. r':>7} {'CKA':>6}")
     row = ""
     if m:
         mse, mae = m["mse"], m["mae"]
         row = (f"{g(mse['mean']):>10} {(g(mse['std']) + ci(mse['std_ci'])):>28} {_fmt(vs.get('ratio'), 2):>12} "
-               f"{_p_cell(vs):>6} {(g(mae['std']) + ci(mae['std_ci'])):>28} "
+               f"{_p_cell(vs):>7} {(g(mae['std']) + ci(mae['std_ci'])):>28} "
                f"{g(m.get('prediction_distance', {}).get('mean')):>10} {_fmt(m.get('pearson', {}).get('mean'), 3):>7} "
                f"{_fmt(m.get('cka', {}).get('mean'), 3):>6}")
     legend = ("regression: std over replicas (ddof=1), robust 95% CI (Bonett; n/a below R=3); ratio: "
