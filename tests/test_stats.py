@@ -163,7 +163,13 @@ def test_pairwise_mean_ci_is_the_replica_jackknife():
     se = np.sqrt((r - 1) / r * ((loo - loo.mean()) ** 2).sum())
     half = sps.t.ppf(0.975, r - 1) * se
     assert stats.pairwise_mean_ci(values, r) == pytest.approx((values.mean() - half, values.mean() + half))
-    assert stats.pairwise_mean_ci(np.full(len(a), 0.25), r) == (0.25, 0.25)
+    # every pair equal: the jackknife has no spread to see, so no zero-width interval is printed
+    assert all(np.isnan(stats.pairwise_mean_ci(np.full(len(a), 0.25), r)))
+    lo, hi = stats.pairwise_mean_ci(values, r, bounds=(0.0, np.inf), scale="log")  # log scale: by hand too
+    loo_log = np.log(loo)
+    se_log = np.sqrt((r - 1) / r * ((loo_log - loo_log.mean()) ** 2).sum())
+    t = sps.t.ppf(0.975, r - 1)
+    assert (lo, hi) == pytest.approx((values.mean() * np.exp(-t * se_log), values.mean() * np.exp(t * se_log)))
     assert all(np.isnan(stats.pairwise_mean_ci([0.1], 2)))
     with pytest.raises(ValueError, match="pair values"):
         stats.pairwise_mean_ci(values[:-1], r)
