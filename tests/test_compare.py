@@ -65,6 +65,17 @@ def test_two_csv_files_and_json_output(tmp_path, capsys):
     ref = stats.compare_means([0.981, 0.975, 0.979, 0.983], [0.985, 0.982, 0.986, 0.981, 0.987])
     assert r["difference"] == pytest.approx(ref["difference"]) and r["n_b"] == 5
     assert r["a"]["column"] == "acc"
+    assert r["detect"] is None and r["replicas_for_detect"] is None
+
+
+def test_detect_sizes_the_next_study_for_a_stated_difference(tmp_path, capsys):
+    (tmp_path / "a.csv").write_text("0.981\n0.975\n0.979\n0.983\n")
+    (tmp_path / "b.csv").write_text("0.985\n0.982\n0.986\n0.981\n")
+    assert main([str(tmp_path / "a.csv"), str(tmp_path / "b.csv"), "--detect", "0.002"]) == 0
+    out = capsys.readouterr().out
+    ref = stats.compare_means([0.981, 0.975, 0.979, 0.983], [0.985, 0.982, 0.986, 0.981], detect=0.002)
+    assert ref["replicas_for_detect"] == stats.replicas_for_difference(0.002, ref["pooled_std"]) > 4
+    assert f"at a difference of 0.002 (--detect): {ref['replicas_for_detect']}" in out
 
 
 @pytest.mark.parametrize("make,args,message", [
@@ -78,6 +89,11 @@ def test_two_csv_files_and_json_output(tmp_path, capsys):
      "not numbers"),
     (lambda d: None, ["{d}/a.csv", "{d}/a.csv", "--arm", "init"], "--arm, --arm-b and --metric are for run folders"),
     (lambda d: None, ["{d}/run", "{d}/run"], "not a nondet_jax run folder"),
+    (lambda d: (d / "c.csv").write_text("seed,acc\n0,0.9\n1,NA\n2,0.8\n"), ["{d}/a.csv", "{d}/c.csv"],
+     "row 3, column 'acc' is empty or NA ('NA')"),
+    (lambda d: (d / "c.csv").write_text("seed,acc\n0,0.9\n1,0.8\n2,\n"), ["{d}/a.csv", "{d}/c.csv"],
+     "row 4, column 'acc' is empty or NA"),
+    (lambda d: None, ["{d}/a.csv", "{d}/a.csv", "--detect", "0"], "--detect 0.0: give a nonzero difference"),
 ])
 def test_mismatched_inputs_exit_2_with_one_line(tmp_path, capsys, make, args, message):
     (tmp_path / "a.csv").write_text("acc\n0.98\n0.97\n0.99\n")

@@ -107,12 +107,15 @@ def csv_scores(path: str | Path, column: str | None = None) -> tuple[np.ndarray,
 
 
 def compare(a: str | Path, b: str | Path, arm: str = "all", arm_b: str | None = None, metric: str = "test_accuracy",
-            column: str | None = None, higher_is_better: bool | None = None) -> dict:
+            column: str | None = None, higher_is_better: bool | None = None, detect: float | None = None) -> dict:
     """Compare method A with method B: two run folders (arm ``arm`` of A, ``arm_b`` or ``arm`` of B,
     per-replica ``metric``) or two CSV files (``column``). Returns
     :func:`nondet_jax.analysis.stats.compare_means`'s fields plus ``a`` and ``b`` (where the scores came from).
     ``higher_is_better`` defaults to True, or to the metric's direction for run folders (losses: lower).
+    ``detect``: a difference to size the next study for (replicas per method for 80% power at it).
     """
+    if detect is not None and not (np.isfinite(detect) and detect != 0):
+        raise UsageError(f"--detect {detect}: give a nonzero difference in the scores' units, e.g. 0.005")
     a, b = Path(a), Path(b)
     for p in (a, b):
         if not p.exists():
@@ -142,7 +145,8 @@ def compare(a: str | Path, b: str | Path, arm: str = "all", arm_b: str | None = 
             raise UsageError(f"{w['source']} gives {len(x)} score(s); the comparison needs at least 2 per method")
         if not np.isfinite(x).all():
             raise UsageError(f"{w['source']} holds a non-finite score (NaN or inf); remove that seed or fix the file")
-    result = S.compare_means(xa, xb, higher_is_better=True if higher_is_better is None else higher_is_better)
+    result = S.compare_means(xa, xb, higher_is_better=True if higher_is_better is None else higher_is_better,
+                             detect=detect)
     wa, wb = {**wa, "scores": xa.tolist()}, {**wb, "scores": xb.tolist()}
     return {**result, "a": wa, "b": wb, "methods": {k: S.METHODS[k] for k in ("difference", "probability_of_improvement")}}
 
@@ -178,7 +182,10 @@ def format_result(r: dict) -> str:
         f"(df {r['welch_df']:.1f})",
         f"probability of improvement P(B {op} A): {r['probability_of_improvement']:.3f}  95% CI [{plo:.3f}, {phi:.3f}]",
         f"replicas per method for 80% power at this difference: {r['replicas_for_80pct_power'] or 'n/a'} "
-        f"(two-sample t-test, pooled run-to-run std {g(r['pooled_std'])})",
+        f"(two-sample t-test, pooled run-to-run std {g(r['pooled_std'])}; a planning figure for the next study, "
+        "not evidence about this one)",
+        *([f"replicas per method for 80% power at a difference of {g(r['detect'])} (--detect): "
+           f"{r['replicas_for_detect'] or 'n/a'}"] if r.get("detect") is not None else []),
         verdict(r),
         f"methods: difference: {r['methods']['difference']}; probability of improvement: "
         f"{r['methods']['probability_of_improvement']}",

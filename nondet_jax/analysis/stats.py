@@ -578,14 +578,16 @@ def replicas_for_difference(difference: float, sd: float, power: float = 0.8, al
     return _smallest_n(lambda n: t_test_power(difference / sd, n, alpha) >= power, max_n)
 
 
-def compare_means(a, b, level: float = LEVEL, higher_is_better: bool = True) -> dict:
+def compare_means(a, b, level: float = LEVEL, higher_is_better: bool = True, detect: float | None = None) -> dict:
     """Is method B better than method A? Per-seed scores of each, e.g. test accuracies.
 
     Returns n_a, n_b, both means and stds, the difference mean(B) − mean(A) with its Welch interval
     and p-value, the probability of improvement (that one run of B scores better than one run of
     A: higher, or lower when ``higher_is_better`` is False) with its interval, and the replicas per
     method a two-sample t-test needs to detect the observed difference with 80% power given the
-    pooled run-to-run std.
+    pooled run-to-run std; with ``detect`` (a difference in the scores' units, e.g. 0.005 for half a
+    point of accuracy) also ``replicas_for_detect``: the replicas per method for 80% power at that
+    stated difference, the number to plan the next study by.
     """
     a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
     if min(len(a), len(b)) < 2 or not (np.isfinite(a).all() and np.isfinite(b).all()):
@@ -598,4 +600,5 @@ def compare_means(a, b, level: float = LEVEL, higher_is_better: bool = True) -> 
             "welch_df": w["df"], "p": w["p"], "probability_of_improvement": poi["probability"],
             "probability_of_improvement_ci": poi["ci"], "pooled_std": pooled,
             "replicas_for_80pct_power": replicas_for_difference(w["difference"], pooled), "level": level,
-            "higher_is_better": higher_is_better}
+            "higher_is_better": higher_is_better, "detect": detect,
+            "replicas_for_detect": None if detect is None else replicas_for_difference(abs(detect), pooled)}
