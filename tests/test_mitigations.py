@@ -54,8 +54,9 @@ def test_identical_replicas_have_no_spread_and_no_disagreement():
     m = variant_metrics(logits, np.arange(40) % 5)
     assert m["accuracy"]["std"] == 0.0 and m["accuracy"]["std_ci"][0] == 0.0 < m["accuracy"]["std_ci"][1] < 2 / 40
     assert m["cross_entropy"]["std"] == 0.0 and m["cross_entropy"]["std_ci"] == [0.0, 0.0]
-    assert m["disagreement"]["mean"] == 0.0 and all(np.isnan(m["disagreement"]["ci"]))  # no zero-width bar
-    assert m["disagreement"]["na"].startswith("n/a: replicas too alike")
+    assert m["disagreement"]["mean"] == 0.0 and m["disagreement"]["ci"][0] == 0 < m["disagreement"]["ci"][1]
+    assert m["disagreement"]["minority_predictions"] == 0  # the Poisson bound of no differing prediction
+    assert all(np.isnan(m["pearson"]["ci"])) and m["pearson"]["na"].startswith("n/a: replicas too alike")
     assert m["pearson"]["mean"] == pytest.approx(1.0, abs=1e-12)
 
 
@@ -66,7 +67,7 @@ def test_hand_computed_accuracy_spread_and_disagreement():
     assert m["accuracy"]["std"] == pytest.approx(0.25)  # std(1, .75, .5), ddof=1
     assert m["disagreement"]["mean"] == pytest.approx((1 / 4 + 2 / 4 + 1 / 4) / 3)
     lo, hi = m["accuracy"]["mean_ci"]  # t interval with 2 degrees of freedom: 0.75 ± 4.303 * 0.25 / sqrt(3)
-    assert (lo, hi) == pytest.approx((0.75 - 4.3027 * 0.25 / np.sqrt(3), 0.75 + 4.3027 * 0.25 / np.sqrt(3)), abs=1e-4)
+    assert (lo, hi) == pytest.approx((0.75 - 4.3027 * 0.25 / np.sqrt(3), 1.0), abs=1e-4)  # clipped at 100%
     # cross-entropy of a right answer with margin 2: log(1 + e^-2); of a wrong one: log(1 + e^2)
     right, wrong = np.log1p(np.exp(-2.0)), np.log1p(np.exp(2.0))
     assert m["cross_entropy"]["mean"] == pytest.approx((9 * right + 3 * wrong) / 12)
@@ -108,7 +109,8 @@ def test_table_has_one_row_per_arm_and_variant():
     assert [r.split("|")[1:3] for r in rows] == [[" init ", " single "], [" init ", " tta "], [" all ", " single "],
                                                 [" all ", " tta "]]
     assert "| 75.00 [" in rows[0] and "| 25.00 [" in rows[0] and "| 33.33 [" in rows[0]
-    assert "| 1.00 (1.000) |" in rows[1]  # identical spread: ratio 1, F-test p 1
+    assert "| 1.00 (–) |" in rows[1]  # identical spread: ratio 1; the spread test is n/a at R=3 (< 5 per arm)
+    assert "| 75.00 [12.90, 100.00] |" in rows[1]  # an accuracy's mean interval ends at 100%
     assert "| 87.50 [" in rows[2] and "| 25.00 n/a |" in rows[2]  # R=2: a t interval, but no pairwise CI
     assert table.count("\n") == 6
 

@@ -294,3 +294,25 @@ def test_accuracy_std_interval_ends_at_the_largest_possible_std():
     assert lo == raw[0] and hi == 0.5
     assert stats.spread([0.80, 0.81, 0.82, 0.80, 0.79, 0.83], std_max=0.5)["std_ci"] == list(stats.std_ci(
         [0.80, 0.81, 0.82, 0.80, 0.79, 0.83]))  # far from the bound: unchanged
+
+
+def test_minority_predictions_and_the_poisson_interval_of_rare_disagreement():
+    from nondet_jax.analysis import metrics
+    logits = np.zeros((4, 5, 3))
+    logits[:, :, 0] = 1.0  # every replica predicts class 0 ...
+    logits[1, 2, 1] = logits[3, 2, 2] = 2.0  # ... but on image 2 two replicas differ (each its own way)
+    logits[0, 4, 2] = 2.0  # and one on image 4
+    assert metrics.minority_predictions(logits) == 3
+    assert metrics.minority_predictions(np.repeat(logits[:1], 4, 0)) == 0
+    for m in (0, 3, 25):
+        lo, hi = stats.rare_disagreement_ci(m, 8, 360)
+        lam_hi = hi * 8 * 360 / 2  # Garwood: P(Poisson(upper) <= m) = 2.5%, P(Poisson(lower) >= m) = 2.5%
+        assert sps.poisson.cdf(m, lam_hi) == pytest.approx(0.025, rel=1e-6)
+        if m:
+            assert sps.poisson.sf(m - 1, lo * 8 * 360 / 2) == pytest.approx(0.025, rel=1e-6)
+        else:
+            assert lo == 0
+    # replicas that never differ: a disagreement interval [0, 2·3.69/(R·n)], not a zero-width bar
+    a, _ = __import__("nondet_jax.analysis.metrics", fromlist=["pair_indices"]).pair_indices(8)
+    lo, hi = stats.disagreement_ci(np.zeros(len(a)), 8, minority=0, n_test=360)
+    assert lo == 0 and hi == pytest.approx(2 * sps.chi2.ppf(0.975, 2) / 2 / (8 * 360))

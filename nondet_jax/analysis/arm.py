@@ -66,8 +66,9 @@ def arm_metrics(result, data, fns: TrainFns, cfg: MetricsConfig) -> tuple[dict, 
         "cka": M.linear_cka(result.features),
         "weight_distance": result.weight_distance[-1],
     })
+    minority = M.minority_predictions(result.logits)
     for name in CLASSIFICATION_PAIRS:
-        out[name] = S.pairwise_summary(name, arrays[name], r)
+        out[name] = S.pairwise_summary(name, arrays[name], r, minority=minority, n_test=len(labels))
     pairs = lmc_pairs(r, cfg.lmc_pairs)
     if pairs:
         x_bn = np.asarray(data.x_train[: cfg.bn_examples])

@@ -95,6 +95,17 @@ def disagreement(logits) -> np.ndarray:
     return 1.0 - agree[a, b]
 
 
+def minority_predictions(logits) -> int:
+    """Predictions that differ from their example's most common predicted class, summed over the test
+    examples: Σ_j (R − max_c n_jc) for (R, n, C) logits. 0 when every replica predicts alike; the count
+    whose Poisson interval bounds the disagreement of near-identical replicas
+    (:func:`nondet_jax.analysis.stats.rare_disagreement_ci`)."""
+    logits = np.asarray(logits)
+    pred = logits.argmax(-1)
+    counts = np.eye(logits.shape[-1], dtype=np.int64)[pred].sum(0)  # (n, C): replicas predicting each class
+    return int((len(pred) - counts.max(-1)).sum())
+
+
 def _pairwise_pearson(x: np.ndarray) -> np.ndarray:
     x = x.reshape(len(x), -1).astype(np.float64)
     z = x - x.mean(1, keepdims=True)

@@ -70,7 +70,7 @@ def variant_metrics(logits, labels) -> dict:
            "cross_entropy": S.spread(ce), "independent_errors_std": M.independent_errors_std(logits, labels)}
     if r >= 2:
         for name, values in (("disagreement", M.disagreement(logits)), ("pearson", M.pearson(logits))):
-            out[name] = S.pairwise_summary(name, values, r)
+            out[name] = S.pairwise_summary(name, values, r, minority=M.minority_predictions(logits), n_test=len(labels))
     return out
 
 

@@ -111,7 +111,7 @@ def _mitigations_md(summary: dict) -> list[str]:
             "Same replicas (paired by key) evaluated as variants: `single` is the trained arm; `tta:<views>` the "
             "same models averaged over test-time views; `snapshotK` the arm retrained with K cosine cycles in the "
             "same epochs (equal training cost), its K cycle-end logits averaged; `snapshotK last` that run's final "
-            "snapshot alone. The std ratio is to `single` (F-test p).", "",
+            "snapshot alone. The std ratio is to `single` (permutation spread-test p, n/a below 5 replicas).", "",
             mitigation_table(summary["mitigations"]), ""]
 
 
