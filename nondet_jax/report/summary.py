@@ -202,7 +202,10 @@ def _std_cell(st: dict, a: dict, scale: float = 100.0, digits: int = 2) -> str:
     exactly zero by construction, not estimated)."""
     if a.get("replicas_bitwise_identical"):
         return "bitwise identical"
-    return f"{small(st['std'] * scale, digits)}{_ci(st['std_ci'], digits, scale)}"
+    ci = st.get("std_ci") or [None, None]
+    if any(c is None or not np.isfinite(c) for c in ci):
+        return f"{small(st['std'] * scale, digits)} n/a"
+    return f"{small(st['std'] * scale, digits)} [{small(ci[0] * scale, digits)}, {small(ci[1] * scale, digits)}]"
 
 
 def small(x, digits: int) -> str:
