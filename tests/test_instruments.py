@@ -403,3 +403,29 @@ def test_dashboard_and_tidy_rows(tmp_path):
     assert (tmp_path / "d.png").stat().st_size > 1000
     with pytest.raises(ValueError, match="step"):
         dashboard({"Loss": values["Loss"]})
+
+
+def test_mixed_float32_and_float64_parameters(x64):
+    """One float32 leaf beside float64 leaves (a user layer's own param under x64): every quantity runs,
+    comes out in float64 and equals the all-float64 values to float32 precision (the sums used to take
+    the first leaf's dtype and crash the scan carry)."""
+    p64 = init_params(jax.random.key(0), jnp.float64)
+    mixed = {**p64, "layer1": {"w": p64["layer1"]["w"], "b": p64["layer1"]["b"].astype(jnp.float32)}}
+    batch = batch_of(jax.random.key(1), 12, jnp.float64)
+    names = "Loss,GradNorm,Distance,NormTest,InnerTest,OrthoTest,MeanGSNR,Alpha,HessMaxEV,HessTrace,GradHist1d"
+    inst = instruments.make(names, example_loss, chunk=3)
+    values = []
+    for params in (p64, mixed):
+        updates = jax.tree.map(lambda a: -0.01 * jnp.ones_like(a), params)
+        step = jax.jit(lambda s, p, bt, i: inst.update(s, p, bt, step=i, updates=updates, lr=0.1))
+        state, _ = step(inst.init(params), params, batch, 0)
+        _, v = step(state, jax.tree.map(lambda a, u: a + u, params, updates), batch, 1)
+        values.append({k: np.asarray(x) for k, x in v.items()})
+    ref, got = values
+    assert set(ref) == set(got)
+    for k in ref:
+        if k.startswith("GradHist"):
+            continue
+        assert got[k].dtype == np.float64, k
+        np.testing.assert_allclose(got[k], ref[k], rtol=2e-5, atol=1e-7, err_msg=k)
+    assert np.isfinite(got["Alpha"]) and np.isfinite(got["HessTrace"])

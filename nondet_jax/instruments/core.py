@@ -69,7 +69,7 @@ from nondet_jax.instruments import (
     histograms,
     layerwise,
 )
-from nondet_jax.instruments.per_example import per_example_pass
+from nondet_jax.instruments.per_example import common_dtype, per_example_pass
 from nondet_jax.instruments.schedules import Schedule, linear
 
 PER_EXAMPLE = ("NormTest", "InnerTest", "OrthoTest", "GradHist1d", "GradHist2d", "TICDiag", "TICTrace", "MeanGSNR",
@@ -188,7 +188,7 @@ def make(quantities: str | tuple[str, ...], example_loss: Callable, *, schedule:
 
     def init(params) -> InstrumentState:
         zero = lambda: jax.tree.map(jnp.zeros_like, params)  # noqa: E731
-        dtype = jax.tree.leaves(params)[0].dtype
+        dtype = common_dtype(params)
         return InstrumentState(
             init_params=params if has("Distance") else (),
             direction=zero() if need_alpha else (),
@@ -238,7 +238,7 @@ def make(quantities: str | tuple[str, ...], example_loss: Callable, *, schedule:
         if tape is not None and (grads is None or tape.losses is None):
             raise ValueError("a tape needs its per-example losses (tape.losses) and its pass's gradient (grads=)")
         step = jnp.asarray(step)
-        dtype = jax.tree.leaves(params)[0].dtype
+        dtype = common_dtype(params)
         shapes = value_shapes(params)
         layers = layer_names(params)
         nan_values = {k: jnp.full(s, jnp.nan, dtype if not k.startswith("GradHist") else jnp.float32)

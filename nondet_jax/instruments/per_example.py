@@ -40,10 +40,16 @@ def chunk_size(batch: int, requested: int) -> int:
     return c
 
 
+def common_dtype(params):
+    """The dtype every leaf's values promote to (float64 when float32 and float64 parameters mix): the
+    dtype of scalars summed over all leaves, such as a squared norm or a quantity's value."""
+    return jnp.result_type(*(x.dtype for x in jax.tree.leaves(params)))
+
+
 def init_sums(params, *, grad_sq: bool, hist1d: dict | None, hist2d: dict | None):
     """Zero running sums ``(sum_g, sum_sq_norm, sum_g2, hist1d, hist2d)`` (None for those not asked for)."""
     zeros = jax.tree.map(jnp.zeros_like, params)
-    return (zeros, jnp.zeros((), jax.tree.leaves(params)[0].dtype), zeros if grad_sq else None,
+    return (zeros, jnp.zeros((), common_dtype(params)), zeros if grad_sq else None,
             None if hist1d is None else jnp.zeros(hist1d.get("bins", histograms.HIST1D_BINS), jnp.float32),
             None if hist2d is None else jnp.zeros(hist2d.get("bins", histograms.HIST2D_BINS), jnp.float32))
 
