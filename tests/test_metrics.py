@@ -155,3 +155,20 @@ def test_metrics_accept_jax_arrays(logits, labels):
 
     np.testing.assert_allclose(metrics.disagreement(jnp.asarray(logits)), metrics.disagreement(logits))
     np.testing.assert_allclose(metrics.linear_cka(jnp.asarray(logits)), metrics.linear_cka(logits), rtol=1e-6)
+
+
+def test_bfloat16_logits_give_the_metrics_of_their_float32_values():
+    """A user model with bfloat16 outputs: every metric of an arm runs (scipy's ranks refuse bfloat16)
+    and equals the metric of the same values in float32."""
+    import jax.numpy as jnp
+
+    from nondet_jax.analysis import metrics as M
+
+    x = np.random.default_rng(0).normal(size=(3, 20, 4)).astype(np.float32)
+    b = np.asarray(jnp.asarray(x, jnp.bfloat16))
+    f = b.astype(np.float32)
+    labels = np.arange(20) % 4
+    for fn in (M.spearman, M.pearson, M.disagreement, M.linear_cka):
+        np.testing.assert_allclose(fn(b), fn(f), rtol=1e-6)
+    np.testing.assert_allclose(M.cross_entropy(b, labels), M.cross_entropy(f, labels), rtol=1e-5)
+    assert M.minority_predictions(b) == M.minority_predictions(f)

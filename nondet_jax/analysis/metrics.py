@@ -122,7 +122,7 @@ def pearson(logits) -> np.ndarray:
 
 def spearman(logits) -> np.ndarray:
     """Spearman rank correlation of flattened logits (ties get average ranks), per pair: (P,)."""
-    x = np.asarray(logits).reshape(len(logits), -1)
+    x = np.asarray(logits).reshape(len(logits), -1).astype(np.float64)  # scipy ranks no bfloat16
     return _pairwise_pearson(rankdata(x, axis=1))
 
 
