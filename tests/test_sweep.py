@@ -159,6 +159,22 @@ def test_foreign_folder_is_refused(tmp_path):
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
+def test_a_kill_during_the_first_config_write_leaves_a_usable_folder(tmp_path):
+    """Killed while writing the first config.json, a folder holds only the lock and a temporary file:
+    the rerun takes it as new (it used to answer "not a nondet_jax run folder" forever)."""
+    from nondet_jax.store.run import RunStore
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / ".lock").write_text("123\n")
+    (out / ".config.json.k2j3.tmp").write_text('{"study": {"ar')
+    config = from_flat({"model.name": "mlp", "train.epochs": 1})
+    with RunStore(out, config):
+        pass
+    assert json.loads((out / "config.json").read_text())["model"]["name"] == "mlp"
+    assert not list(out.glob(".*.tmp"))
+
+
 def test_same_config_twice_gives_bitwise_identical_results(tmp_path):
     config = from_flat({"model.name": "mlp", "train.epochs": 2, "study.replicas": 2, "train.batch_size": 128,
                         "study.arms": "all", "model.dropout": 0.1, "data.augment": "on"})

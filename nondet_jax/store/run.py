@@ -120,6 +120,12 @@ def verify_arm_files(root: Path, arm: str, record: dict, identity: str = "") -> 
     return record
 
 
+def _leftover(path: Path) -> bool:
+    """A temporary file of :func:`nondet_jax.store.io.atomic_write_bytes` (``.NAME.XXXX.tmp``), left by a
+    process killed mid-write (e.g. during the very first ``config.json``): never a result."""
+    return path.is_file() and path.name.startswith(".") and path.name.endswith(".tmp")
+
+
 class RunStore:
     """An open run folder. Use as a context manager: it holds the folder's lock while open."""
 
@@ -149,7 +155,7 @@ class RunStore:
         if root.exists() and not root.is_dir():
             raise UsageError(f"--out {root} is a file, not a folder; choose another --out")
         cfg_path = root / "config.json"
-        if root.exists() and not cfg_path.exists() and any(p.name != LOCK for p in root.iterdir()):
+        if root.exists() and not cfg_path.exists() and any(p.name != LOCK and not _leftover(p) for p in root.iterdir()):
             raise UsageError(f"--out {root} exists and is not a nondet_jax run folder; choose a new or empty --out")
         check_no_links(root)
         try:
