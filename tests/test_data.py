@@ -158,3 +158,21 @@ def test_resize_center_crop_by_hand():
     tall[:, 14:18] = 255  # a centred vertical bar survives the crop, centred
     out = resize_center_crop(tall, 14)
     assert out.shape == (14, 14, 1) and out[:, 7, 0].min() > 200 and out[:, 0, 0].max() == 0
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda x, y: (x * 1e300, y), "beyond float32's"),
+    (lambda x, y: (x + 1j, y), "must be finite real numbers"),
+    (lambda x, y: ((x * 1e10).astype(np.int64), y), "beyond int32"),
+    (lambda x, y: (x, y * 1e300), r"y_train holds values up to 1e\+300"),
+])
+def test_values_training_cannot_represent_are_refused(change, message):
+    """float64 values beyond float32 used to pass the finite check and become inf (every replica
+    "diverged" at step 0); complex inputs lost their imaginary part."""
+    from nondet_jax.data import from_arrays
+    from nondet_jax.errors import UsageError
+
+    x, y = np.random.default_rng(0).random((10, 4)), np.linspace(0.0, 1.0, 10)
+    x, y = change(x, y)
+    with pytest.raises(UsageError, match=message):
+        from_arrays("t", x, y, x, y)

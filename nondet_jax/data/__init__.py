@@ -78,8 +78,16 @@ def from_arrays(name: str, x_train, y_train, x_test, y_test, num_classes: int | 
                 np.issubdtype(y.dtype, np.floating) and np.all(np.isfinite(y)) and np.all(y == np.round(y)))):
             raise UsageError(f"{name}: y_{split} holds {y.dtype} values that are not whole numbers; labels must be "
                              "integer class indices 0 .. classes-1")
-        if not np.issubdtype(x.dtype, np.number) or not np.all(np.isfinite(x)):
-            raise UsageError(f"{name}: x_{split} must be finite numbers; got dtype {x.dtype} or NaN/inf values")
+        if not np.issubdtype(x.dtype, np.number) or np.iscomplexobj(x) or not np.all(np.isfinite(x)):
+            raise UsageError(f"{name}: x_{split} must be finite real numbers; got dtype {x.dtype} or NaN/inf values")
+        for arr, what in ((x, f"x_{split}"), (y, f"y_{split}") if task == "regression" else (x[:0], "")):
+            if np.issubdtype(arr.dtype, np.floating) and arr.size and np.abs(arr).max() > np.finfo(np.float32).max:
+                raise UsageError(f"{name}: {what} holds values up to {float(np.abs(arr).max()):.3g}, beyond float32's "
+                                 f"{np.finfo(np.float32).max:.3g}, which training computes in; rescale them")
+        if np.issubdtype(x.dtype, np.integer) and x.size and (x.max() > np.iinfo(np.int32).max
+                                                             or x.min() < np.iinfo(np.int32).min):
+            raise UsageError(f"{name}: x_{split} holds integers beyond int32 (up to {int(x.max())}); token ids must "
+                             "fit in int32")
     if arrays["x_train"].shape[1:] != arrays["x_test"].shape[1:]:
         raise UsageError(f"{name}: x_train examples have shape {arrays['x_train'].shape[1:]} but x_test examples "
                          f"{arrays['x_test'].shape[1:]}; both splits must have the same example shape")
