@@ -153,6 +153,14 @@ def squared_error(predictions, targets):
     return jnp.mean(d * d, axis=-1)
 
 
+def steps_per_epoch(n_train: int, batch_size: int) -> int:
+    """Optimizer steps per epoch: full batches only (the last incomplete batch of each epoch's shuffled
+    order is dropped, so every step sees ``batch_size`` examples). An optax schedule of your own spans
+    ``epochs * steps_per_epoch(n_train, batch_size)`` steps, e.g.
+    ``optax.cosine_decay_schedule(0.1, epochs * nj.steps_per_epoch(len(x_train), 128))``."""
+    return int(n_train) // int(batch_size)
+
+
 def make_schedule(o: OptimConfig, epochs: int, steps_per_epoch: int) -> optax.Schedule:
     """The learning-rate schedule over ``epochs * steps_per_epoch`` steps."""
     total = epochs * steps_per_epoch
@@ -247,7 +255,7 @@ def _make_train(config: Config, spec: DataSpec, parts: Parts) -> TrainFns:
     else:
         example_loss = parts.loss or optax.softmax_cross_entropy_with_integer_labels
     b = config.train.batch_size
-    steps = spec.n_train // b
+    steps = steps_per_epoch(spec.n_train, b)
     if steps < 1:
         raise UsageError(f"batch size {b} is larger than the {spec.n_train} training examples; use a batch size of "
                          f"{spec.n_train} or less")

@@ -21,7 +21,7 @@ from nondet_jax.config import Config
 from nondet_jax.errors import UsageError
 from nondet_jax.replicas import sharded as sharding
 from nondet_jax.sources import arm_keys, perturbations, replica_slice
-from nondet_jax.train import make_train
+from nondet_jax.train import make_train, steps_per_epoch
 
 
 def _bytes(tree) -> int:
@@ -73,7 +73,7 @@ def estimate(config: Config, spec, n_test: int, replicas: int | None = None, fns
     x = jax.ShapeDtypeStruct((1, *spec.image_shape), spec.x_dtype)
     state = jax.eval_shape(fns.init, keys, perturbations(frozenset()), x)
     logits, feats = jax.eval_shape(fns.evaluate, state, jax.ShapeDtypeStruct((n_test, *spec.image_shape), spec.x_dtype))
-    steps = max(1, spec.n_train // config.train.batch_size) * config.train.epochs
+    steps = max(1, steps_per_epoch(spec.n_train, config.train.batch_size)) * config.train.epochs
     per_replica = _bytes(state) + _bytes(logits) + _bytes(feats) + steps * 8  # loss and accuracy per step
     data = (spec.n_train + n_test) * (int(np.prod(spec.image_shape)) * 4 + 4)
     return {"per_replica": per_replica, "data": data, "total": r * per_replica + data}
