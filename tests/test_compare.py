@@ -148,3 +148,22 @@ def test_plot_draws_the_intervals_it_prints(tmp_path):
         (start, end), = [seg[:, 0] for seg in axis.collections[0].get_segments()]
         assert (start, end) == pytest.approx(tuple(ci))
     assert diff.get_xlim()[0] < 0 < diff.get_xlim()[1]  # the null value is on the axis
+
+
+def test_report_waits_for_no_sweep_it_refuses_a_locked_folder(runs, capsys):
+    """`report` takes the folder's lock: alongside a sweep it used to write a report of 2 arms while
+    summary.json and arms.csv had 3. Held by another process here, it refuses and writes nothing."""
+    from nondet_jax.cli.report import main as report_main
+    from nondet_jax.store.run import release_lock, take_lock
+
+    a, _ = runs
+    before = (a / "report.md").read_bytes()
+    fd = take_lock(a)
+    try:
+        assert report_main([str(a)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "is in use by another sweep" in err and "rebuild the report" in err and "\n" not in err
+        assert (a / "report.md").read_bytes() == before
+    finally:
+        release_lock(fd)
+    assert report_main([str(a)]) == 0 and "report:" in capsys.readouterr().out

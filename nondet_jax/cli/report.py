@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from nondet_jax.cli import prog_name
 from nondet_jax.errors import OneLineParser, UsageError
 from nondet_jax.report.markdown import write_report
 from nondet_jax.report.summary import format_table
 from nondet_jax.store.paths import RunPaths
+from nondet_jax.store.run import release_lock, take_lock
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
@@ -23,7 +25,14 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                         "(needs tensorboardX: pip install \"nondet_jax[tensorboard]\")")
     args = p.parse_args(argv)
     try:
-        summary = write_report(args.run_dir)
+        run = Path(args.run_dir)
+        if not (run / "config.json").is_file():
+            raise UsageError(f"{run} is not a nondet_jax run folder (no config.json); pass the --out folder of a sweep")
+        fd = take_lock(run, "wait for it to finish, then rebuild the report")  # never half a sweep's results
+        try:
+            summary = write_report(args.run_dir)
+        finally:
+            release_lock(fd)
         if args.tensorboard:
             from nondet_jax.report.tensorboard import export_run
 

@@ -120,6 +120,34 @@ def verify_arm_files(root: Path, arm: str, record: dict, identity: str = "") -> 
     return record
 
 
+def take_lock(root: Path, fix: str = "wait for it to finish or choose another --out") -> int:
+    """Take the run folder's exclusive lock (``.lock``, holding the pid for the message) and return its
+    descriptor; a :class:`UsageError` naming the holder when another process has it. ``flock`` dies with
+    its process, so a killed sweep leaves no stale lock. Sweeps, ``report`` and ``audit`` all take it, so a
+    report is never built from a folder a sweep is still writing."""
+    try:
+        fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UsageError(f"{root / LOCK} is a symbolic link, which nondet_jax never follows in a run folder; "
+                             "remove it") from None
+        raise UsageError(f"cannot write to {root}: {e.strerror}; choose a writable folder") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip()
+        os.close(fd)
+        raise UsageError(f"results folder {root} is in use by another sweep (pid {holder or 'unknown'}); {fix}") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def release_lock(fd: int) -> None:
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
+
+
 def _leftover(path: Path) -> bool:
     """A temporary file of :func:`nondet_jax.store.io.atomic_write_bytes` (``.NAME.XXXX.tmp``), left by a
     process killed mid-write (e.g. during the very first ``config.json``): never a result."""
@@ -160,23 +188,9 @@ class RunStore:
         check_no_links(root)
         try:
             root.mkdir(parents=True, exist_ok=True)
-            fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise UsageError(f"{root / LOCK} is a symbolic link, which nondet_jax never follows in a run folder; "
-                                 "remove it") from None
             raise UsageError(f"cannot write to --out {root}: {e.strerror}; choose a writable folder") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 32).decode(errors="replace").strip()
-            os.close(fd)
-            raise UsageError(f"results folder {root} is in use by another sweep (pid {holder or 'unknown'}); wait for "
-                             "it to finish or choose another --out") from None
-        # flock dies with its process, so a killed sweep leaves no stale lock; the pid is for the message.
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._lock_fd = fd
+        self._lock_fd = take_lock(root)
         for tmp in root.rglob(".*.tmp"):  # left by a process killed mid-write; never a result
             tmp.unlink(missing_ok=True)
         try:
@@ -223,8 +237,7 @@ class RunStore:
 
     def close(self) -> None:
         if self._lock_fd is not None:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-            os.close(self._lock_fd)
+            release_lock(self._lock_fd)
             self._lock_fd = None
 
     # --- arms -------------------------------------------------------------------------------
