@@ -167,3 +167,24 @@ def test_report_waits_for_no_sweep_it_refuses_a_locked_folder(runs, capsys):
     finally:
         release_lock(fd)
     assert report_main([str(a)]) == 0 and "report:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo"])
+def test_plot_never_replaces_a_link_or_a_device(tmp_path, capsys, kind):
+    """`--plot PATH` (and `audit --json PATH`) write by rename: a FIFO, device or symbolic link at PATH
+    would become a regular file (`audit --json /dev/full` replaced the machine's /dev/full as root)."""
+    (tmp_path / "a.csv").write_text("0.98\n0.97\n0.99\n")
+    target = tmp_path / "target.png"
+    target.write_bytes(b"keep")
+    out = tmp_path / "out.png"
+    if kind == "symlink":
+        out.symlink_to(target)
+    else:
+        os.mkfifo(out)
+    assert main([str(tmp_path / "a.csv"), str(tmp_path / "a.csv"), "--plot", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "which would be replaced" in err and "\n" not in err
+    assert target.read_bytes() == b"keep" and (out.is_symlink() if kind == "symlink" else not out.is_file())
+    from nondet_jax.cli.audit import main as audit_main
+    assert audit_main(["--json", str(out)]) == 2
+    assert "--json" in capsys.readouterr().err and target.read_bytes() == b"keep"

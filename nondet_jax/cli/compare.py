@@ -10,6 +10,7 @@ from nondet_jax.analysis.compare import RUN_METRICS, compare, format_result
 from nondet_jax.cli import prog_name
 from nondet_jax.errors import OneLineParser, UsageError
 from nondet_jax.report.compare_figure import plot_result
+from nondet_jax.store.io import check_output_file
 
 
 def _plot_path(path: str) -> Path:
@@ -19,6 +20,7 @@ def _plot_path(path: str) -> Path:
         raise UsageError(f"--plot {path}: name a .png, .pdf or .svg file")
     if not path.parent.is_dir():
         raise UsageError(f"--plot {path}: folder {path.parent} does not exist; create it or choose another path")
+    check_output_file(path, "--plot")
     return path
 
 

@@ -43,6 +43,16 @@ def umask() -> int:
     return mask
 
 
+def check_output_file(path: Path, option: str) -> None:
+    """An output file named by the user outside a run folder (``--json``, ``--plot``): it is replaced by
+    a rename, so a symbolic link, device, FIFO or folder there would be replaced too (``/dev/null``
+    turned into a regular file). Refused with a one-line error instead."""
+    path = Path(path)
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        what = "a symbolic link" if path.is_symlink() else "a folder" if path.is_dir() else "a device, FIFO or socket"
+        raise UsageError(f"{option} {path} is {what}, which would be replaced; pass the path of a regular file")
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary file and a rename: never half a file. The file
     gets the permissions a plain ``open`` would (0644 under umask 022), not mkstemp's 0600; a write the
