@@ -302,3 +302,28 @@ def test_dynamics_are_traced_stored_and_reported(tmp_path):
         assert t["step"][:3].tolist() == [0, 3, 6]
     assert (tmp_path / "figures" / "dynamics.png").is_file()
     assert "## Divergence dynamics" in (tmp_path / "report.md").read_text()
+
+
+def test_resume_from_inside_a_shared_folder_never_imports_its_code(tmp_path):
+    """`cd folder && sweep --resume .` put the folder on sys.path, so a mod.py planted beside a config naming
+    `mod:Net` was imported (and run). Refused before any import; the planted code never runs."""
+    from nondet_jax.config import to_dict
+
+    run = tmp_path / "shared"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(to_dict(from_flat({"model.name": "plantedmod:Net"}))))
+    marker = tmp_path / "ran"
+    (run / "plantedmod.py").write_text(f"open({str(marker)!r}, 'w').write('x')\nNet = None\n")
+    proc = cli("--resume", ".", cwd=run)
+    assert proc.returncode == 2 and "would be imported from inside the run folder" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not marker.exists()
+
+
+@pytest.mark.parametrize("content", [b"[1, 2]", b"null", b"\xff\xfe\x00binary"])
+def test_resume_with_a_config_that_is_not_an_object_is_one_line(tmp_path, content):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_bytes(content)
+    proc = cli("--resume", str(run))
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "config.json" in proc.stderr and (run / "config.json").read_bytes() == content

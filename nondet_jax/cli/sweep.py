@@ -174,12 +174,43 @@ def config_for_resume(args: argparse.Namespace) -> Config:
                          "combined with it; drop it, or start a new study with --out")
     path = RunPaths(args.resume).config
     try:
-        return cfg.from_dict(json.loads(path.read_text()))
+        stored = json.loads(path.read_text())
     except FileNotFoundError:
         raise UsageError(f"--resume {args.resume} is not a nondet_jax run folder (no config.json); pass the --out "
                          "folder of an earlier sweep") from None
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError):  # JSONDecodeError and UnicodeDecodeError (a binary file) are ValueErrors
         raise UsageError(f"{path} is unreadable or corrupt; start a new study with --out") from None
+    if not isinstance(stored, dict):
+        raise UsageError(f"{path} holds a JSON {type(stored).__name__}, not a study's config; start a new study "
+                         "with --out")
+    config = cfg.from_dict(stored)
+    check_model_outside(config.model.name, Path(args.resume))
+    return config
+
+
+def check_model_outside(model: str, run: Path) -> None:
+    """A ``module:Attr`` model of a resumed study must not come from inside the run folder: resumed from
+    inside a shared folder, the current directory is on ``sys.path`` and a ``module.py`` placed there
+    would be imported and run. Located without importing (``importlib.util.find_spec`` of the top-level
+    package)."""
+    import importlib.util
+
+    top = model.partition(":")[0].split(".")[0]
+    if ":" not in model or not top.isidentifier():
+        return
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return
+    places = [spec.origin] if spec and spec.origin else []
+    places += list(spec.submodule_search_locations or []) if spec else []
+    root = run.resolve()
+    for place in places:
+        p = Path(place).resolve()
+        if p == root or root in p.parents:
+            raise UsageError(f"config.json names model {model}, whose module '{top}' would be imported from inside "
+                             f"the run folder ({p}); resume from the folder that holds your own '{top}' "
+                             "(e.g. cd to your project and pass --resume with the run folder's path)")
 
 
 CACHE_ENV = "NONDET_JAX_COMPILE_CACHE"
