@@ -327,3 +327,16 @@ def test_resume_with_a_config_that_is_not_an_object_is_one_line(tmp_path, conten
     proc = cli("--resume", str(run))
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "config.json" in proc.stderr and (run / "config.json").read_bytes() == content
+
+
+def test_a_huge_value_in_a_config_gives_a_short_one_line_error(tmp_path):
+    """A 400 KB value (within the file-size limit) used to be quoted whole in the "one-line" error."""
+    from nondet_jax.errors import MAX_MESSAGE
+
+    path = tmp_path / "big.yaml"
+    path.write_text("model:\n  name: " + "x" * 400_000 + "\n")
+    proc = cli("--config", str(path), "--no-progress")
+    err = proc.stderr.strip()
+    assert proc.returncode == 2 and len(err.splitlines()) == 1 and len(err) < MAX_MESSAGE + 100, err[:200]
+    assert "characters cut" in err
+    assert str(UsageError("problem\nsecond line; fix")) == "problem second line; fix"
