@@ -340,3 +340,18 @@ def test_a_huge_value_in_a_config_gives_a_short_one_line_error(tmp_path):
     assert proc.returncode == 2 and len(err.splitlines()) == 1 and len(err) < MAX_MESSAGE + 100, err[:200]
     assert "characters cut" in err
     assert str(UsageError("problem\nsecond line; fix")) == "problem second line; fix"
+
+
+def test_each_arm_keeps_its_own_provenance_and_the_report_names_mixed_settings(tmp_path):
+    """environment.json is rewritten by every run; arms added under other XLA flags used to be mixed with no
+    record. Each arm record keeps what it was trained under, and the report says when arms differ."""
+    out = tmp_path / "run"
+    assert cli(*FAST, "--arms", "init", "--out", str(out)).returncode == 0
+    env = {**ENV, "XLA_FLAGS": (ENV.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1").strip()}
+    proc = subprocess.run([sys.executable, "-m", "nondet_jax.sweep", *FAST, "--arms", "init,all", "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    init, all_ = (json.loads((out / "arms" / f"{a}.json").read_text())["provenance"] for a in ("init", "all"))
+    assert "device_count=1" in all_["xla_flags"] and "device_count=1" not in init["xla_flags"]
+    assert init["jaxlib"] == all_["jaxlib"] and init["backend"] == "cpu"
+    assert "Arms trained under different xla_flags" in (out / "report.md").read_text()

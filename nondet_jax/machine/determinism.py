@@ -139,6 +139,16 @@ def git_revision() -> str | None:
         return None
 
 
+def provenance() -> dict:
+    """What an arm was trained under that can change its bits, kept in the arm's own record (the run
+    folder's ``environment.json`` is rewritten by each run): XLA flags, matmul precision, x64, jaxlib,
+    backend and CPU type."""
+    return {"xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "jax_default_matmul_precision": jax.config.jax_default_matmul_precision,
+            "jax_enable_x64": bool(jax.config.jax_enable_x64), "jaxlib": _version("jaxlib"),
+            "backend": jax.default_backend(), "cpu_type": xla_flags.cpu_type()}
+
+
 def environment() -> dict:
     """A JSON-ready record of the software and hardware a result was made with (a run folder's
     ``environment.json`` adds the model layer's choices: :func:`nondet_jax.study.provenance.environment`)."""

@@ -53,6 +53,25 @@ def _comparison_md(summary: dict) -> list[str]:
     return lines + [""]
 
 
+_TESTS_LINE = ("Spread p: " + TESTS["spread_p"] + "; Holm p: " + TESTS["spread_p_holm"] + "; F-test p: "
+               + TESTS["f_test_p"] + ". Design: replicas per arm for 80% power at a true ratio of 0.5 and 0.75 "
+               "(F-test, normal data), not a power computed from the observed ratio.")
+PROVENANCE_KEYS = ("xla_flags", "jax_default_matmul_precision", "jax_enable_x64", "jaxlib", "backend", "cpu_type")
+
+
+def _provenance_md(summary: dict) -> list[str]:
+    """A line naming each setting the arms were trained under differently (each arm record keeps its own
+    ``provenance``; ``environment.json`` holds the latest run's only)."""
+    prov = {a: r.get("provenance") for a, r in summary["arms"].items() if isinstance(r.get("provenance"), dict)}
+    lines = []
+    for key in PROVENANCE_KEYS:
+        values = {a: p.get(key) for a, p in prov.items()}
+        if len({json.dumps(v, sort_keys=True) for v in values.values()}) > 1:
+            lines.append(f"- **Arms trained under different {key}**: " + "; ".join(
+                f"`{a}`: {v!r}" for a, v in values.items()) + ". Their comparison mixes settings, not only sources.")
+    return lines
+
+
 def _dynamics_md(summary: dict) -> list[str]:
     rows = [(a, r["dynamics"]) for a, r in summary["arms"].items() if "dynamics" in r]
     if not rows:
@@ -189,7 +208,7 @@ def write_report(run: str | Path, command: str | None = None) -> dict:
     if task_of(summary) == "regression":
         md += ["", "## Definitions", "",
                "- Regression: each replica's test MSE and MAE over every test example and output; std over replicas "
-               "(ddof=1), 95% CI: " + METHODS["std"] + "; mean: " + METHODS["mean"] + ". Both n/a below R=2.",
+               "(ddof=1), 95% CI: " + METHODS["std"] + "; mean: " + METHODS["mean"] + ". The std's interval is n/a below R=3, the mean's below R=2.",
                "- Pairwise metrics (prediction distance: the RMS difference of two replicas' test predictions; "
                "Pearson/Spearman of their flattened predictions; 2-model ensemble gain in MSE: the MSE of the "
                f"pair's averaged predictions minus the members' mean, negative when averaging helps; linear CKA of "
@@ -197,14 +216,13 @@ def write_report(run: str | Path, command: str | None = None) -> dict:
                "CI: " + METHODS["pairwise"] + "; n/a below R=3.",
                "- Not computed for a regression: accuracy, disagreement, cross-entropy, the independent-errors "
                "baseline and the LMC barrier (each needs classes or a test error).",
-               "- Ratio vs all: std(arm)/std(all) of the test MSE (and MAE) with an F-distribution CI, two-sided "
-               "F-test and Brown–Forsythe p-values, and the replicas per arm the F-test needs for 80% power at the "
-               "observed ratio.", ""]
+               "- Ratio vs all: std(arm)/std(all) of the test MSE (and MAE); 95% CI: " + METHODS["ratio"]
+               + "; n/a below 5 replicas per arm. " + _TESTS_LINE, *_provenance_md(summary), ""]
         atomic_write_bytes(paths.report, "\n".join(md).encode())
         return summary
     md += ["", "## Definitions", "",
            "- std: sample standard deviation over replicas (ddof=1); 95% CI: " + METHODS["std"] + "; mean: "
-           + METHODS["mean"] + ". Both n/a below R=2.",
+           + METHODS["mean"] + ". The std's interval is n/a below R=3, the mean's below R=2.",
            "- Pairwise metrics (disagreement, Pearson/Spearman of flattened logits, 2-model ensemble gain, linear CKA "
            f"of {features} on the test set, weight distance ||θa−θb||/||θa||): mean over the R(R−1)/2 pairs; 95% CI: "
            + METHODS["pairwise"] + "; n/a below R=3.",
@@ -213,7 +231,7 @@ def write_report(run: str | Path, command: str | None = None) -> dict:
            "- Independent-errors baseline: sqrt(Σ p_i(1−p_i)·R/(R−1))/n, the accuracy std that test-set sampling "
            "alone explains (Jordan 2023), p_i example i's error rate over the R replicas (R/(R−1) makes the "
            "variance unbiased).",
-           "- Ratio vs all: std(arm)/std(all) with an F-distribution CI, two-sided F-test and Brown–Forsythe "
-           "p-values, and the replicas per arm the F-test needs for 80% power at the observed ratio.", ""]
+           "- Ratio vs all: std(arm)/std(all); 95% CI: " + METHODS["ratio"] + "; n/a below 5 replicas per arm. "
+           + _TESTS_LINE, *_provenance_md(summary), ""]
     atomic_write_bytes(paths.report, "\n".join(md).encode())
     return summary

@@ -22,6 +22,7 @@ from nondet_jax.analysis.tta import tta_logits, view_grid
 from nondet_jax.config import Config
 from nondet_jax.errors import UsageError
 from nondet_jax.instruments.dashboard import tidy_rows
+from nondet_jax.machine.determinism import provenance
 from nondet_jax.replicas.choice import make_strategy, resolve_strategy
 from nondet_jax.replicas.loop import EpochState, train_replicas
 from nondet_jax.sources import Arm, arm_keys, perturbations
@@ -56,6 +57,7 @@ def arm_record(arm: Arm, result, strategy_reason: str, arm_metrics: dict, scores
         "strategy_reason": strategy_reason,
         "seconds": round(result.seconds, 3),
         "replicas_bitwise_identical": bitwise_identical(result.logits, result.diverged_at),
+        "provenance": provenance(),
         "metrics": arm_metrics,
         "rows": rows,
     }
