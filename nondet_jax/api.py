@@ -39,7 +39,7 @@ class StudyResult:
       summary: the study's summary (also ``summary.json``).
       report: path of ``report.md``.
       logits: ``logits[arm]``, (R, n_test, classes) test logits in replica order (loaded on access).
-      table: one row (a dict) per arm, the columns of ``arms.csv``; ``pandas.DataFrame(result.table)``.
+      table: one row (a dict) per arm, the columns of ``arms.csv`` (:meth:`to_frame` as a pandas DataFrame).
         The unit ends the column name: ``_pct`` (accuracy-like, in %), ``_nats`` (cross-entropy); a name
         without one is a ratio, correlation, similarity or p-value.
       rows: one row per arm and replica (``replicas.csv``), in the same units.
@@ -62,6 +62,21 @@ class StudyResult:
 
     def __repr__(self) -> str:
         return f"StudyResult(out={str(self.out)!r}, arms={list(self.summary['arms'])})"
+
+    def to_frame(self, what: str = "arms"):
+        """:attr:`table` (``what="arms"``, indexed by arm) or :attr:`rows` (``"replicas"``, indexed by arm
+        and replica) as a pandas DataFrame, same columns and units. Needs pandas (``pip install
+        "nondet_jax[frame]"``)."""
+        if what not in ("arms", "replicas"):
+            raise UsageError(f"to_frame('{what}'): choose 'arms' (one row per arm) or 'replicas' (one per replica)")
+        try:
+            import pandas as pd
+        except ImportError:
+            raise UsageError('to_frame needs pandas, which nondet_jax does not require; pip install '
+                             '"nondet_jax[frame]" (or pandas)') from None
+        if what == "arms":
+            return pd.DataFrame(self.table).set_index("arm")
+        return pd.DataFrame(self.rows).set_index(["arm", "replica"])
 
 
 class _LazyArrays(dict):

@@ -49,6 +49,11 @@ def test_run_study_on_own_module_optimizer_and_arrays(tmp_path):
     assert not np.array_equal(init[0], init[1])
     assert result.report.exists() and {r["arm"] for r in result.table} == {"control", "init", "all"}
     assert len(result.rows) == 9
+    frame, per_replica = result.to_frame(), result.to_frame("replicas")  # pandas: the test extra has it
+    assert list(frame.index) == [r["arm"] for r in result.table] and per_replica.shape[0] == 9
+    assert frame.loc["init", "accuracy_std_pct"] == next(r for r in result.table if r["arm"] == "init")["accuracy_std_pct"]
+    with pytest.raises(UsageError, match="choose 'arms'"):
+        result.to_frame("pairs")
     model = (tmp_path / "run" / "model.json").read_text()
     assert "OwnNet" in model and '"features": "logits"' in model  # the CKA fallback is recorded
     # The same study again: every arm reused; a changed model is refused before anything is written.
