@@ -226,7 +226,7 @@ def run_study(model=None, data=None, optimizer=None, loss: Callable | None = Non
 
 def replicate(init: Callable, step: Callable, batches=None, *, steps: int | None = None,
               arms: Sequence[str] | str = ("control", "init"), replicas: int = 4, seed: int = 0,
-              strategy: str = "auto") -> dict[str, Any]:
+              strategy: str = "auto", collect: Callable | None = None) -> dict[str, Any]:
     """Run your own single-replica functions for R replicas per arm.
 
     You write one replica's ``init(keys) -> state`` and ``step(state, batch, keys) -> state``;
@@ -250,10 +250,15 @@ def replicate(init: Callable, step: Callable, batches=None, *, steps: int | None
       arms, replicas, seed: as in :func:`run_study` (seed in 0 .. 2**32-1, arms named once each).
       strategy: ``vmap`` (one program over the replica axis), ``sequential`` (one replica's program,
         compiled once, in a loop: replica r's result does not depend on R), or ``auto``.
+      collect: ``collect(state, keys) -> pytree``, called after every step (``keys.step`` is its
+        index): what to keep of the run, e.g. ``lambda s, k: {"loss": s.loss}``; jittable.
 
     Returns:
-      ``{arm: state}``, every leaf with a leading replica axis R.
+      ``{arm: state}``, every leaf with a leading replica axis R; with ``collect``,
+      ``{arm: (state, history)}``, the history's leaves shaped (R, steps, ...).
     """
+    if collect is not None and not callable(collect):
+        raise UsageError(f"collect must be a function (state, keys) -> pytree, got {type(collect).__name__}")
     arm_list = [a.strip() for a in arms.split(",") if a.strip()] if isinstance(arms, str) else list(arms)
     if not arm_list:
         raise UsageError("replicate needs at least one arm, e.g. arms=('control', 'init')")
@@ -285,12 +290,16 @@ def replicate(init: Callable, step: Callable, batches=None, *, steps: int | None
 
         def body(state, xs):
             t, batch = xs
-            return step(state, batch, StepKeys(keys, on, t, reads)), None
+            step_keys = StepKeys(keys, on, t, reads)
+            state = step(state, batch, step_keys)
+            return state, (None if collect is None else collect(state, step_keys))
 
         xs = (jnp.arange(steps), batches if batches is not None else jnp.zeros(steps))
         if batches is None:
-            return jax.lax.scan(lambda s, x: body(s, (x[0], None)), state, xs)[0]
-        return jax.lax.scan(body, state, xs)[0]
+            state, history = jax.lax.scan(lambda s, x: body(s, (x[0], None)), state, xs)
+        else:
+            state, history = jax.lax.scan(body, state, xs)
+        return state if collect is None else (state, history)
 
     jax.eval_shape(jax.vmap(one), arm_keys(seed, frozenset(), replicas), switches(frozenset(), replicas))
     for a in parsed:

@@ -170,6 +170,7 @@ class StepKeys:
     ``keys.init``, ``keys.data_order``, ``keys.augmentation``, ``keys.dropout``, ``keys.bitflip``,
     ``keys.batch_order``: the replica's own key where the arm varies that source, one key shared by
     every replica otherwise; in ``step`` folded with the step index (a fresh draw per step).
+    ``keys.step``: the step index (None in ``init``), for schedules of your own.
     ``keys.varies(source)``: a boolean array, True where the arm varies ``source`` (traced, so one
     compiled program serves every arm: use it with ``jnp.where`` / ``lax.cond``, not ``if``).
     :func:`bitflip` takes these keys directly and is the identity in an arm that does not vary it.
@@ -189,6 +190,11 @@ class StepKeys:
             key = getattr(self._keys, name)
             return key if self._step is None else jax.random.fold_in(key, self._step)
         raise AttributeError(f"keys have no source '{name}'; sources: {', '.join(IMPLEMENTED)}")
+
+    @property
+    def step(self):
+        """The step index in ``step`` (a traced int32, 0 at the first step); None in ``init``."""
+        return self._step
 
     def varies(self, source: str) -> jax.Array:
         """True (a boolean array) where this arm varies ``source``."""

@@ -131,6 +131,32 @@ def test_replicate_hands_each_replica_its_keys():
         nj.replicate(init, step, batches, arms="hardware")
 
 
+def test_replicate_passes_the_step_index_and_collects_a_history():
+    import jax
+    import jax.numpy as jnp
+
+    def init(keys):
+        assert keys.step is None
+        return {"w": jax.random.normal(keys.init, (2,)), "t": jnp.zeros((), jnp.int32)}
+
+    def step(state, batch, keys):  # a schedule of one's own: the step size halves every 2 steps
+        lr = 0.5 * 0.5 ** (keys.step // 2)
+        return {"w": state["w"] - lr * state["w"], "t": state["t"] + 1}
+
+    for strategy in ("vmap", "sequential"):
+        out = nj.replicate(init, step, steps=5, arms="init", replicas=3, strategy=strategy,
+                           collect=lambda s, k: {"step": k.step, "norm": jnp.linalg.norm(s["w"])})
+        state, history = out["init"]
+        assert history["step"].shape == (3, 5) and np.array_equal(history["step"][1], np.arange(5))
+        factors = np.cumprod([1 - 0.5 * 0.5 ** (t // 2) for t in range(5)])  # (1 - lr_t) per step
+        start = history["norm"][:, 0] / factors[0]
+        np.testing.assert_allclose(history["norm"], start[:, None] * factors[None], rtol=1e-5)
+        np.testing.assert_allclose(np.linalg.norm(state["w"], axis=1), history["norm"][:, -1], rtol=1e-6)
+        assert int(state["t"][0]) == 5
+    with pytest.raises(UsageError, match="collect must be a function"):
+        nj.replicate(init, step, steps=2, arms="init", collect=3)
+
+
 NET_MODULE = '''
 import flax.linen as nn
 
