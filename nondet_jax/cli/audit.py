@@ -66,14 +66,14 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     try:
         if args.steps < 1:
             raise UsageError(f"--steps must be >= 1, got {args.steps}")
-        if args.json:
-            from nondet_jax.store.io import check_output_file
-
-            check_output_file(Path(args.json), "--json")
         if args.json and (Path(args.json).is_dir() or not Path(args.json).parent.is_dir()):
             what = "is a folder" if Path(args.json).is_dir() else "is in a folder that does not exist"
             raise UsageError(f"--json {args.json} {what}; pass a file path in an existing folder, e.g. "
                              "--json audit.json")
+        if args.json:
+            from nondet_jax.store.io import check_output_file
+
+            check_output_file(Path(args.json), "--json")
         config = cfg.from_flat({"model.name": args.model, "data.name": args.dataset, "data.data_dir": args.data_dir,
                                 "train.batch_size": args.batch_size, "train.epochs": 1, "study.seed": args.seed,
                                 "study.replicas": 1, "metrics.pairwise": False})
