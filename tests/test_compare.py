@@ -188,3 +188,14 @@ def test_plot_never_replaces_a_link_or_a_device(tmp_path, capsys, kind):
     from nondet_jax.cli.audit import main as audit_main
     assert audit_main(["--json", str(out)]) == 2
     assert "--json" in capsys.readouterr().err and target.read_bytes() == b"keep"
+
+
+def test_csv_with_a_byte_order_mark_and_a_fifo(tmp_path, capsys):
+    """A spreadsheet's UTF-8 BOM used to become part of the first column's name; a FIFO hung the read."""
+    (tmp_path / "a.csv").write_bytes("\ufeffacc\n0.98\n0.97\n0.99\n".encode())
+    (tmp_path / "b.csv").write_text("acc\n0.96\n0.95\n0.97\n")
+    assert main([str(tmp_path / "a.csv"), str(tmp_path / "b.csv"), "--column", "acc"]) == 0
+    assert "(column acc)" in capsys.readouterr().out
+    os.mkfifo(tmp_path / "f.csv")
+    assert main([str(tmp_path / "f.csv"), str(tmp_path / "b.csv")]) == 2
+    assert "is not a regular file" in capsys.readouterr().err

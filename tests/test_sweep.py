@@ -355,3 +355,15 @@ def test_each_arm_keeps_its_own_provenance_and_the_report_names_mixed_settings(t
     assert "device_count=1" in all_["xla_flags"] and "device_count=1" not in init["xla_flags"]
     assert init["jaxlib"] == all_["jaxlib"] and init["backend"] == "cpu"
     assert "Arms trained under different xla_flags" in (out / "report.md").read_text()
+
+
+def test_lock_file_honours_the_umask(tmp_path):
+    """`.lock` was always 0644, so under umask 002 a group member could not resume a shared folder."""
+    from nondet_jax.store.run import release_lock, take_lock
+
+    old = os.umask(0o002)
+    try:
+        release_lock(take_lock(tmp_path))
+    finally:
+        os.umask(old)
+    assert (tmp_path / ".lock").stat().st_mode & 0o777 == 0o664

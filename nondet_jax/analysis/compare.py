@@ -63,8 +63,10 @@ def csv_scores(path: str | Path, column: str | None = None) -> tuple[np.ndarray,
     """Per-seed scores from a CSV file: the named ``column``, or the only numeric column (a header
     line is optional when the file holds one column of numbers)."""
     path = Path(path)
-    try:
-        lines = [line for line in path.read_text().splitlines() if line.strip()]
+    if not path.is_file():  # a FIFO would block the read forever
+        raise UsageError(f"{path} is not a regular file; pass a CSV file of per-seed scores")
+    try:  # utf-8-sig: a spreadsheet's byte-order mark is not part of the first column's name
+        lines = [line for line in path.read_text(encoding="utf-8-sig").splitlines() if line.strip()]
     except (OSError, UnicodeDecodeError) as e:
         raise UsageError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}; pass a CSV file of per-seed scores") from None
     rows = list(csv.reader(lines))

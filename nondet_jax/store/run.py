@@ -126,7 +126,7 @@ def take_lock(root: Path, fix: str = "wait for it to finish or choose another --
     its process, so a killed sweep leaves no stale lock. Sweeps, ``report`` and ``audit`` all take it, so a
     report is never built from a folder a sweep is still writing."""
     try:
-        fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)  # less the umask, as any file
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise UsageError(f"{root / LOCK} is a symbolic link, which nondet_jax never follows in a run folder; "
