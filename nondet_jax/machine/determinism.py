@@ -69,7 +69,7 @@ def check_flags(flags) -> None:
         bad = [ln.split("XLA_FLAGS:")[-1].strip() for ln in proc.stderr.splitlines() if "Unknown flag" in ln]
         what = f"XLA flag {bad[0]}" if bad else "XLA_FLAGS"
         raise UsageError(f"{what} is not known to the installed jaxlib {_version('jaxlib')}; remove it from "
-                         "XLA_FLAGS or --xla-flag, or upgrade jaxlib")
+                         "XLA_FLAGS, or upgrade jaxlib")
 
 
 def _ordered(x: np.ndarray) -> np.ndarray:
