@@ -3,12 +3,14 @@ false-alarm rates of its spread tests.
 
 For each case of :data:`nondet_jax.analysis.coverage.CASES` (an interval, its method and a data model with a
 known true value), draws ``--trials`` seeded simulated studies per replica count and prints the
-fraction whose interval contains the truth ("n/a" where the tool prints no interval at that R; for the
-borderline pairwise cases, the coverage among the studies that print one, and how many do). Then, with
+fraction whose interval contains the truth ("n/a" where the tool prints no interval at that R; a study
+printing n/a counts as a miss). Then, with
 every arm drawn from one scenario, how often each spread test says "different" at p < 0.05, alone and
-(Holm) over 5 arms. Writes benchmarks/results/coverage.json.
+(Holm) over 5 arms; last, the methods these replaced (percentile bootstrap, chi-square and F intervals,
+the disagreement's jackknife alone) on the same data. Writes benchmarks/results/coverage.json.
 
-Run ``python benchmarks/coverage.py [--trials 4000]`` (about a minute).
+Run ``python benchmarks/coverage.py [--trials 4000] [--test-trials 300]`` (about 15 minutes on 2 cores,
+most of it the exact permutation tests at R=8).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from nondet_jax.analysis import coverage  # noqa: E402  (after the checkout is put on sys.path)
+from nondet_jax.analysis import stats as S  # noqa: E402
 from nondet_jax.analysis.stats import METHODS, MIN_REPLICAS  # noqa: E402
 from nondet_jax.store.io import atomic_write_json  # noqa: E402
 
@@ -39,26 +42,37 @@ def percentile_bootstrap(statistic: str, replicas: int, trials: int, seed: int, 
     return float(np.mean((lo <= truth) & (truth <= hi)))
 
 
+def normal_theory(kind: str, sc, replicas: int, trials: int, seed: int) -> float:
+    """Coverage of the normal-theory interval the report printed before (chi-square for a std, F for a
+    ratio) on scenario ``sc`` of :data:`nondet_jax.analysis.coverage.SCENARIOS`."""
+    rng = np.random.default_rng(seed)
+    x = sc.draw(rng, (trials, replicas))
+    if kind == "std":
+        lo, hi = S.std_ci_normal(x)
+        return float(np.mean((lo <= sc.std) & (sc.std <= hi)))
+    lo, hi = S.std_ratio_ci_normal(x, sc.reference(rng, (trials, replicas)))
+    truth = sc.std / sc.reference_std
+    return float(np.mean((lo <= truth) & (truth <= hi)))
+
+
+def cells(cov: dict) -> str:
+    return "".join(f"{'n/a':>8}" if c is None or c != c else f"{100 * c:>7.1f}%" for c in cov.values())
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trials", type=int, default=4000)
     p.add_argument("--replicas", type=int, nargs="+", default=[3, 4, 5, 8, 16])
-    p.add_argument("--test-trials", type=int, default=1000)
+    p.add_argument("--test-trials", type=int, default=300)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "coverage.json")
     args = p.parse_args(argv)
     rows = []
     print(f"{'interval: scenario':<50}" + "".join(f"{'R=' + str(r):>8}" for r in args.replicas) + "  data model")
     for name, (kind, model, _) in coverage.CASES.items():
-        cov, shown = {}, {}
-        for r in args.replicas:
-            ok = r >= MIN_REPLICAS[kind]
-            cov[str(r)] = coverage.simulate(name, r, args.trials, seed=r) if ok else None
-            shown[str(r)] = coverage.shown(name, r) if ok else 0.0
-        rows.append({"interval": name, "kind": kind, "method": METHODS[kind], "data_model": model, "coverage": cov,
-                     "printed": shown})
-        cells = "".join(f"{'n/a':>8}" if c is None or c != c else f"{100 * c:>7.1f}%" for c in cov.values())
-        print(f"{name:<50}{cells}  {model}" + ("" if shown[str(args.replicas[-1])] is None else
-              "; printed in " + ", ".join(f"{100 * v:.0f}%" for v in shown.values())))
+        cov = {str(r): coverage.simulate(name, r, args.trials, seed=r) if r >= MIN_REPLICAS[kind] else None
+               for r in args.replicas}
+        rows.append({"interval": name, "kind": kind, "method": METHODS[kind], "data_model": model, "coverage": cov})
+        print(f"{name:<50}{cells(cov)}  {model}")
     alarms = []
     print(f"\nfalse alarms at p < 0.05, every arm from one scenario ({args.test_trials} studies; 5 arms: at least one)")
     print(f"{'test':<18}{'scenario':<26}" + "".join(f"{'R=' + str(r):>8}" for r in args.replicas) + f"{'5 arms R=8':>12}")
@@ -72,11 +86,31 @@ def main(argv=None) -> int:
             print(f"{test:<18}{sc:<26}" + "".join(f"{100 * v:>7.1f}%" for v in rate.values()) + f"{100 * family:>11.1f}%"
                   + ("" if holm is None else f"  Holm {100 * holm:.1f}%"))
     before = []
+    print("\nreplaced methods, on the same scenarios")
     for statistic in ("std", "mean"):
         cov = {str(r): percentile_bootstrap(statistic, r, args.trials, seed=r) for r in args.replicas}
         before.append({"interval": statistic, "method": "percentile bootstrap, 1000 resamples (replaced)",
                        "data_model": "normal", "coverage": cov})
-        print(f"{statistic + ' (percentile bootstrap, before)':<36}" + "".join(f"{100 * c:>7.1f}%" for c in cov.values()))
+        print(f"{statistic + ': normal (percentile bootstrap)':<50}{cells(cov)}")
+    for name, sc in coverage.SCENARIOS.items():
+        for kind, method in (("std", "chi-square interval (normal theory)"), ("ratio", "F interval (normal theory)")):
+            cov = {str(r): normal_theory(kind, sc, r, args.trials, seed=r) for r in args.replicas}
+            before.append({"interval": kind, "method": method + " (replaced)", "data_model": sc.description,
+                           "coverage": cov})
+            print(f"{kind + ': ' + name + ' (' + method.split(' ')[0] + ')':<50}{cells(cov)}")
+    for name, args_ in coverage.BORDERLINE.items():
+        cov, printed = {}, {}
+        for r in args.replicas:
+            values, _, truth = coverage.borderline_draws(np.random.default_rng(r), r, args.trials, *args_)
+            lo, hi = S.pairwise_mean_ci(values, r, bounds=(0.0, 1.0), scale="log")  # the jackknife alone
+            shown = np.isfinite(lo)
+            printed[str(r)] = float(shown.mean())
+            cov[str(r)] = float(np.mean(((lo <= truth) & (truth <= hi))[shown])) if shown.any() else None
+        before.append({"interval": "pairwise", "method": "log-scale replica jackknife alone (replaced): coverage "
+                       "among the studies that print an interval", "data_model": name, "coverage": cov,
+                       "printed": printed})
+        print(f"{name + ' (jackknife alone)':<50}{cells(cov)}  printed in "
+              + ", ".join(f"{100 * v:.0f}%" for v in printed.values()))
     atomic_write_json(args.out, {"nominal": 0.95, "trials": args.trials, "rows": rows, "false_alarms": alarms,
                                  "replaced": before})
     print(f"{args.trials} simulated studies per cell; wrote {args.out}")

@@ -56,6 +56,7 @@ def test_no_tied_arm_of_counts_gets_a_zero_width_interval():
     assert 0 < out["spread_p"] < 0.01 and out["f_test_p"] == 0.0  # F claims certainty, the permutation test does not
 
 
+@pytest.mark.slow  # ~1,000 exact permutation tests of 12,870 splits: about 90 s
 def test_spread_test_false_alarms_near_nominal_and_holm_controls_the_family():
     assert coverage.false_alarm("spread_p", "bad seeds", 8, trials=300) <= 0.08
     assert coverage.false_alarm("f_test_p", "bad seeds", 8, trials=300) > 0.10  # why F is not the default

@@ -50,7 +50,7 @@ def arm_metrics(result, data, fns: TrainFns, cfg: MetricsConfig) -> tuple[dict, 
         return regression_metrics(result, labels, cfg)
     acc, ce = M.accuracy(result.logits, labels), M.cross_entropy(result.logits, labels)
     r = len(acc)
-    out = {"accuracy": S.spread(acc, std_max=S.ACCURACY_STD_MAX, resolution=1 / len(labels)),
+    out = {"accuracy": S.spread(acc, resolution=1 / len(labels), value_range=S.ACCURACY_RANGE),
            "cross_entropy": S.spread(ce),
            "independent_errors_std": M.independent_errors_std(result.logits, labels)}
     arrays: dict[str, np.ndarray] = {"accuracy": acc, "cross_entropy": ce}
@@ -84,7 +84,7 @@ def arm_metrics(result, data, fns: TrainFns, cfg: MetricsConfig) -> tuple[dict, 
     return out, arrays
 
 
-def compare_arms(records: dict[str, dict], reference: str = "all", ratios=S.POWER_RATIOS) -> dict[str, dict]:
+def compare_arms(records: dict[str, dict], reference: str = "all") -> dict[str, dict]:
     """Each arm's spread of the task's two per-replica scores (accuracy and cross-entropy, or test MSE
     and MAE) relative to the ``reference`` arm (:func:`nondet_jax.analysis.stats.compare_spread`), with
     the permutation spread test's p Holm-adjusted over the arms (``spread_p_holm``, per quantity).
@@ -106,8 +106,8 @@ def compare_arms(records: dict[str, dict], reference: str = "all", ratios=S.POWE
             continue
         out[arm] = {q.name: S.compare_spread(np.array([row[q.row] for row in rows]),
                                              np.array([row[q.row] for row in ref]),
-                                             resolution=(rec.get("metrics") or {}).get(q.name, {}).get("resolution"),
-                                             ratios=ratios) for q in quantities}
+                                             resolution=(rec.get("metrics") or {}).get(q.name, {}).get("resolution"))
+                    for q in quantities}
     for q in quantities:
         arms = list(out)
         for arm, p in zip(arms, S.holm([out[a][q.name]["spread_p"] for a in arms])):

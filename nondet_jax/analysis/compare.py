@@ -14,6 +14,7 @@ from nondet_jax.store.paths import RunPaths
 from nondet_jax.store.run import verify_arm_files
 
 INDEX_COLUMNS = ("seed", "replica", "run", "index")
+MISSING = ("", "NA", "N/A", "NAN", "NULL", "NONE")  # what spreadsheets write for a missing score
 
 
 RUN_METRICS = {"test_accuracy": True, "test_loss": False, "train_loss": False, "train_accuracy": True}
@@ -83,14 +84,14 @@ def csv_scores(path: str | Path, column: str | None = None) -> tuple[np.ndarray,
     body = rows[1:] if header is rows[0] else rows
     if any(len(r) != len(header) for r in body):
         raise UsageError(f"{path} has rows with different numbers of fields; fix the file")
-    numeric = [i for i, _ in enumerate(header) if body and all(number(r[i]) is not None for r in body)]
+    holes = {i: [k for k, r in enumerate(body) if number(r[i]) is None] for i in range(len(header))}
+    numeric = [i for i in holes if body and not holes[i]]
     for i, name in enumerate(header):  # a column of numbers with a hole in it: name the cell
-        cells = [r[i] for r in body]
-        holes = [k for k, c in enumerate(cells) if number(c) is None]
-        if body and holes and len(holes) < len(cells) and (column is None or column == name) and \
-                all(cells[k].strip().upper() in ("", "NA", "N/A", "NAN", "NULL", "NONE") for k in holes):
-            line = holes[0] + (2 if header is rows[0] else 1)
-            raise UsageError(f"{path} row {line}, column '{name}' is empty or NA ({cells[holes[0]]!r}); remove that "
+        cells = [body[k][i] for k in holes[i]]
+        if cells and len(cells) < len(body) and (column is None or column == name) and \
+                all(c.strip().upper() in MISSING for c in cells):
+            line = holes[i][0] + (2 if header is rows[0] else 1)
+            raise UsageError(f"{path} row {line}, column '{name}' is empty or NA ({cells[0]!r}); remove that "
                              "seed's row or fill in its score")
     if column is None:  # a seed or replica number is an index, not a score
         numeric = [i for i in numeric if header[i].strip().lower() not in INDEX_COLUMNS]

@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, NamedTuple
 
@@ -153,12 +154,11 @@ def _pairwise_disagreement(rng, r, t, n=200):
     return _hit(S.disagreement_ci((y[:, a] != y[:, b]).mean(-1), r, minority, n), truth)
 
 
-def _borderline_disagreement(rng, r, t, borderline, p, unequal, n=360):
-    """Replicas that agree on all but ``borderline`` of ``n`` test images, on each of which a replica
-    flips with probability ``p`` (times a per-replica factor lognormal(0, 0.7) when ``unequal``: seeds
-    of unequal noise), with the report's interval (:func:`nondet_jax.analysis.stats.disagreement_ci`).
-    Returns the coverage among the studies that print an interval; the fraction printed is
-    :func:`shown`'s."""
+def borderline_draws(rng, r, t, borderline, p, unequal, n=360):
+    """``t`` studies of ``r`` replicas that agree on all but ``borderline`` of ``n`` test images, on each
+    of which a replica flips with probability ``p`` (times a per-replica factor lognormal(0, 0.7) when
+    ``unequal``: seeds of unequal noise). Returns (pair disagreements (t, P), minority predictions (t,),
+    the true disagreement)."""
     def draw(gen, trials, reps):
         factor = gen.lognormal(0.0, 0.7, (trials, reps, 1)) if unequal else 1.0
         flips = gen.random((trials, reps, borderline)) < np.minimum(p * factor, 0.5)
@@ -167,26 +167,19 @@ def _borderline_disagreement(rng, r, t, borderline, p, unequal, n=360):
         return (flips[:, i] != flips[:, j]).sum(-1) / n, np.minimum(ones, reps - ones).sum(-1)
 
     truth = float(draw(np.random.default_rng(1234), 200_000, 2)[0].mean())
-    values, minority = draw(rng, t, r)
-    lo, hi = S.disagreement_ci(values, r, minority, n)
-    printed = np.isfinite(lo)
-    _SHOWN[(borderline, p, unequal, r)] = float(printed.mean())
-    return float(np.mean(((lo <= truth) & (truth <= hi))[printed])) if printed.any() else float("nan")
+    return (*draw(rng, t, r), truth)
 
 
-_SHOWN: dict = {}
+def _borderline_disagreement(rng, r, t, borderline, p, unequal, n=360):
+    """Coverage of the report's disagreement interval (:func:`nondet_jax.analysis.stats.disagreement_ci`)
+    on :func:`borderline_draws`; a study printing n/a counts as a miss."""
+    values, minority, truth = borderline_draws(rng, r, t, borderline, p, unequal, n)
+    return _hit(S.disagreement_ci(values, r, minority, n), truth)
 
 
-def shown(case: str, replicas: int) -> float | None:
-    """The fraction of simulated studies of a ``borderline`` pairwise case that printed an interval
-    (after :func:`simulate` ran it), None for the other cases (they always print one)."""
-    args = _BORDERLINE.get(case)
-    return None if args is None else _SHOWN.get((*args, replicas))
-
-
-_BORDERLINE = {"pairwise disagreement, unequal noise": (30, 0.1, True),
-               "pairwise disagreement, few borderline images": (12, 0.05, True),
-               "pairwise disagreement, near-identical": (2, 0.06, True)}
+BORDERLINE = {"pairwise disagreement, unequal noise": (30, 0.1, True),
+              "pairwise disagreement, few borderline images": (12, 0.05, True),
+              "pairwise disagreement, near-identical": (2, 0.06, True)}
 
 
 def _pairwise_abs_difference(rng, r, t):
@@ -221,16 +214,10 @@ CASES = {
     "pairwise mean": ("pairwise", "pair = μ + u_a + u_b + e_ab (normal)", _pairwise_random_effects),
     "pairwise disagreement": ("pairwise", "Bernoulli predictions, replica-level shift", _pairwise_disagreement),
     "pairwise |X_a−X_b| (stress)": ("pairwise", "one skewed value per pair", _pairwise_abs_difference),
-    "pairwise disagreement, unequal noise": (
-        "pairwise", "30 borderline images of 360, flip p = 0.1 times a per-seed lognormal(0, 0.7) factor",
-        lambda rng, r, t: _borderline_disagreement(rng, r, t, *_BORDERLINE["pairwise disagreement, unequal noise"])),
-    "pairwise disagreement, few borderline images": (
-        "pairwise", "12 borderline images of 360, flip p = 0.05, unequal seeds",
-        lambda rng, r, t: _borderline_disagreement(
-            rng, r, t, *_BORDERLINE["pairwise disagreement, few borderline images"])),
-    "pairwise disagreement, near-identical": (
-        "pairwise", "2 borderline images of 360, flip p = 0.06, unequal seeds: 0.06% disagreement (a bitflip arm)",
-        lambda rng, r, t: _borderline_disagreement(rng, r, t, *_BORDERLINE["pairwise disagreement, near-identical"])),
+    **{name: ("pairwise", f"{k} borderline images of 360, flip p = {p}, unequal seeds"
+              + (": 0.06% disagreement (a bitflip arm)" if k == 2 else ""),
+              functools.partial(_borderline_disagreement, borderline=k, p=p, unequal=u))
+       for name, (k, p, u) in BORDERLINE.items()},
     "difference of means": ("difference", "normal, stds 1 and 2", _difference),
     "probability of improvement": ("probability_of_improvement", "normal, shift 1 std", _poi),
     "probability of improvement, ties": ("probability_of_improvement", "binomial accuracies, 360 images",

@@ -66,11 +66,12 @@ def variant_metrics(logits, labels) -> dict:
     logits, labels = np.asarray(logits), np.asarray(labels)
     acc, ce = M.accuracy(logits, labels), M.cross_entropy(logits, labels)
     r = len(acc)
-    out = {"replicas": r, "accuracy": S.spread(acc, std_max=S.ACCURACY_STD_MAX, resolution=1 / len(labels)),
+    out = {"replicas": r, "accuracy": S.spread(acc, resolution=1 / len(labels), value_range=S.ACCURACY_RANGE),
            "cross_entropy": S.spread(ce), "independent_errors_std": M.independent_errors_std(logits, labels)}
     if r >= 2:
-        for name, values in (("disagreement", M.disagreement(logits)), ("pearson", M.pearson(logits))):
-            out[name] = S.pairwise_summary(name, values, r, minority=M.minority_predictions(logits), n_test=len(labels))
+        out["disagreement"] = S.pairwise_summary("disagreement", M.disagreement(logits), r,
+                                                 minority=M.minority_predictions(logits), n_test=len(labels))
+        out["pearson"] = S.pairwise_summary("pearson", M.pearson(logits), r)
     return out
 
 

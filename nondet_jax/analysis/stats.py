@@ -22,11 +22,10 @@ Example::
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 
 import numpy as np
-from scipy import special
+from scipy import optimize, special
 from scipy import stats as sps
 
 from nondet_jax.analysis.metrics import PAIRWISE_RANGE, PAIRWISE_SCALE, pair_indices
@@ -50,7 +49,7 @@ METHODS = {
 }
 TESTS = {
     "spread_p": ("permutation Brown–Forsythe test: the pooled t of absolute deviations from each arm's median, "
-                 "exact over every split of the replicas (10,000 seeded random splits above 20,000), two-sided; "
+                 "exact over every split of the replicas (20,000 seeded random splits above that many), two-sided; "
                  "n/a below 5 replicas per arm"),
     "spread_p_holm": "spread_p Holm-adjusted over the arms compared with `all` (per quantity)",
     "f_test_p": "F-test of equal variances (normal data only; Morin & Willetts' test)",
@@ -101,6 +100,7 @@ def _z(level: float) -> float:
     return float(sps.norm.ppf(0.5 + level / 2))
 
 
+@functools.lru_cache(maxsize=64)
 def tie_rate(replicas: int, level: float = LEVEL) -> float:
     """The largest variance, in squared steps of the count, of a count-valued score (correct test
     examples) whose R replicas all tie with probability at least (1 − level)/2.
@@ -111,18 +111,15 @@ def tie_rate(replicas: int, level: float = LEVEL) -> float:
     by a whole bad seed are not counts of that kind (see docs/statistics.md).
     """
     beta = (1 - level) / 2
+    k = np.arange(-60, 61)
 
-    def tie_probability(lam):  # sum over k of P(X = k)^R, X ~ Skellam(lam/2, lam/2)
-        k = np.arange(-60, 61)
-        return float((special.ive(k, lam) ** replicas).sum())
+    def excess(lam):  # P(R replicas tie) − beta; the tie probability sums P(X = k)^R, X ~ Skellam(lam/2, lam/2)
+        return float((special.ive(k, lam) ** replicas).sum()) - beta
 
-    lo, hi = 0.0, 1.0
-    while tie_probability(hi) > beta:
+    hi = 1.0
+    while excess(hi) > 0:
         hi *= 2
-    for _ in range(60):
-        mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if tie_probability(mid) > beta else (lo, mid)
-    return 0.5 * (lo + hi)
+    return float(optimize.brentq(excess, 0.0, hi, xtol=1e-12))
 
 
 def _tied(x) -> np.ndarray:
@@ -200,7 +197,8 @@ def std_ci(x, level: float = LEVEL, std_max: float = np.inf, resolution: float |
 def std_ci_normal(x, level: float = LEVEL, std_max: float = np.inf) -> tuple:
     """Chi-square interval of the standard deviation of normal data: ``(R−1)s²/σ² ~ χ²(R−1)``, so σ lies
     in ``s·√((R−1)/χ²_{(1+level)/2})`` to ``s·√((R−1)/χ²_{(1−level)/2})``; (nan, nan) below 2 values.
-    Exact for normal data only: under skew or bad seeds it covers 55–90% at R=8 (docs/statistics.md)."""
+    Exact for normal data and binomial counts: under skew, heavy tails or bad seeds it covers 84–88% at
+    R=8, on near ties 50–75% (``benchmarks/coverage.py``)."""
     x = np.asarray(x, dtype=np.float64)
     n = x.shape[-1]
     if n < 2:
@@ -280,8 +278,9 @@ def rare_disagreement_ci(minority, replicas: int, n_test: int, level: float = LE
 def disagreement_ci(values, replicas: int, minority=None, n_test: int | None = None, level: float = LEVEL) -> tuple:
     """The disagreement's interval: the log-scale replica jackknife (:func:`pairwise_mean_ci`), joined
     with :func:`rare_disagreement_ci` when fewer than :data:`RARE_MINORITY` predictions are in the
-    minority (near-identical replicas, where the jackknife alone covers 26–89%; joined, at least 93%
-    from R=4 in the simulations of docs/statistics.md). Without ``minority`` the jackknife alone."""
+    minority (near-identical replicas: in ``benchmarks/coverage.py`` the jackknife alone prints an
+    interval in 3–70% of such studies at R=3–16; joined, it is always printed and covers at least
+    98.7%). Without ``minority`` the jackknife alone."""
     lo, hi = pairwise_mean_ci(values, replicas, level, bounds=(0.0, 1.0), scale="log")
     if minority is None or n_test is None or replicas < MIN_REPLICAS["pairwise"]:
         return lo, hi
@@ -297,28 +296,30 @@ def pairwise_summary(name: str, values, replicas: int, minority: int | None = No
     for ``disagreement`` with ``minority`` and ``n_test`` given, :func:`disagreement_ci`. ``na`` says
     why an interval is missing."""
     values = np.asarray(values, dtype=np.float64)
+    out: dict = {"mean": float(values.mean())}
     if name == "disagreement" and minority is not None:
         ci = disagreement_ci(values, replicas, minority, n_test)
+        out["minority_predictions"] = int(minority)
     else:
         ci = pairwise_mean_ci(values, replicas, bounds=PAIRWISE_RANGE.get(name, (-np.inf, np.inf)),
                               scale=PAIRWISE_SCALE.get(name, "linear"))
-    out = {"mean": float(values.mean()), "ci": list(ci)}
-    if name == "disagreement" and minority is not None:
-        out["minority_predictions"] = int(minority)
+    out["ci"] = list(ci)
     if not np.isfinite(ci[0]):
         out["na"] = na_reason("pairwise", replicas) or TOO_ALIKE
     return out
 
 
-def spread(x, std_max: float = np.inf, resolution: float | None = None) -> dict:
+def spread(x, std_max: float = np.inf, resolution: float | None = None, value_range: tuple | None = None) -> dict:
     """Mean and std (ddof=1) of per-replica values with their intervals (:func:`mean_ci`,
     :func:`std_ci`: robust, its upper end clipped to ``std_max``; ``resolution`` the step of a count,
-    1/n_test for an accuracy, kept in the result so later comparisons know it). A quantity with
-    ``std_max`` = :data:`ACCURACY_STD_MAX` lies in [0, 1]: its mean's interval is clipped to that."""
+    1/n_test for an accuracy, kept in the result so later comparisons know it). ``value_range``
+    (low, high): the values' possible range, (0, 1) for an accuracy; the mean's interval is clipped to
+    it and ``std_max`` defaults to half its width."""
     x = np.asarray(x, dtype=np.float64)
     m_ci = mean_ci(x, resolution=resolution)
-    if std_max == ACCURACY_STD_MAX:
-        m_ci = tuple(float(np.clip(c, 0.0, 1.0)) for c in m_ci)
+    if value_range is not None:
+        m_ci = tuple(float(np.clip(c, *value_range)) for c in m_ci)
+        std_max = min(std_max, (value_range[1] - value_range[0]) / 2)
     out = {"mean": float(x.mean()), "mean_ci": list(m_ci), "std": std(x),
            "std_ci": list(std_ci(x, std_max=std_max, resolution=resolution)),
            "std_ci_normal": list(std_ci_normal(x, std_max=std_max))}
@@ -326,6 +327,7 @@ def spread(x, std_max: float = np.inf, resolution: float | None = None) -> dict:
 
 
 ACCURACY_STD_MAX = 0.5  # the largest std of a quantity in [0, 1]
+ACCURACY_RANGE = (0.0, 1.0)
 
 
 def _f_p(f: float, d1: int, d2: int) -> float:
@@ -390,47 +392,31 @@ def std_ratio_ci(a, b, level: float = LEVEL, resolution: float | None = None) ->
     return _out(lo), _out(hi)
 
 
-@functools.lru_cache(maxsize=16)
-def _splits(n: int, na: int, resamples: int) -> np.ndarray:
-    """Indicator rows of the first arm: every split of n values into na and n − na (``resamples`` = 0),
-    or that many seeded random splits plus the observed one (so p is never 0)."""
-    if not resamples:
-        masks = np.zeros((math.comb(n, na), n))
-        for row, chosen in enumerate(itertools.combinations(range(n), na)):
-            masks[row, list(chosen)] = 1.0
-        return masks
-    order = np.argsort(np.random.default_rng(BOOTSTRAP_SEED).random((resamples, n)), axis=1)[:, :na]
-    masks = np.zeros((resamples, n))
-    np.put_along_axis(masks, order, 1.0, axis=1)
-    return np.vstack([masks, np.r_[np.ones(na), np.zeros(n - na)]])
+def _pooled_t(x, y, axis=-1):
+    """|pooled two-sample t| of x and y along ``axis`` (vectorised, for :func:`scipy.stats.permutation_test`);
+    0 for two constant, equal groups, inf for two constant, different ones."""
+    nx, ny = x.shape[axis], y.shape[axis]
+    mx, my = x.mean(axis), y.mean(axis)
+    ss = ((x - np.expand_dims(mx, axis)) ** 2).sum(axis) + ((y - np.expand_dims(my, axis)) ** 2).sum(axis)
+    sp = np.sqrt(ss / (nx + ny - 2) * (1 / nx + 1 / ny))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(sp > 0, np.abs(mx - my) / np.where(sp > 0, sp, 1.0), np.where(mx == my, 0.0, np.inf))
 
 
-def spread_test(a, b, resamples: int = 10_000, exact_up_to: int = 20_000) -> float:
+def spread_test(a, b, resamples: int = 20_000) -> float:
     """Two-sided permutation p-value for equal spread: the Brown–Forsythe statistic (pooled t of the
-    absolute deviations from each arm's own median) over every split of the pooled deviations into
-    arms of the same sizes, or ``resamples`` seeded random splits when there are more than
-    ``exact_up_to``. Exact under exchangeability, so right with ties and counts, where the F
-    approximation (:func:`brown_forsythe`) and the F-test are not; 1.0 when neither arm varies."""
+    absolute deviations from each arm's own median) over the splits of the pooled deviations into arms
+    of the same sizes (:func:`scipy.stats.permutation_test`: every split when there are at most
+    ``resamples``, else ``resamples`` seeded random ones). Exact under exchangeability, so right with
+    ties and counts, where the F approximation (:func:`brown_forsythe`) and the F-test are not; 1.0
+    when neither arm varies."""
     a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
-    z = np.concatenate([np.abs(a - np.median(a)), np.abs(b - np.median(b))])
-    n, na = len(z), len(a)
-    if np.ptp(z) == 0 or min(na, n - na) < 2:
+    za, zb = np.abs(a - np.median(a)), np.abs(b - np.median(b))
+    if np.ptp(np.concatenate([za, zb])) == 0 or min(len(a), len(b)) < 2:
         return 1.0
-    z = z / z.max()
-    masks = _splits(n, na, resamples if math.comb(n, na) > exact_up_to else 0)
-
-    def t_stat(m):  # m: (..., n) indicator of arm a
-        s1, s2 = m @ z, m @ (z * z)
-        t1, t2 = z.sum() - s1, (z * z).sum() - s2
-        ma, mb = s1 / na, t1 / (n - na)
-        ss = (s2 - na * ma ** 2) + (t2 - (n - na) * mb ** 2)
-        sp = np.sqrt(np.maximum(ss, 0) / (n - 2) * (1 / na + 1 / (n - na)))
-        with np.errstate(divide="ignore", invalid="ignore"):
-            return np.where(sp > 0, np.abs(ma - mb) / np.where(sp > 0, sp, 1.0), np.where(ma == mb, 0.0, np.inf))
-
-    observed = t_stat(np.r_[np.ones(na), np.zeros(n - na)])
-    null = t_stat(masks)
-    return float((null >= observed * (1 - 1e-12)).sum() / len(masks))
+    res = sps.permutation_test((za, zb), _pooled_t, permutation_type="independent", vectorized=True,
+                               n_resamples=resamples, alternative="greater", rng=BOOTSTRAP_SEED)
+    return float(res.pvalue)
 
 
 def holm(pvalues) -> list:

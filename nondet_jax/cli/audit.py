@@ -14,6 +14,7 @@ from nondet_jax import config as cfg
 from nondet_jax.cli import prog_name
 from nondet_jax.errors import OneLineParser, UsageError
 from nondet_jax.machine.determinism import check_flags, with_flags
+from nondet_jax.store.io import check_output_file
 from nondet_jax.study.audit import audit_run
 
 
@@ -66,14 +67,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     try:
         if args.steps < 1:
             raise UsageError(f"--steps must be >= 1, got {args.steps}")
-        if args.json and (Path(args.json).is_dir() or not Path(args.json).parent.is_dir()):
-            what = "is a folder" if Path(args.json).is_dir() else "is in a folder that does not exist"
-            raise UsageError(f"--json {args.json} {what}; pass a file path in an existing folder, e.g. "
-                             "--json audit.json")
         if args.json:
-            from nondet_jax.store.io import check_output_file
-
-            check_output_file(Path(args.json), "--json")
+            if Path(args.json).is_dir() or not Path(args.json).parent.is_dir():
+                what = "is a folder" if Path(args.json).is_dir() else "is in a folder that does not exist"
+                raise UsageError(f"--json {args.json} {what}; pass a file path in an existing folder, e.g. "
+                                 "--json audit.json")
+            check_output_file(Path(args.json), "--json")  # a link, device or FIFO there is never replaced
         config = cfg.from_flat({"model.name": args.model, "data.name": args.dataset, "data.data_dir": args.data_dir,
                                 "train.batch_size": args.batch_size, "train.epochs": 1, "study.seed": args.seed,
                                 "study.replicas": 1, "metrics.pairwise": False})

@@ -26,45 +26,38 @@ from nondet_jax.report.summary import (
 from nondet_jax.store.io import atomic_write_bytes, atomic_write_json, strict_json
 from nondet_jax.store.paths import RunPaths
 
+_TESTS_LINE = ("Spread p: " + TESTS["spread_p"] + "; Holm p: " + TESTS["spread_p_holm"] + " (read this one); F-test p: "
+               + TESTS["f_test_p"] + ".")
+
 
 def _comparison_md(summary: dict) -> list[str]:
     vs = summary["vs_all"]
     if not vs:
         return ["(No `all` arm in this study: no ratios to it.)", ""]
     q1, q2 = QUANTITIES[task_of(summary)]
-    ratios = list(next(iter(vs.values()))[q1.name].get("replicas_for_ratio", {}))
     lines = [f"| arm | {q1.label} std ratio [95% CI] | spread p | Holm p | F-test p (normal) "
              f"| {q2.label} std ratio [95% CI] | spread p | Holm p | F-test p (normal) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for arm, c in vs.items():
-        cells = []
-        for q in (q1, q2):
-            a = c[q.name]
-            cells.append(f"{_fmt(a['ratio'], 2)}{_ci(a['ratio_ci'], 2)} | {fmt_p(a.get('spread_p'))} | "
-                         f"{fmt_p(a.get('spread_p_holm'))} | {fmt_p(a['f_test_p'])}")
+        cells = [f"{_fmt(a['ratio'], 2)}{_ci(a['ratio_ci'], 2)} | {fmt_p(a.get('spread_p'))} | "
+                 f"{fmt_p(a.get('spread_p_holm'))} | {fmt_p(a['f_test_p'])}" for a in (c[q1.name], c[q2.name])]
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
-    lines += ["", "Ratio interval: " + METHODS["ratio"] + ". Spread p: " + TESTS["spread_p"] + "; Holm p: "
-              + TESTS["spread_p_holm"] + " (read this one). F-test p: " + TESTS["f_test_p"] + "."]
-    if ratios:
-        n = next(iter(vs.values()))[q1.name]["replicas_for_ratio"]
-        lines.append("Design: to detect a true std ratio of " + ", ".join(f"{k} ({n[k]} replicas per arm)" for k in ratios)
+    lines += ["", "Ratio interval: " + METHODS["ratio"] + ". " + _TESTS_LINE]
+    needed = next(iter(vs.values()))[q1.name].get("replicas_for_ratio", {})
+    if needed:
+        lines.append("Design (not a power computed from the observed ratio): to detect a true std ratio of "
+                     + ", ".join(f"{k} ({n} replicas per arm)" for k, n in needed.items())
                      + " with 80% power (F-test, normal data); a std interval spanning at most a factor 2 needs "
                      f"{replicas_for_std_factor(2.0)} replicas (normal data).")
     return lines + [""]
 
 
-_TESTS_LINE = ("Spread p: " + TESTS["spread_p"] + "; Holm p: " + TESTS["spread_p_holm"] + "; F-test p: "
-               + TESTS["f_test_p"] + ". Design: replicas per arm for 80% power at a true ratio of 0.5 and 0.75 "
-               "(F-test, normal data), not a power computed from the observed ratio.")
-PROVENANCE_KEYS = ("xla_flags", "jax_default_matmul_precision", "jax_enable_x64", "jaxlib", "backend", "cpu_type")
-
-
 def _provenance_md(summary: dict) -> list[str]:
     """A line naming each setting the arms were trained under differently (each arm record keeps its own
     ``provenance``; ``environment.json`` holds the latest run's only)."""
-    prov = {a: r.get("provenance") for a, r in summary["arms"].items() if isinstance(r.get("provenance"), dict)}
+    prov = {a: r["provenance"] for a, r in summary["arms"].items() if isinstance(r.get("provenance"), dict)}
     lines = []
-    for key in PROVENANCE_KEYS:
+    for key in sorted({k for p in prov.values() for k in p}):
         values = {a: p.get(key) for a, p in prov.items()}
         if len({json.dumps(v, sort_keys=True) for v in values.values()}) > 1:
             lines.append(f"- **Arms trained under different {key}**: " + "; ".join(

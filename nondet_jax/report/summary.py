@@ -222,10 +222,6 @@ def fmt_p(x) -> str:
     return f"{x:.3f}" if x >= 0.001 or x == 0 else f"{x:.1e}"
 
 
-def _p_cell(c: dict) -> str:
-    return fmt_p(c.get("spread_p_holm"))
-
-
 def _classification_columns(arm: str, a: dict, summary: dict) -> tuple[str, str, str]:
     """(header, row after the arm and R, legend) of the classification table."""
     m = a["metrics"]
@@ -237,14 +233,14 @@ def _classification_columns(arm: str, a: dict, summary: dict) -> tuple[str, str,
         acc, ce = m["accuracy"], m["cross_entropy"]
         wd = m.get("weight_distance", {}).get("mean")
         row = (f"{acc['mean'] * 100:>10.2f} {_std_cell(acc, a):<22} "
-               f"{_fmt(vs.get('ratio'), 2):>12} {_p_cell(vs):>7} {_std_cell(ce, a, 1.0, 4):<26} "
+               f"{_fmt(vs.get('ratio'), 2):>12} {fmt_p(vs.get('spread_p_holm')):>7} {_std_cell(ce, a, 1.0, 4):<26} "
                f"{small(None if m.get('disagreement') is None else m['disagreement']['mean'] * 100, 2):>10} "
                f"{_fmt(m.get('cka', {}).get('mean'), 3):>6} {small(wd, 3):>8} "
                f"{_pct(m.get('lmc_barrier', {}).get('mean')):>10}")
     legend = ("std: sample std over replicas (ddof=1), robust 95% CI (Bonett; a tied accuracy: up to the largest std "
               "that ties R replicas; n/a below R=3); ratio: accuracy std / the all arm's; p: permutation spread test, "
               "Holm-adjusted over the arms; CE in nats; disagreement and LMC barrier (test error) in %, mean over "
-              "pairs; w. dist: L2 distance between replicas' final weights, mean over pairs")
+              "pairs; w. dist: relative distance ||θa−θb||/||θa|| of two replicas' final weights, mean over pairs")
     return head, row, legend
 
 
@@ -261,7 +257,7 @@ def _regression_columns(arm: str, a: dict, summary: dict) -> tuple[str, str, str
     if m:
         mse, mae = m["mse"], m["mae"]
         row = (f"{g(mse['mean']):>10} {(g(mse['std']) + ci(mse['std_ci'])):>28} {_fmt(vs.get('ratio'), 2):>12} "
-               f"{_p_cell(vs):>7} {(g(mae['std']) + ci(mae['std_ci'])):>28} "
+               f"{fmt_p(vs.get('spread_p_holm')):>7} {(g(mae['std']) + ci(mae['std_ci'])):>28} "
                f"{g(m.get('prediction_distance', {}).get('mean')):>10} {_fmt(m.get('pearson', {}).get('mean'), 3):>7} "
                f"{_fmt(m.get('cka', {}).get('mean'), 3):>6}")
     legend = ("regression: std over replicas (ddof=1), robust 95% CI (Bonett; n/a below R=3); ratio: "

@@ -43,6 +43,9 @@ def umask() -> int:
     return mask
 
 
+TEMP_GLOB = ".*.tmp"  # the names of atomic_write_bytes' temporary files
+
+
 def check_output_file(path: Path, option: str) -> None:
     """An output file named by the user outside a run folder (``--json``, ``--plot``): it is replaced by
     a rename, so a symbolic link, device, FIFO or folder there would be replaced too (``/dev/null``
@@ -59,7 +62,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     file system refuses is a :class:`UsageError` naming the file and the fix."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # TEMP_GLOB
     except OSError as e:
         if e.errno in FULL + DENIED:
             raise write_error(path, e) from None

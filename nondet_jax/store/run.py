@@ -18,6 +18,7 @@ import numpy as np
 from nondet_jax.config import Config, comparable_data_name, to_dict
 from nondet_jax.errors import UsageError
 from nondet_jax.store.io import (
+    TEMP_GLOB,
     atomic_write_bytes,
     atomic_write_json,
     check_no_links,
@@ -123,8 +124,8 @@ def verify_arm_files(root: Path, arm: str, record: dict, identity: str = "") -> 
 def take_lock(root: Path, fix: str = "wait for it to finish or choose another --out") -> int:
     """Take the run folder's exclusive lock (``.lock``, holding the pid for the message) and return its
     descriptor; a :class:`UsageError` naming the holder when another process has it. ``flock`` dies with
-    its process, so a killed sweep leaves no stale lock. Sweeps, ``report`` and ``audit`` all take it, so a
-    report is never built from a folder a sweep is still writing."""
+    its process, so a killed sweep leaves no stale lock. Sweeps and ``report`` take it, so a report is
+    never built from a folder a sweep is still writing."""
     try:
         fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)  # less the umask, as any file
     except OSError as e:
@@ -149,9 +150,9 @@ def release_lock(fd: int) -> None:
 
 
 def _leftover(path: Path) -> bool:
-    """A temporary file of :func:`nondet_jax.store.io.atomic_write_bytes` (``.NAME.XXXX.tmp``), left by a
-    process killed mid-write (e.g. during the very first ``config.json``): never a result."""
-    return path.is_file() and path.name.startswith(".") and path.name.endswith(".tmp")
+    """A temporary file of :func:`nondet_jax.store.io.atomic_write_bytes`, left by a process killed
+    mid-write (e.g. during the very first ``config.json``): never a result."""
+    return path.is_file() and path.match(TEMP_GLOB)
 
 
 class RunStore:
@@ -191,7 +192,7 @@ class RunStore:
         except OSError as e:
             raise UsageError(f"cannot write to --out {root}: {e.strerror}; choose a writable folder") from None
         self._lock_fd = take_lock(root)
-        for tmp in root.rglob(".*.tmp"):  # left by a process killed mid-write; never a result
+        for tmp in root.rglob(TEMP_GLOB):  # left by a process killed mid-write; never a result
             tmp.unlink(missing_ok=True)
         try:
             new = to_dict(self.config)
