@@ -97,8 +97,11 @@ class InstrumentsConfig:
     schedule: str = "linear"  # linear | log (log_points log-spaced steps over the run, plus step 0)
     log_points: int = 50
     chunk: int = 32  # examples per per-example-gradient chunk (memory ~ chunk x parameters)
-    hess_iters: int = 10  # Lanczos steps for HessMaxEV (warm-started from the last tracked step)
-    hess_probes: int = 1  # Hutchinson probes for HessTrace, TICDiag, TICTrace
+    hess_iters: int = 20  # Lanczos steps for HessMaxEV (warm-started from the last tracked step)
+    # HessTrace, TICDiag, TICTrace from: ggn (the exact diagonal of the generalised Gauss-Newton matrix, about
+    # one per-example pass per class) | hutchinson (hess_probes probes of the Hessian, with standard errors; no TICDiag)
+    curvature: str = "ggn"
+    hess_probes: int = 1  # Hutchinson probes (curvature = hutchinson)
     # stop HessMaxEV's Lanczos steps once ||Hv - lambda v|| / |lambda| is below this (0 = off: hess_iters steps)
     hess_tol: float = 0.0
     # NormTest/InnerTest/OrthoTest alone: auto (ghost norms per layer where cheaper) | ghost | materialise
@@ -441,6 +444,11 @@ def _validate_instruments(config: Config) -> None:
         raise UsageError(f"{e} (--instruments / instruments.config)") from None
     if ic.schedule not in ("linear", "log"):
         raise UsageError(f"unknown instruments.schedule '{ic.schedule}'; choose linear (every k steps) or log")
+    if ic.curvature not in configurations.CURVATURES:
+        raise UsageError(f"unknown instruments.curvature '{ic.curvature}'; choose ggn or hutchinson")
+    if ic.curvature == "hutchinson" and "TICDiag" in names:
+        raise UsageError("instruments.curvature=hutchinson cannot give TICDiag (it would divide by an estimate that "
+                         "can be <= 0); use instruments.curvature=ggn or leave TICDiag out")
     if ic.per_example not in ("train_pass", "frozen_bn"):
         raise UsageError(f"unknown instruments.per_example '{ic.per_example}'; choose train_pass or frozen_bn")
     for key in ("every", "log_points", "chunk", "hess_iters", "hess_probes"):

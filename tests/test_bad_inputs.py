@@ -54,6 +54,8 @@ CASES: list[tuple[str, str]] = [
     ("CLI", "--set metrics.tta=crop9"),
     ("CLI", "--instruments nosuch"),
     ("CLI", "--instruments CABS"),
+    ("CLI", "--instruments business --set instruments.curvature=hutchinson"),
+    ("CLI", "--instruments HessTrace --set instruments.curvature=exact"),
     ("CLI", "--compile-cache /proc/nondet_jax_cache"),
     ("CLI", "--resume <tmp>/nothing"),
     ("CLI", "--resume <run> --epochs 3"),

@@ -18,6 +18,7 @@ BUSINESS = ECONOMY + ("TICDiag", "HessTrace")
 FULL = BUSINESS + ("HessMaxEV", "GradHist2d")
 CONFIGURATIONS = {"economy": ECONOMY, "business": BUSINESS, "full": FULL}
 
+CURVATURES = ("ggn", "hutchinson")  # where HessTrace, TICDiag and TICTrace come from (instruments.make)
 PER_LAYER = ("GradNorm", "Distance", "UpdateSize", "HessTrace")  # Cockpit returns one value per parameter
 HISTOGRAMS = ("GradHist1d", "GradHist2d")
 PLAIN_SGD_ONLY = ("EarlyStopping", "CABS")  # Cockpit refuses them unless SGD has default arguments

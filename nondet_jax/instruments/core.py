@@ -40,7 +40,9 @@ schedule than under every-step tracking (see benchmarks/instruments.py).
 Value names: ``"Quantity"`` (a scalar), per-layer ``"Quantity/<parameter path>"`` for GradNorm,
 Distance, UpdateSize, HessTrace (their plain name holds the total: the norm over all parameters,
 or the summed trace), ``"GradHist1d"`` (bins,) and ``"GradHist2d"`` (gradient bins, parameter bins);
-with HessMaxEV also ``"HessMaxEVResidual"``, its relative residual ``||Hv - lambda v|| / |lambda|``.
+with HessMaxEV also ``"HessMaxEVResidual"``, its relative residual ``||Hv - lambda v|| / |lambda|``, and
+``"HessMaxEVError"``, a bound on how far below the largest eigenvalue it is (:func:`.curvature.lanczos_top`);
+with ``curvature="hutchinson"`` also ``"HessTraceSE"`` and ``"TICTraceSE"``, standard errors.
 
 Alpha is a two-step quantity (Cockpit's ``SAVE_SHIFT = 1``): the start point is a tracked step
 ``t`` (its loss, and per-example derivatives along the update ``updates`` taken there); the end
@@ -64,18 +66,18 @@ from jax.flatten_util import ravel_pytree
 
 from nondet_jax.instruments import (
     configurations,
-    curvature,
     formulas,
     histograms,
     layerwise,
 )
+from nondet_jax.instruments import curvature as curv
 from nondet_jax.instruments.per_example import common_dtype, per_example_pass
 from nondet_jax.instruments.schedules import Schedule, linear
 
 PER_EXAMPLE = ("NormTest", "InnerTest", "OrthoTest", "GradHist1d", "GradHist2d", "TICDiag", "TICTrace", "MeanGSNR",
                "EarlyStopping", "CABS")
 GRAD_SQ = ("TICDiag", "TICTrace", "MeanGSNR", "EarlyStopping", "CABS")
-HUTCHINSON = ("HessTrace", "TICDiag", "TICTrace")
+DIAGONAL = ("HessTrace", "TICDiag", "TICTrace")  # from the curvature's diagonal (GGN or Hutchinson)
 # Per-example quantities that need only squared norms ||g_i||^2 and projections g_i . t: with a tape
 # (train_pass, or frozen_bn's layerwise pass) and none of the others asked for, no per-example
 # gradient is formed (layerwise.tape_norm_stats, the ghost-norm identity). GradHist1d/2d and the
@@ -120,10 +122,12 @@ def _sq_norms(tree) -> list[jax.Array]:
 
 def make(quantities: str | tuple[str, ...], example_loss: Callable, *, schedule: Schedule | None = None,
          batch_loss_fn: Callable | None = None, context_fn: Callable | None = None, chunk: int = 32,
-         hess_iters: int = 10, hess_probes: int = 1, seed: int = 0,
+         hess_iters: int = 20, hess_probes: int = 1, seed: int = 0,
          hist1d: dict | None = None, hist2d: dict | None = None,
          batched_example_loss: Callable | None = None, norms: str | None = None,
-         hess_tol: float | None = None) -> Instruments:
+         hess_tol: float | None = None, example_output: Callable | None = None,
+         output_loss: Callable | None = None, batched_output: Callable | None = None,
+         curvature: str | None = None) -> Instruments:
     """Build the instruments.
 
     Args:
@@ -151,8 +155,20 @@ def make(quantities: str | tuple[str, ...], example_loss: Callable, *, schedule:
         gradient formed), "ghost" (ghost norms on every layer), "materialise" (form the per-example
         gradients as for GradHist1d). None: "auto".
       hess_tol: stop HessMaxEV's Lanczos steps once the relative residual ``||Hv - lambda v|| / |lambda|``
-        is below it (a while loop; at most ``hess_iters`` steps). None: always ``hess_iters`` steps.
+        is below it (a while loop; at most ``hess_iters`` steps, at least ``curvature.MIN_STEPS`` from
+        a cold start). None: always ``hess_iters`` steps.
         Either way the residual is reported as ``"HessMaxEVResidual"``.
+      example_output / output_loss: ``(params, example, context) -> (C,)`` and ``(outputs, example) ->
+        scalar`` with ``example_loss == output_loss(example_output(...), example)``: HessTrace, TICDiag
+        and TICTrace then use the exact diagonal of the generalised Gauss-Newton matrix of the mean
+        per-example loss (:func:`.curvature.ggn_diagonal`; equal to the Hessian's for piecewise-linear
+        networks). ``batched_output``: the outputs of a whole batch at once (flax linen layers whose
+        examples do not interact), for the batched per-layer path.
+      curvature: ``"ggn"`` (default when ``example_output`` is given) or ``"hutchinson"``:
+        ``hess_probes`` Rademacher probes of ``batch_loss_fn``'s Hessian, about ``C`` times cheaper
+        than the GGN for ``C`` outputs; HessTrace and TICTrace then come with ``"HessTraceSE"`` and
+        ``"TICTraceSE"``, and TICDiag is refused (it would divide by a diagonal estimate that can be
+        negative).
 
     Raises ValueError for unknown quantities or bad settings.
     """
@@ -166,13 +182,21 @@ def make(quantities: str | tuple[str, ...], example_loss: Callable, *, schedule:
     for label, v in (("chunk", chunk), ("hess_iters", hess_iters), ("hess_probes", hess_probes)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{label} must be an int >= 1, got {v!r}")
+    curvature = curvature or ("ggn" if example_output is not None else "hutchinson")
+    if curvature not in configurations.CURVATURES:
+        raise ValueError(f"curvature must be ggn or hutchinson, got {curvature!r}")
+    if curvature == "ggn" and (example_output is None or output_loss is None):
+        raise ValueError("curvature='ggn' needs the model's outputs: pass example_output= and output_loss=")
+    if curvature == "hutchinson" and "TICDiag" in names:
+        raise ValueError("TICDiag needs the exact curvature diagonal (a Hutchinson estimate of it can be <= 0): pass "
+                         "example_output= and output_loss= (curvature='ggn'), or leave TICDiag out")
     schedule = schedule or linear(1)
     h1 = {"bins": histograms.HIST1D_BINS, "value_range": histograms.HIST1D_RANGE, **(hist1d or {})}
     h2 = {"bins": histograms.HIST2D_BINS, "value_range": histograms.HIST2D_RANGE, **(hist2d or {})}
     has = lambda *qs: any(q in names for q in qs)  # noqa: E731
     need_pe = has(*PER_EXAMPLE)
     need_alpha = has("Alpha")
-    need_hvp = has("HessMaxEV", *HUTCHINSON)
+    need_hvp = has("HessMaxEV") or (curvature == "hutchinson" and has(*DIAGONAL))
 
     every_step = getattr(schedule, "every_step", False)  # no branch: straight-line code measured faster
 
@@ -201,7 +225,9 @@ def make(quantities: str | tuple[str, ...], example_loss: Callable, *, schedule:
         for q in names:
             out.append(q)
             if q == "HessMaxEV":
-                out.append("HessMaxEVResidual")
+                out += ["HessMaxEVResidual", "HessMaxEVError"]
+            if q in ("HessTrace", "TICTrace") and curvature == "hutchinson":
+                out.append(f"{q}SE")
             if q in configurations.PER_LAYER:
                 out.extend(f"{q}/{n}" for n in layers)
         return out
@@ -364,25 +390,37 @@ def make(quantities: str | tuple[str, ...], example_loss: Callable, *, schedule:
             new_state = state
             if need_hvp:
                 key = jax.random.fold_in(jax.random.key(seed), step)
-                hvp = curvature.hvp_operator(lambda p: curv_loss(p, batch, ctx), params)
+                hvp = curv.hvp_operator(lambda p: curv_loss(p, batch, ctx), params)
                 if has("HessMaxEV"):
-                    top = curvature.lanczos_top(hvp, params, jax.random.fold_in(key, 1), hess_iters,
-                                                start=state.hess_vec, tol=hess_tol)
+                    top = curv.lanczos_top(hvp, params, jax.random.fold_in(key, 1), hess_iters,
+                                           start=state.hess_vec, tol=hess_tol)
                     v["HessMaxEV"] = top.value
                     v["HessMaxEVResidual"] = top.residual
+                    v["HessMaxEVError"] = top.error
                     new_state = new_state._replace(hess_vec=top.vector)
-                if has(*HUTCHINSON):
-                    traces, diag = curvature.hutchinson(hvp, params, jax.random.fold_in(key, 2), hess_probes)
-                    per = jax.tree.leaves(traces)
-                    total = sum(per)
-                    if has("HessTrace"):
-                        v["HessTrace"] = total
-                        v.update({f"HessTrace/{n}": x for n, x in zip(layers, per)})
-                    if has("TICDiag"):
-                        d = jnp.concatenate([x.ravel() for x in jax.tree.leaves(diag)])
-                        v["TICDiag"] = formulas.tic_diag(b, s2, d)
-                    if has("TICTrace"):
-                        v["TICTrace"] = formulas.tic_trace(b, jnp.sum(s2), total)
+            if has(*DIAGONAL):
+                trace_se = None
+                if curvature == "ggn":  # per-example outputs: the frozen convention's context
+                    diag = curv.ggn_diagonal(example_output, output_loss, params, batch,
+                                             ctx if tape is None else get_context(), chunk,
+                                             batched_output=batched_output)
+                    traces = jax.tree.map(jnp.sum, diag)
+                else:
+                    traces, diag, trace_se = curv.hutchinson(hvp, params, jax.random.fold_in(key, 2), hess_probes)
+                per = jax.tree.leaves(traces)
+                total = sum(per)
+                if has("HessTrace"):
+                    v["HessTrace"] = total
+                    v.update({f"HessTrace/{n}": x for n, x in zip(layers, per)})
+                    if trace_se is not None:
+                        v["HessTraceSE"] = trace_se
+                if has("TICDiag"):
+                    d = jnp.concatenate([x.ravel() for x in jax.tree.leaves(diag)])
+                    v["TICDiag"] = formulas.tic_diag(b, s2, d)
+                if has("TICTrace"):
+                    v["TICTrace"] = formulas.tic_trace(b, jnp.sum(s2), total)
+                    if trace_se is not None:  # delta method: d(A / T) = A / T^2 dT
+                        v["TICTraceSE"] = jnp.abs(v["TICTrace"]) * trace_se / jnp.abs(total + 1e-7)
 
             if need_alpha:
                 pending = schedule(step - 1) & (step >= 1)

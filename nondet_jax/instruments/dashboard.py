@@ -5,6 +5,8 @@ where a quantity was not tracked, plus optional ``"loss"``, ``"accuracy"``, ``"l
 shape (R, T) or (T,). Layout, after Cockpit's: a step-size column (Alpha, Distance, UpdateSize), a
 gradient column (GradNorm; NormTest / InnerTest / OrthoTest; GradHist1d), a curvature column
 (HessMaxEV with 2 / learning rate, HessTrace, TICTrace); loss, accuracy and learning rate beneath.
+A shaded band around a line is its stated error: HessMaxEV up to ``HessMaxEVError`` above it (its
+Ritz value is a lower bound), HessTrace and TICTrace +- 1.96 ``...SE`` where they are estimates.
 
 Example::
 
@@ -58,6 +60,21 @@ def _lines(ax, step, arr, label=None, color=None, marker=None, zorder=2):
                 lw=1, alpha=0.8, color=color or f"C{r % 10}", label=label if r == 0 else None, zorder=zorder)
 
 
+# quantity -> (its error's key, the band's ends from value v and error e)
+BANDS = {"HessMaxEV": ("HessMaxEVError", lambda v, e: (v, v + e)),
+         "HessTrace": ("HessTraceSE", lambda v, e: (v - 1.96 * e, v + 1.96 * e)),
+         "TICTrace": ("TICTraceSE", lambda v, e: (v - 1.96 * e, v + 1.96 * e))}
+
+
+def _bands(ax, step, values: dict, q: str, t: int) -> None:
+    """Shade each replica's stated error around its line (its own colour)."""
+    key, ends = BANDS[q]
+    lo, hi = ends(_per_replica(values[q], t), _per_replica(values[key], t))
+    for r in range(lo.shape[0]):
+        ok = np.isfinite(lo[r]) & np.isfinite(hi[r])
+        ax.fill_between(step[ok], lo[r][ok], hi[r][ok], color=f"C{r % 10}", alpha=0.2, lw=0)
+
+
 def _replica_legend(ax, r: int) -> None:
     from matplotlib.lines import Line2D
 
@@ -102,6 +119,8 @@ def dashboard(values: dict, title: str = "", hist_range=HIST1D_RANGE):
         for z, q in enumerate(present):  # NormTest (first) on top: it often nearly equals OrthoTest
             _lines(ax, step, _per_replica(values[q], t), q if several else None, COLORS.get(q) if several else None,
                    MARKERS.get(q) if several else None, zorder=3 + len(present) - z)
+        if not several and qs[0] in BANDS and BANDS[qs[0]][0] in values:
+            _bands(ax, step, values, qs[0], t)
         if several:
             ax.legend(fontsize=7)
             ax.set_yscale("log")

@@ -10,7 +10,8 @@ fixed at the values the whole batch gives (they enter as a constant ``context``)
 gradient ignores how its own activations move the batch mean and variance. The mean of these
 per-example gradients is then the gradient of the batch loss with the statistics treated as
 constants, which for a model with BatchNorm differs from the training gradient (for a model
-without BatchNorm the two are equal). Cockpit/BackPACK cannot handle BatchNorm at all.
+without BatchNorm the two are equal). BackPACK handles BatchNorm only in training mode and only in
+its first-order extensions.
 """
 
 from __future__ import annotations

@@ -55,25 +55,40 @@ def schedule_for(cfg, total_steps: int):
     return linear(cfg.every)
 
 
-def model_losses(model: nn.Module) -> tuple[Callable, Callable]:
-    """``(example_loss, batched_example_loss)`` of ``model``: the per-example loss the instruments
-    use (inference mode, BatchNorm with the fixed statistics passed as ``context``, dropout on with
-    the example's own key), for one example and for a whole batch at once."""
+def model_outputs(model: nn.Module) -> tuple[Callable, Callable, Callable]:
+    """``(example_output, batched_output, output_loss)`` of ``model``: the logits the instruments use
+    (inference mode, BatchNorm with the fixed statistics passed as ``context``, dropout on with the
+    example's own key) of one example and of a whole batch, and the cross-entropy of one example's logits."""
     def variables(params, stats):
         return {"params": params, "batch_stats": stats} if stats else {"params": params}
 
-    def example_loss(params, example, stats):
-        x, y, dkey = example
+    def example_output(params, example, stats):
+        x, _, dkey = example
         with nn.intercept_methods(_head_in_training_mode):
-            logits = model.apply(variables(params, stats), x[None], train=False,
-                                 dropout_keys=None if dkey is None else dkey[None])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y[None])[0]
+            return model.apply(variables(params, stats), x[None], train=False,
+                               dropout_keys=None if dkey is None else dkey[None])[0]
+
+    def batched_output(params, batch, stats):
+        x, _, dkeys = batch
+        with nn.intercept_methods(_head_in_training_mode):
+            return model.apply(variables(params, stats), x, train=False, dropout_keys=dkeys)
+
+    def output_loss(logits, example):
+        return optax.softmax_cross_entropy_with_integer_labels(logits, example[1])
+
+    return example_output, batched_output, output_loss
+
+
+def model_losses(model: nn.Module) -> tuple[Callable, Callable]:
+    """``(example_loss, batched_example_loss)`` of ``model``: the cross-entropy of :func:`model_outputs`'
+    logits, for one example and for a whole batch at once."""
+    example_output, batched_output, output_loss = model_outputs(model)
+
+    def example_loss(params, example, stats):
+        return output_loss(example_output(params, example, stats), example)
 
     def batched_example_loss(params, batch, stats):
-        x, y, dkeys = batch
-        with nn.intercept_methods(_head_in_training_mode):
-            logits = model.apply(variables(params, stats), x, train=False, dropout_keys=dkeys)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y)
+        return optax.softmax_cross_entropy_with_integer_labels(batched_output(params, batch, stats), batch[1])
 
     return example_loss, batched_example_loss
 
@@ -92,6 +107,7 @@ def for_model(cfg, model: nn.Module, train_loss: Callable, batch_stats_of: Calla
     The batch passed to ``update`` is ``(x, y, dropout_keys or None)``.
     """
     example_loss, batched_example_loss = model_losses(model)
+    example_output, batched_output, output_loss = model_outputs(model)
     if cfg.per_example not in ("train_pass", "frozen_bn"):
         raise ValueError(f"unknown per_example mode {cfg.per_example!r}; choose train_pass or frozen_bn")
 
@@ -102,7 +118,9 @@ def for_model(cfg, model: nn.Module, train_loss: Callable, batch_stats_of: Calla
     inst = make(cfg.config, example_loss, schedule=schedule_for(cfg, total_steps), batch_loss_fn=batch_loss,
                 context_fn=lambda params, batch, stats: batch_stats_of(params, stats, batch[0]), chunk=cfg.chunk,
                 hess_iters=cfg.hess_iters, hess_probes=cfg.hess_probes, hess_tol=cfg.hess_tol or None,
-                norms=cfg.norms, batched_example_loss=batched_example_loss if layerwise else None)
+                norms=cfg.norms, batched_example_loss=batched_example_loss if layerwise else None,
+                example_output=example_output, output_loss=output_loss,
+                batched_output=batched_output if layerwise else None, curvature=cfg.curvature)
     if cfg.per_example == "frozen_bn" or not layerwise:
         return inst
     return inst._replace(value_grad_and_tape=functools.partial(train_pass_grad, train_loss))
