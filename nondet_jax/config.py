@@ -459,6 +459,9 @@ def _validate_instruments(config: Config) -> None:
     if ic.hess_tol < 0:
         raise UsageError(f"instruments.hess_tol must be >= 0 (0 = off), got {ic.hess_tol}; fix --set instruments.hess_tol")
     plain = [q for q in names if q in configurations.PLAIN_SGD_ONLY]
+    if plain and o.name == CUSTOM:  # a chain's learning rate and plainness cannot be read off it
+        raise UsageError(f"{' and '.join(plain)} assume plain SGD with the config's learning rate, which your own "
+                         "optimizer does not give; drop them from instruments.config or use the config's optimiser")
     if plain and (o.name != "sgd" or o.momentum != 0 or o.nesterov or o.weight_decay != 0):
         raise UsageError(f"{' and '.join(plain)} assume plain SGD, as in Cockpit; use --set optim.name=sgd "
                          "--set optim.momentum=0 --set optim.weight_decay=0, or drop them from instruments.config")

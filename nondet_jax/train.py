@@ -270,13 +270,14 @@ def _make_train(config: Config, spec: DataSpec, parts: Parts) -> TrainFns:
     if config.instruments.config != "none":  # Cockpit's quantities, computed only at tracked steps
         from nondet_jax.instruments.layerwise import LazyTape, Tape
         from nondet_jax.instruments.schedules import most_in_epoch
-        from nondet_jax.instruments.trainer import defer_in_epoch, for_model
-
-        if parts != Parts() or not model.per_example_dropout or regression:
-            raise UsageError("instruments need a catalogue model, optimiser and loss (their per-example loss assumes "
-                             "them); drop --instruments / instruments.config for your own parts")
-        inst = for_model(config.instruments, model.module, lambda *a: loss_fn(*a), lambda *a: recompute_batch_stats(*a),
-                         steps * config.train.epochs)
+        from nondet_jax.instruments.trainer import batch_of, defer_in_epoch, evaluate_outputs, for_model
+        # the catalogue's models keep dropout on, one key per example; any other model is measured
+        # through its evaluate (inference mode, dropout off) and the per-layer path where its layers allow
+        catalogue = parts.model is None and model.per_example_dropout
+        inst = for_model(config.instruments, model.module if catalogue else None, lambda *a: loss_fn(*a),
+                         lambda *a: recompute_batch_stats(*a), steps * config.train.epochs, batch_loss=example_loss,
+                         outputs=None if catalogue else evaluate_outputs(model.evaluate, example_loss),
+                         shared_key=not model.per_example_dropout)
         lr_at = make_schedule(config.optim, config.train.epochs, steps)
         # An unrolled epoch would hold one copy of the instruments per step (a tiny economy study spent
         # minutes compiling them): measure after the steps instead, where their work has no convolution.
@@ -323,7 +324,7 @@ def _make_train(config: Config, spec: DataSpec, parts: Parts) -> TrainFns:
         # the step's score: accuracy, or for a regression the batch's mean absolute error
         acc = jnp.mean(jnp.abs(logits.reshape(y.shape) - y)) if regression else jnp.mean(jnp.argmax(logits, -1) == y)
         if inst is not None:
-            seen = _Seen(state.params, (x, y, dkeys), state.batch_stats, updates, grads, loss, g,
+            seen = _Seen(state.params, batch_of(x, y, dkeys, not model.per_example_dropout), state.batch_stats, updates, grads, loss, g,
                          None if tape is None else (tape.records, tape.deltas, tape.losses))
             if later:  # measured after the epoch's steps (see train_epoch)
                 if tape is not None:

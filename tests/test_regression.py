@@ -81,3 +81,20 @@ def test_regression_through_the_cli_from_an_npz(tmp_path):
                        "--replicas", "2", "--batch-size", "32", "--arms", "control,init", "--no-progress",
                        "--out", str(tmp_path / "run")]) == 0
     assert "test MSE" in (tmp_path / "run" / "report.md").read_text()
+
+
+def test_instruments_on_a_regression_with_its_own_loss(tmp_path):
+    """The instruments measure the user's own loss: the GGN of a mean squared error in the output bias
+    is exactly 2 (the loss is quadratic in it), and Alpha is stored at the step whose update it judges."""
+    x_tr, y_tr, x_te, y_te = diabetes()
+    mu, sd = y_tr.mean(), y_tr.std()
+    nj.run_study(model=MLP, data=(x_tr, (y_tr - mu) / sd, x_te, (y_te - mu) / sd), optimizer=optax.adam(1e-2),
+                 loss=lambda p, t: (p - t) ** 2, epochs=1, batch_size=32, arms="control", replicas=2,
+                 settings={"instruments.config": "economy,HessTrace,TICTrace", "instruments.every": 4},
+                 out=tmp_path / "run", **QUIET)
+    values = np.load(tmp_path / "run" / "instruments" / "control.npz")
+    np.testing.assert_array_equal(values["step"], [0, 4, 8])
+    np.testing.assert_allclose(values["HessTrace/Dense_1/bias"], 2.0, rtol=1e-5)
+    for k in ("Alpha", "Loss", "NormTest", "HessTrace", "TICTrace"):
+        assert np.isfinite(values[k]).all(), k
+    assert "lr" not in values.files  # the config's schedule is not your optimiser's

@@ -56,6 +56,7 @@ def test_instruments_from_the_cli_fill_the_run_folder(tmp_path):
     np.testing.assert_array_equal(values["step"], [0, 2, 4, 6, 8])  # 5 steps per epoch, every 2nd
     assert values["Loss"].shape == (2, 5) and np.isfinite(values["Loss"]).all()
     np.testing.assert_allclose(values["Loss"], values["loss"], rtol=1e-5)  # the instrument sees the step's loss
+    assert np.isfinite(values["Alpha"]).all()  # finished at the untracked next step, stored at the tracked one
     rows = list(csv.DictReader((out / "instruments" / "init.csv").open()))
     assert set(rows[0]) == {"step", "arm", "replica", "quantity", "layer", "value"}
     assert {r["quantity"] for r in rows} >= {"Loss", "GradNorm", "Distance", "UpdateSize"}

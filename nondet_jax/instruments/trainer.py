@@ -31,6 +31,7 @@ import functools
 from typing import Callable
 
 import flax.linen as nn
+import jax.numpy as jnp
 import optax
 
 from nondet_jax.instruments import layerwise
@@ -55,10 +56,16 @@ def schedule_for(cfg, total_steps: int):
     return linear(cfg.every)
 
 
-def model_outputs(model: nn.Module) -> tuple[Callable, Callable, Callable]:
-    """``(example_output, batched_output, output_loss)`` of ``model``: the logits the instruments use
-    (inference mode, BatchNorm with the fixed statistics passed as ``context``, dropout on with the
-    example's own key) of one example and of a whole batch, and the cross-entropy of one example's logits."""
+def cross_entropy(logits, labels):
+    """Per-example softmax cross-entropy, ``(B, C), (B,) -> (B,)``: the catalogue's loss."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+
+
+def model_outputs(model: nn.Module, batch_loss: Callable = cross_entropy) -> tuple[Callable, Callable, Callable]:
+    """``(example_output, batched_output, output_loss)`` of a catalogue ``model``: the logits the
+    instruments use (inference mode, BatchNorm with the fixed statistics passed as ``context``, dropout
+    on with the example's own key) of one example and of a whole batch, and the loss of one example's
+    logits (``batch_loss``: per-example ``(logits, labels) -> losses``)."""
     def variables(params, stats):
         return {"params": params, "batch_stats": stats} if stats else {"params": params}
 
@@ -73,49 +80,82 @@ def model_outputs(model: nn.Module) -> tuple[Callable, Callable, Callable]:
         with nn.intercept_methods(_head_in_training_mode):
             return model.apply(variables(params, stats), x, train=False, dropout_keys=dkeys)
 
-    def output_loss(logits, example):
-        return optax.softmax_cross_entropy_with_integer_labels(logits, example[1])
-
-    return example_output, batched_output, output_loss
+    return example_output, batched_output, example_output_loss(batch_loss)
 
 
-def model_losses(model: nn.Module) -> tuple[Callable, Callable]:
-    """``(example_loss, batched_example_loss)`` of ``model``: the cross-entropy of :func:`model_outputs`'
-    logits, for one example and for a whole batch at once."""
-    example_output, batched_output, output_loss = model_outputs(model)
+def evaluate_outputs(evaluate: Callable, batch_loss: Callable) -> tuple[Callable, Callable, Callable]:
+    """:func:`model_outputs` for any model (the user's Linen or NNX module), from its
+    ``evaluate(variables, x) -> (logits, features)``: inference mode, BatchNorm with the fixed
+    statistics passed as ``context``, dropout off (a user's model draws dropout from one key per batch,
+    which no single example's pass can reproduce)."""
+    def variables(params, stats):
+        return {"params": params, "batch_stats": stats}
+
+    def example_output(params, example, stats):
+        return evaluate(variables(params, stats), example[0][None])[0][0]
+
+    def batched_output(params, batch, stats):
+        return evaluate(variables(params, stats), batch[0])[0]
+
+    return example_output, batched_output, example_output_loss(batch_loss)
+
+
+def example_output_loss(batch_loss: Callable) -> Callable:
+    """``(outputs, example) -> scalar`` from a per-example ``batch_loss(outputs (B, ...), labels (B, ...))``."""
+    def output_loss(outputs, example):
+        return batch_loss(outputs[None], example[1][None])[0]
+
+    return output_loss
+
+
+def model_losses(model: nn.Module, batch_loss: Callable = cross_entropy,
+                 outputs: tuple[Callable, Callable, Callable] | None = None) -> tuple[Callable, Callable]:
+    """``(example_loss, batched_example_loss)``: the loss of :func:`model_outputs`' outputs (or of
+    ``outputs``, as :func:`evaluate_outputs` gives them), for one example and for a whole batch at once."""
+    example_output, batched_output, output_loss = outputs or model_outputs(model, batch_loss)
 
     def example_loss(params, example, stats):
         return output_loss(example_output(params, example, stats), example)
 
     def batched_example_loss(params, batch, stats):
-        return optax.softmax_cross_entropy_with_integer_labels(batched_output(params, batch, stats), batch[1])
+        return batch_loss(batched_output(params, batch, stats), batch[1])
 
     return example_loss, batched_example_loss
 
 
-def for_model(cfg, model: nn.Module, train_loss: Callable, batch_stats_of: Callable, total_steps: int, *,
-              layerwise: bool = True) -> Instruments:
+def for_model(cfg, model: nn.Module | None, train_loss: Callable, batch_stats_of: Callable, total_steps: int, *,
+              layerwise: bool = True, batch_loss: Callable = cross_entropy,
+              outputs: tuple[Callable, Callable, Callable] | None = None, shared_key: bool = False) -> Instruments:
     """Instruments for one replica of ``model``.
 
     Args:
       cfg: the ``InstrumentsConfig``.
-      train_loss: ``(params, batch_stats, x, y, dropout_keys) -> (loss, aux)``, the training loss.
+      model: a catalogue model (Linen, with ``dropout_keys``), or None with ``outputs``.
+      train_loss: ``(params, batch_stats, x, y, dropout_keys) -> (loss, aux)``, the training loss, with
+        the outputs first in ``aux``.
       batch_stats_of: ``(params, batch_stats, x) -> batch statistics`` of ``x`` at ``params`` (``update``'s
         ``context`` is the state's ``batch_stats``, {} without BatchNorm).
       layerwise: per-example gradients from one batched backward pass (:mod:`.layerwise`; falls back
         to ``vmap(grad)`` by itself for layers it does not support); False forces ``vmap(grad)``.
+      batch_loss: the per-example loss of the outputs, ``(outputs (B, ...), labels) -> (B,)``, whose mean
+        ``train_loss`` is.
+      outputs: ``(example_output, batched_output, output_loss)`` for a model that is not the catalogue's
+        (:func:`evaluate_outputs`).
+      shared_key: the model draws dropout from one key per batch, which the batch passed to ``update``
+        carries broadcast along its batch axis (:func:`batch_of`); the training loss gets that one key.
     The batch passed to ``update`` is ``(x, y, dropout_keys or None)``.
     """
-    example_loss, batched_example_loss = model_losses(model)
-    example_output, batched_output, output_loss = model_outputs(model)
     if cfg.per_example not in ("train_pass", "frozen_bn"):
         raise ValueError(f"unknown per_example mode {cfg.per_example!r}; choose train_pass or frozen_bn")
+    outputs = outputs or model_outputs(model, batch_loss)
+    example_loss, batched_example_loss = model_losses(model, batch_loss, outputs)
+    example_output, batched_output, output_loss = outputs
 
-    def batch_loss(params, batch, stats):
+    def loss_of_batch(params, batch, stats):
         x, y, dkeys = batch
-        return train_loss(params, stats, x, y, dkeys)[0]
+        return train_loss(params, stats, x, y, dkeys[0] if shared_key and dkeys is not None else dkeys)[0]
 
-    inst = make(cfg.config, example_loss, schedule=schedule_for(cfg, total_steps), batch_loss_fn=batch_loss,
+    inst = make(cfg.config, example_loss, schedule=schedule_for(cfg, total_steps), batch_loss_fn=loss_of_batch,
                 context_fn=lambda params, batch, stats: batch_stats_of(params, stats, batch[0]), chunk=cfg.chunk,
                 hess_iters=cfg.hess_iters, hess_probes=cfg.hess_probes, hess_tol=cfg.hess_tol or None,
                 norms=cfg.norms, batched_example_loss=batched_example_loss if layerwise else None,
@@ -123,7 +163,15 @@ def for_model(cfg, model: nn.Module, train_loss: Callable, batch_stats_of: Calla
                 batched_output=batched_output if layerwise else None, curvature=cfg.curvature)
     if cfg.per_example == "frozen_bn" or not layerwise:
         return inst
-    return inst._replace(value_grad_and_tape=functools.partial(train_pass_grad, train_loss))
+    return inst._replace(value_grad_and_tape=functools.partial(train_pass_grad, train_loss, batch_loss=batch_loss))
+
+
+def batch_of(x, y, dropout, shared_key: bool):
+    """The batch ``update`` takes: ``(x, y, dropout)``, a single ``dropout`` key (``shared_key``)
+    broadcast along the batch axis so that every leaf has one, as chunking and ``vmap`` need."""
+    if shared_key and dropout is not None:
+        dropout = jnp.broadcast_to(dropout, (x.shape[0], *dropout.shape))
+    return x, y, dropout
 
 
 def defer_in_epoch(inst: Instruments) -> bool:
@@ -136,13 +184,14 @@ def defer_in_epoch(inst: Instruments) -> bool:
 CURVATURE = ("HessMaxEV", "HessTrace", "TICDiag", "TICTrace")
 
 
-def train_pass_grad(train_loss: Callable, params, batch_stats, x, y, dropout_keys):
+def train_pass_grad(train_loss: Callable, params, batch_stats, x, y, dropout_keys, *,
+                    batch_loss: Callable = cross_entropy):
     """``jax.value_and_grad(train_loss, has_aux=True)`` plus the :class:`.layerwise.Tape` of that same
     backward pass, with output gradients of the *summed* loss and the per-example training-mode losses
-    (``train_loss`` is the mean cross-entropy and returns the logits first in its aux); the tape is None
-    when a layer is not supported."""
+    (``train_loss`` is the mean of ``batch_loss`` and returns the outputs first in its aux); the tape is
+    None when a layer is not supported."""
     (loss, aux), grads, tape = layerwise.value_grad_and_tape(train_loss, params, batch_stats, x, y, dropout_keys,
                                                              training=True)
     if tape is not None:
-        tape = tape.scaled(x.shape[0], optax.softmax_cross_entropy_with_integer_labels(aux[0], y))
+        tape = tape.scaled(x.shape[0], batch_loss(aux[0], y))
     return (loss, aux), grads, tape

@@ -182,10 +182,16 @@ def instrument_values(config: Config, fns, result) -> dict[str, np.ndarray]:
     """The instruments' values at the tracked steps: ``step`` (T,), each quantity (R, T, ...), and
     the training ``loss``, ``accuracy`` and learning rate ``lr`` at those steps (for the dashboard)."""
     steps = np.flatnonzero(np.asarray(result.steps["tracked"])[0])
-    lr = make_schedule(config.optim, config.train.epochs, fns.steps_per_epoch)
-    return {"step": steps, **{k: np.asarray(v)[:, steps] for k, v in result.steps["instruments"].items()},
-            "loss": np.asarray(result.steps["loss"])[:, steps], "accuracy": np.asarray(result.steps["accuracy"])[:, steps],
-            "lr": np.asarray([float(lr(int(t))) for t in steps])}
+    values = {k: np.asarray(v)[:, steps] for k, v in result.steps["instruments"].items()}
+    if "Alpha" in values:  # finished at the next step, stored (as Cockpit does) at the step whose update it judges
+        raw = np.asarray(result.steps["instruments"]["Alpha"])
+        values["Alpha"] = np.concatenate([raw, np.full_like(raw[:, :1], np.nan)], axis=1)[:, steps + 1]
+    out = {"step": steps, **values, "loss": np.asarray(result.steps["loss"])[:, steps],
+           "accuracy": np.asarray(result.steps["accuracy"])[:, steps]}
+    if config.optim.name != cfg.CUSTOM:  # your own optimiser's learning rate is not the config's schedule
+        lr = make_schedule(config.optim, config.train.epochs, fns.steps_per_epoch)
+        out["lr"] = np.asarray([float(lr(int(t))) for t in steps])
+    return out
 
 
 def tidy_csv(arm: str, values: dict) -> bytes:
