@@ -32,6 +32,7 @@ patches), and only running sums leave each chunk, as in :mod:`.per_example`.
 from __future__ import annotations
 
 import itertools
+import warnings
 from typing import Callable, NamedTuple
 
 import flax.linen as nn
@@ -56,10 +57,19 @@ from nondet_jax.models import common
 SAME_AS_LAX_CONV = (None, jax.lax.conv_general_dilated, common.conv_general_dilated)
 
 
-
-
 class Unsupported(Exception):
     """A layer, setting or parameter layout the layerwise path does not handle (fall back to vmap)."""
+
+
+class SlowerPath(UserWarning):
+    """The per-example quantities fall back to ``vmap(grad)``: the same values, more time."""
+
+
+def slower(reason: Exception) -> None:
+    """Say once per reason (while tracing) that the recorder cannot take the model's layers."""
+    warnings.warn(f"instruments: per-example gradients by vmap(grad), slower than the recorded pass, because of "
+                  f"{reason} (the recorder takes flax Conv, Dense and BatchNorm called once each)", SlowerPath,
+                  stacklevel=3)
 
 
 class _Call(NamedTuple):
@@ -293,7 +303,8 @@ def value_grad_and_tape(fn: Callable, params, *args, training: bool = False):
         if jnp.shape(out[0]) != () or not found:
             raise Unsupported("fn must return (scalar, aux) and call a supported layer")
         _check_coverage(params, found)
-    except Unsupported:
+    except Unsupported as e:
+        slower(e)
         return *jax.value_and_grad(fn, has_aux=True)(params, *args), None
 
     eps0 = {path: jnp.zeros(call.out.shape, call.out.dtype) for path, call in found.items()}
@@ -407,7 +418,8 @@ def per_example_pass(losses_fn: Callable, params, batch, context, chunk: int, *,
 
     try:
         (_, losses), sum_grad, tape = value_grad_and_tape(total, params)
-    except Unsupported:
+    except Unsupported as e:
+        slower(e)
         return None
     if tape is None:
         return None
