@@ -177,9 +177,13 @@ def test_cli_takes_model_and_dataset(tmp_path):
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
     cmd = [sys.executable, "-m", "nondet_jax", "sweep", "--model", "mynets:Net", "--dataset",
            str(tmp_path / "mine.npz"), "--arms", "control,init,all", "--replicas", "3", "--epochs", "2",
-           "--batch-size", "32", "--augment", "off", "--no-progress", "--out", str(tmp_path / "run")]
+           "--batch-size", "32", "--augment", "off", "--instruments", "economy", "--no-progress",
+           "--out", str(tmp_path / "run")]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    values = np.load(tmp_path / "run" / "instruments" / "init.npz")  # the instruments on your own model
+    assert values["NormTest"].shape == (3, 8) and np.isfinite(values["NormTest"]).all()
+    assert (tmp_path / "run" / "figures" / "instruments_init.png").stat().st_size > 10_000
     control = np.load(tmp_path / "run" / "logits" / "control.npy")
     init = np.load(tmp_path / "run" / "logits" / "init.npy")
     assert all(np.array_equal(control[0], c) for c in control) and not np.array_equal(init[0], init[1])
