@@ -273,11 +273,11 @@ def _make_train(config: Config, spec: DataSpec, parts: Parts) -> TrainFns:
         from nondet_jax.instruments.trainer import batch_of, defer_in_epoch, evaluate_outputs, for_model
         # the catalogue's models keep dropout on, one key per example; any other model is measured
         # through its evaluate (inference mode, dropout off) and the per-layer path where its layers allow
-        catalogue = parts.model is None and model.per_example_dropout
+        catalogue, shared_key = parts.model is None and model.per_example_dropout, not model.per_example_dropout
         inst = for_model(config.instruments, model.module if catalogue else None, lambda *a: loss_fn(*a),
                          lambda *a: recompute_batch_stats(*a), steps * config.train.epochs, batch_loss=example_loss,
                          outputs=None if catalogue else evaluate_outputs(model.evaluate, example_loss),
-                         shared_key=not model.per_example_dropout)
+                         shared_key=shared_key)
         lr_at = make_schedule(config.optim, config.train.epochs, steps)
         # An unrolled epoch would hold one copy of the instruments per step (a tiny economy study spent
         # minutes compiling them): measure after the steps instead, where their work has no convolution.
@@ -324,7 +324,7 @@ def _make_train(config: Config, spec: DataSpec, parts: Parts) -> TrainFns:
         # the step's score: accuracy, or for a regression the batch's mean absolute error
         acc = jnp.mean(jnp.abs(logits.reshape(y.shape) - y)) if regression else jnp.mean(jnp.argmax(logits, -1) == y)
         if inst is not None:
-            seen = _Seen(state.params, batch_of(x, y, dkeys, not model.per_example_dropout), state.batch_stats, updates, grads, loss, g,
+            seen = _Seen(state.params, batch_of(x, y, dkeys, shared_key), state.batch_stats, updates, grads, loss, g,
                          None if tape is None else (tape.records, tape.deltas, tape.losses))
             if later:  # measured after the epoch's steps (see train_epoch)
                 if tape is not None:

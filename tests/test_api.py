@@ -11,6 +11,7 @@ import flax.linen as nn
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import nondet_jax as nj
 from nondet_jax.errors import UsageError
@@ -31,6 +32,17 @@ class OwnNet(nn.Module):
         x = nn.BatchNorm(use_running_average=not train)(x)
         x = nn.Dropout(0.2, deterministic=not train)(x)
         return nn.Dense(self.num_classes)(x)
+
+
+class NNXNet(nnx.Module):
+    """The same as an NNX module: BatchNorm, dropout through its own Rngs stream."""
+
+    def __init__(self, num_classes, rngs):
+        self.l1, self.bn = nnx.Linear(6, 16, rngs=rngs), nnx.BatchNorm(16, rngs=rngs)
+        self.do, self.l2 = nnx.Dropout(0.2, rngs=rngs), nnx.Linear(16, num_classes, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(self.do(self.bn(nnx.relu(self.l1(x)))))
 
 
 def own_arrays():
@@ -216,17 +228,7 @@ def test_python_m_nondet_jax_lists_its_commands():
 
 
 def test_nnx_module_through_split_and_merge(tmp_path):
-    from flax import nnx
-
-    class Net(nnx.Module):
-        def __init__(self, num_classes, rngs):
-            self.l1, self.bn = nnx.Linear(6, 16, rngs=rngs), nnx.BatchNorm(16, rngs=rngs)
-            self.do, self.l2 = nnx.Dropout(0.2, rngs=rngs), nnx.Linear(16, num_classes, rngs=rngs)
-
-        def __call__(self, x):
-            return self.l2(self.do(self.bn(nnx.relu(self.l1(x)))))
-
-    r = nj.run_study(model=Net, data=own_arrays(), optimizer=optax.adam(1e-2), epochs=1, batch_size=32,
+    r = nj.run_study(model=NNXNet, data=own_arrays(), optimizer=optax.adam(1e-2), epochs=1, batch_size=32,
                      arms="control,init,dropout", replicas=2, settings={"metrics.lmc_pairs": 0},
                      out=tmp_path / "run", **QUIET)
     control = r.logits["control"]
@@ -357,17 +359,7 @@ def test_instruments_on_own_linen_module_with_batchnorm_and_dropout(tmp_path):
 
 
 def test_instruments_on_own_nnx_module(tmp_path):
-    from flax import nnx
-
-    class Net(nnx.Module):
-        def __init__(self, num_classes, rngs):
-            self.l1, self.bn = nnx.Linear(6, 16, rngs=rngs), nnx.BatchNorm(16, rngs=rngs)
-            self.do, self.l2 = nnx.Dropout(0.2, rngs=rngs), nnx.Linear(16, num_classes, rngs=rngs)
-
-        def __call__(self, x):
-            return self.l2(self.do(self.bn(nnx.relu(self.l1(x)))))
-
-    _, values = _instrumented(Net, tmp_path / "run")
+    _, values = _instrumented(NNXNet, tmp_path / "run")
     for k in ("Loss", "GradNorm", "NormTest", "HessTrace", "TICTrace"):
         assert np.isfinite(values[k]).all(), k
     assert (values["HessTrace"] > 0).all()

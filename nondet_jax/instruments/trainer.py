@@ -39,6 +39,8 @@ from nondet_jax.instruments.core import Instruments, make
 from nondet_jax.instruments.schedules import linear, log_over_run
 from nondet_jax.models.common import Head
 
+CROSS_ENTROPY = optax.softmax_cross_entropy_with_integer_labels  # the catalogue's per-example loss
+
 
 def _head_in_training_mode(next_fun, args, kwargs, context):
     if isinstance(context.module, Head) and context.method_name == "__call__" and context.module.dropout > 0:
@@ -56,12 +58,7 @@ def schedule_for(cfg, total_steps: int):
     return linear(cfg.every)
 
 
-def cross_entropy(logits, labels):
-    """Per-example softmax cross-entropy, ``(B, C), (B,) -> (B,)``: the catalogue's loss."""
-    return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-
-
-def model_outputs(model: nn.Module, batch_loss: Callable = cross_entropy) -> tuple[Callable, Callable, Callable]:
+def model_outputs(model: nn.Module, batch_loss: Callable = CROSS_ENTROPY) -> tuple[Callable, Callable, Callable]:
     """``(example_output, batched_output, output_loss)`` of a catalogue ``model``: the logits the
     instruments use (inference mode, BatchNorm with the fixed statistics passed as ``context``, dropout
     on with the example's own key) of one example and of a whole batch, and the loss of one example's
@@ -108,7 +105,7 @@ def example_output_loss(batch_loss: Callable) -> Callable:
     return output_loss
 
 
-def model_losses(model: nn.Module, batch_loss: Callable = cross_entropy,
+def model_losses(model: nn.Module, batch_loss: Callable = CROSS_ENTROPY,
                  outputs: tuple[Callable, Callable, Callable] | None = None) -> tuple[Callable, Callable]:
     """``(example_loss, batched_example_loss)``: the loss of :func:`model_outputs`' outputs (or of
     ``outputs``, as :func:`evaluate_outputs` gives them), for one example and for a whole batch at once."""
@@ -124,7 +121,7 @@ def model_losses(model: nn.Module, batch_loss: Callable = cross_entropy,
 
 
 def for_model(cfg, model: nn.Module | None, train_loss: Callable, batch_stats_of: Callable, total_steps: int, *,
-              layerwise: bool = True, batch_loss: Callable = cross_entropy,
+              layerwise: bool = True, batch_loss: Callable = CROSS_ENTROPY,
               outputs: tuple[Callable, Callable, Callable] | None = None, shared_key: bool = False) -> Instruments:
     """Instruments for one replica of ``model``.
 
@@ -185,7 +182,7 @@ CURVATURE = ("HessMaxEV", "HessTrace", "TICDiag", "TICTrace")
 
 
 def train_pass_grad(train_loss: Callable, params, batch_stats, x, y, dropout_keys, *,
-                    batch_loss: Callable = cross_entropy):
+                    batch_loss: Callable = CROSS_ENTROPY):
     """``jax.value_and_grad(train_loss, has_aux=True)`` plus the :class:`.layerwise.Tape` of that same
     backward pass, with output gradients of the *summed* loss and the per-example training-mode losses
     (``train_loss`` is the mean of ``batch_loss`` and returns the outputs first in its aux); the tape is
