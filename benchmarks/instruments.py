@@ -57,7 +57,12 @@ def config_of(item: str) -> tuple[str, str | None]:
     return ALIASES.get(name, name).replace("+", ","), norms or None
 
 
+WORKLOADS = ("resnet8_digits", "resnet14_random")
+
+
 def workload(name: str):
+    if name not in WORKLOADS:
+        raise SystemExit(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
     if name == "resnet8_digits":
         d = load_dataset("digits")
         return "resnet8", d.x_train, d.y_train, DataSpec(len(d.x_train), tuple(d.x_train.shape[1:]), 10, "digits")
