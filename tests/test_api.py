@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import flax.linen as nn
@@ -372,6 +373,33 @@ def test_own_model_without_batchnorm_or_dropout_measures_the_same_in_both_per_ex
            for mode in ("train_pass", "frozen_bn")}
     for k in ("Loss", "GradNorm", "NormTest", "InnerTest", "OrthoTest", "HessTrace", "TICTrace"):
         np.testing.assert_allclose(got["train_pass"][k], got["frozen_bn"][k], rtol=2e-4, atol=1e-7, err_msg=k)
+
+
+class LayerNormNet(nn.Module):
+    """A layer the per-example recorder does not take: the instruments go through vmap(grad)."""
+
+    num_classes: int = 3
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        return nn.Dense(self.num_classes)(nn.LayerNorm()(nn.Dense(8)(x.reshape(x.shape[0], -1))))
+
+
+def test_instruments_path_is_said_once_in_the_log_and_environment_json(tmp_path):
+    lines = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        nj.run_study(model=LayerNormNet, data=own_arrays(), optimizer=optax.sgd(0.05), epochs=1, batch_size=32,
+                     arms="control", replicas=2, settings=INSTRUMENTED, out=tmp_path / "run", log=lines.append)
+    said = [ln for ln in lines if "vmap(grad)" in ln]
+    assert len(said) == 1 and "LayerNorm" in said[0], lines
+    assert not [w for w in caught if "vmap(grad)" in str(w.message)]  # not again as a warning while training
+    path = json_of(tmp_path / "run" / "environment.json")["instruments_path"]
+    assert path["per_example"] == "vmap(grad)" and path["why"] == said
+    assert np.isfinite(np.load(tmp_path / "run" / "instruments" / "control.npz")["NormTest"]).all()
+    _instrumented(PlainMLP, tmp_path / "plain")  # layers the recorder takes: the recorded pass, nothing said
+    assert json_of(tmp_path / "plain" / "environment.json")["instruments_path"] == {"per_example": "recorded pass",
+                                                                                      "why": []}
 
 
 def test_cabs_and_early_stopping_refused_with_own_optimizer(tmp_path):

@@ -15,7 +15,7 @@ from nondet_jax.store.run import RunStore
 from nondet_jax.study.arm import train_arm
 from nondet_jax.study.prepare import prepare_child
 from nondet_jax.study.progress import Progress
-from nondet_jax.study.provenance import environment
+from nondet_jax.study.provenance import environment, fallback_said
 
 CHILD_ENV = "NONDET_JAX_CHILD"  # set by the sweep in the processes it starts for an arm
 
@@ -41,6 +41,6 @@ def child_main(out: str, arm_name: str, progress: bool) -> int:
         env = environment()
         env["arm"] = arm.name
         store.write_json(RunPaths.rel("environments", arm.name), env)
-        with Progress(progress, None if progress else print) as bar:
+        with Progress(progress, None if progress else print) as bar, fallback_said():  # the parent said it
             train_arm(config, data, fns, store, arm, bar.arm(arm.name, config.study.replicas * config.train.epochs))
     return 0

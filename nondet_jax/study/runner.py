@@ -36,20 +36,25 @@ from nondet_jax.study.prepare import (
     prepare,
 )
 from nondet_jax.study.progress import Progress
-from nondet_jax.study.provenance import environment
+from nondet_jax.study.provenance import environment, fallback_said, instruments_path
 
 
 def write_run_files(store, config: Config, data, fns, command: str | None, model: dict,
-                    processes: int = 1) -> tuple[str, str]:
+                    processes: int = 1, log=print) -> tuple[str, str]:
     """What every study writes before training, single- or multi-process alike: ``environment.json``
-    (with the strategy and why), ``model.json`` (:func:`model_record`), the test labels, the
-    command. Returns (strategy, reason)."""
+    (with the strategy and why, and how the instruments form per-example gradients), ``model.json``
+    (:func:`model_record`), the test labels, the command. Returns (strategy, reason)."""
     study = config.study
     strategy, reason = resolve_strategy(study.strategy, study.replicas)
     env = environment()
     env["strategy"] = {"requested": study.strategy, "chosen": strategy, "reason": reason}
     env["scan_unroll"] = fns.unroll
     env["processes"] = processes
+    path = instruments_path(fns, data)
+    if path is not None:
+        env["instruments_path"] = path
+        for why in path["why"]:  # said once here; training itself then runs under fallback_said()
+            log(why)
     store.write_json(store.paths.environment.name, env)
     store.write_json(store.paths.model.name, model)
     if command:
@@ -112,7 +117,7 @@ def run(config: Config, out: str | Path | None = None, progress: bool | None = N
     backend = jax.default_backend()
 
     with RunStore(out, config, recompute=recompute, identity=model["identity_sha256"]) as store:
-        strategy, _ = write_run_files(store, config, data, fns, command, model)
+        strategy, _ = write_run_files(store, config, data, fns, command, model, log=log)
         log(f"nondet_jax: {len(arms)} arms x {study.replicas} replicas of {config.model.name} on {data.name} "
             f"({len(data.x_train)} train / {len(data.x_test)} test), {config.train.epochs} epochs, strategy "
             f"{strategy} on {backend} -> {out}")
@@ -123,7 +128,7 @@ def run(config: Config, out: str | Path | None = None, progress: bool | None = N
         for name in recompute:
             log(f"arm {name}: deleting its results and checkpoints to train it again (--recompute)")
             store.remove_arm(name)
-        with Progress(progress, None if progress else log) as bar:
+        with Progress(progress, None if progress else log) as bar, fallback_said():
             for arm in arms:
                 if store.arm_done(arm.name):
                     log(f"arm {arm.name}: already finished in {out}, reusing it")
@@ -180,7 +185,7 @@ def run_distributed(config: Config, out: str | Path | None, procs, progress: boo
     try:
         store.open()
         if procs.leader:
-            strategy = write_run_files(store, config, data, fns, command, model, procs.count)[0]
+            strategy = write_run_files(store, config, data, fns, command, model, procs.count, log=log)[0]
     except UsageError as e:
         error = e
     if not mh.agree(error is None):
@@ -189,7 +194,7 @@ def run_distributed(config: Config, out: str | Path | None, procs, progress: boo
     block = mh.replica_block(study.replicas, procs.index, procs.count)
     log(f"nondet_jax: {len(arms)} arms x {study.replicas} replicas over {procs.count} processes -> {out}")
     try:
-        with Progress(bool(progress) and procs.leader) as bar:
+        with Progress(bool(progress) and procs.leader) as bar, fallback_said():
             for arm in arms:
                 if store.arm_done(arm.name):
                     log(f"arm {arm.name}: already finished in {out}, reusing it")
