@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from nondet_jax import instruments
@@ -70,6 +73,8 @@ def test_schedules():
     log = instruments.logarithmic(0, 2, steps=5)
     expected = {0} | {int(np.floor(v + 1e-9)) for v in np.logspace(0, 2, 5)}
     assert {s for s in range(120) if bool(log(s))} == expected
+    assert all(lin(s) is (s >= 1 and (s - 1) % 4 == 0) for s in range(10))  # a Python step: a Python bool
+    assert [log(s) for s in range(120)] == [bool(log(jnp.int32(s))) for s in range(120)]
     run = instruments.log_over_run(1000, points=20)
     hit = [s for s in range(1000) if bool(run(s))]
     assert hit[0] == 0 and hit[1] == 1 and max(hit) == 999 and len(hit) <= 21
@@ -507,3 +512,34 @@ def test_mixed_float32_and_float64_parameters(x64):
         assert got[k].dtype == np.float64, k
         np.testing.assert_allclose(got[k], ref[k], rtol=2e-5, atol=1e-7, err_msg=k)
     assert np.isfinite(got["Alpha"]) and np.isfinite(got["HessTrace"])
+
+
+def test_track_read_in_python_measures_what_the_device_switch_measures():
+    """``update(track=bool(schedule(t)))`` (two programs, no lax.switch) gives the values the on-device
+    schedule gives, NaN where untracked included, and Alpha's end point at the step after a tracked one."""
+    params = init_params(jax.random.key(0), jnp.float32)
+    inst = instruments.make("economy,HessMaxEV", example_loss, schedule=instruments.linear(3))
+    tx = optax.sgd(0.1)
+
+    def run(python_reads):
+        @functools.partial(jax.jit, static_argnames="track")
+        def step(p, o, s, batch, t, track=None):
+            loss, grads = jax.value_and_grad(lambda q: jnp.mean(jax.vmap(example_loss, (None, 0, None))(q, batch,
+                                                                                                      None)))(p)
+            updates, o = tx.update(grads, o, p)
+            s, v = inst.update(s, p, batch, step=t, updates=updates, lr=0.1, grads=grads, loss=loss, track=track)
+            return optax.apply_updates(p, updates), o, s, v
+
+        p, o, s, out = params, tx.init(params), inst.init(params), []
+        for t in range(7):
+            kw = {"track": bool(inst.schedule(t))} if python_reads else {}
+            p, o, s, v = step(p, o, s, batch_of(jax.random.key(t), 12, jnp.float32), t, **kw)
+            out.append({k: np.asarray(a) for k, a in v.items()})
+        return out
+
+    device, python = run(False), run(True)
+    for t in range(7):
+        assert np.isnan(python[t]["Loss"]) == (t % 3 != 0)
+        assert np.isnan(python[t]["Alpha"]) == (t % 3 != 1), t  # finished at the step after a tracked one
+        for k in device[t]:
+            np.testing.assert_allclose(python[t][k], device[t][k], rtol=1e-5, atol=1e-7, err_msg=f"{k} at {t}")

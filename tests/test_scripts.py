@@ -73,3 +73,36 @@ def test_replica_speed_smallest_run_writes_every_row(tmp_path):
     assert all("error" not in r and r["replica_images_per_s"] > 0 for r in rows)
     assert rows[0]["vs_loop"] == 1.0 and rows[1]["of_ceiling"] == 1.0
     assert rows[-1]["position_invariant"] is True  # the fused loop computes what sequential does
+
+
+@pytest.mark.slow
+def test_peer_cockpit_jax_side_runs_and_hessmaxev_matches_the_dense_hessian(tmp_path):
+    out = tmp_path / "peer.json"
+    proc = run("benchmarks/peer_cockpit.py", "--jax-only", "--quick", "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    for model in ("mlp", "cnn"):
+        rows = res["values"][model]["rows"]
+        assert all(all(abs(v) < float("inf") for v in row["ours"]) for row in rows.values()), model
+    top = res["values"]["mlp"]["rows"]["HessMaxEV"]
+    assert top["ours_within_stated_error"] and top["ours_rel_err_vs_dense"] < 1e-9
+    assert {(r["config"], r["every"], r["schedule_read"]) for r in res["speed"]["rows"]} >= {
+        ("off", None, None), ("full", 16, "python"), ("full", 16, "device"), ("economy", 1, "python")}
+    assert all(r["ms_per_step"] > 0 for r in res["speed"]["rows"])
+
+
+@pytest.mark.slow
+def test_peer_cockpit_values_agree_with_the_real_cockpit(tmp_path):
+    """Needs the peer (pip install ".[peer]"): every quantity both compute exactly agrees in float64."""
+    for module in ("torch", "backpack", "cockpit"):
+        pytest.importorskip(module)
+    out = tmp_path / "peer.json"
+    proc = run("benchmarks/peer_cockpit.py", "--part", "values", "--quick", "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for model, r in json.loads(out.read_text())["values"].items():
+        for q, row in r["rows"].items():
+            if "max_count_diff" in row:
+                assert row["max_count_diff"] == 0, (model, q)
+            elif q != "HessMaxEV":  # approximate in both (Lanczos, power iteration): checked against dense
+                assert row["max_rel_diff"] < 1e-12, (model, q, row["max_rel_diff"])
+    assert json.loads(out.read_text())["values"]["mlp"]["rows"]["HessMaxEV"]["ours_within_stated_error"]

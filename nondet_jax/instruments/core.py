@@ -35,7 +35,10 @@ skipped there (``lax.switch``: nothing runs but the branch taken, also under ``v
 ``step`` is not batched; a schedule that tracks every step needs no branch). Call ``update`` once
 per optimisation step with consecutive ``step``. On XLA:CPU, convolutions inside a branch run on a
 path several times slower than straight-line code, so a tracked step costs more under a sparse
-schedule than under every-step tracking (see benchmarks/instruments.py).
+schedule than under every-step tracking (the full configuration every 16 steps on a small CNN: 81 ms
+per step with the branch on the device, 19 ms without; ``benchmarks/peer_cockpit.py``). A loop that knows the step in Python
+avoids it: ``update(..., track=bool(inst.schedule(t)))`` picks the branch while tracing (jit the
+step with ``track`` static: two programs, one for tracked steps and one for the others).
 
 Value names: ``"Quantity"`` (a scalar), per-layer ``"Quantity/<parameter path>"`` for GradNorm,
 Distance, UpdateSize, HessTrace (their plain name holds the total: the norm over all parameters,
@@ -241,8 +244,12 @@ def make(quantities: str | tuple[str, ...], example_loss: Callable, *, schedule:
         return shapes
 
     def update(state: InstrumentState, params, batch, *, step, context=None, updates=None, lr=None, grads=None,
-               loss=None, tape=None):
+               loss=None, tape=None, track: bool | None = None):
         """One step's measurements: returns ``(state, values)`` (see the module docstring).
+
+        ``track``: the schedule's verdict for this step as a Python bool (``bool(inst.schedule(t))``),
+        to choose the branch while tracing instead of by ``lax.switch`` on the device (the module
+        docstring says why); it must be what the schedule says. None: the schedule decides on device.
 
         ``tape``: a :class:`.layerwise.Tape` of this step's training backward pass (with the
         per-example losses, and output gradients of the *summed* loss): per-example quantities then
@@ -434,7 +441,11 @@ def make(quantities: str | tuple[str, ...], example_loss: Callable, *, schedule:
             out.update({k: jnp.asarray(x).astype(out[k].dtype).reshape(out[k].shape) for k, x in v.items()})
             return new_state, out
 
-        if getattr(schedule, "every_step", False):
+        if track is False:  # the caller read the schedule: not tracked (Alpha's end point is still decided here)
+            if not need_alpha:
+                return idle(state)
+            return jax.lax.cond(schedule(step - 1) & (step >= 1), end_only, idle, state)
+        if track or getattr(schedule, "every_step", False):
             # Every step is tracked: no branch. (XLA:CPU runs convolutions inside a conditional, like
             # inside a loop, on a path about 6x slower: a ResNet-8 gradient took 617 ms in a
             # lax.cond against 96 ms outside on a loaded 2-core CPU.)

@@ -1,4 +1,5 @@
-"""Tracking schedules: step -> bool, traceable (``step`` may be a traced integer).
+"""Tracking schedules: step -> bool, traceable (``step`` may be a traced integer; a Python integer
+gives a Python bool, computed without the device).
 
 Cockpit's two schedules (``cockpit/utils/schedules.py``): :func:`linear` tracks the steps
 ``{offset + n * interval | n >= 0}``; :func:`logarithmic` tracks ``int(base ** e)`` for ``steps``
@@ -21,6 +22,8 @@ def linear(interval: int = 1, offset: int = 0) -> Schedule:
         raise ValueError(f"linear schedule needs interval >= 1 and offset >= 0, got {interval}, {offset}")
 
     def schedule(step):
+        if isinstance(step, (int, np.integer)):  # read in Python (``update(track=...)``): no device work
+            return bool(step >= offset and (step - offset) % interval == 0)
         shifted = jnp.asarray(step) - offset
         return (shifted >= 0) & (shifted % interval == 0)
 
@@ -39,7 +42,11 @@ def logarithmic(start: float, end: float, steps: int = 300, base: float = 10, in
         tracked = np.union1d(tracked, [0])
     table = tracked.astype(np.int32)
 
+    steps_set = frozenset(int(s) for s in table)
+
     def schedule(step):
+        if isinstance(step, (int, np.integer)):  # read in Python: no device work
+            return int(step) in steps_set
         return jnp.any(jnp.asarray(step) == jnp.asarray(table))
 
     schedule.tracked_steps = tuple(int(s) for s in table)
