@@ -13,6 +13,7 @@ import pytest
 from nondet_jax.analysis import stats
 from nondet_jax.analysis.compare import compare
 from nondet_jax.cli.compare import main
+from nondet_jax.errors import UsageError
 
 FAST = ["--model", "mlp", "--epochs", "1", "--replicas", "3", "--batch-size", "128", "--no-progress"]
 ENV = {**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1", "JAX_PLATFORMS": "cpu"}
@@ -30,6 +31,66 @@ def runs(tmp_path_factory):
     sweep("--arms", "init,all", "--out", str(root / "a"))
     sweep("--arms", "all", "--seed", "1", "--lr", "0.05", "--out", str(root / "b"))
     return root / "a", root / "b"
+
+
+@pytest.fixture(scope="module")
+def same_seeds(runs):
+    c = runs[0].parent / "c"  # method B of a paired design: A's seeds, another learning rate
+    sweep("--arms", "init,all", "--lr", "0.05", "--out", str(c))
+    return runs[0], c
+
+
+def test_paired_run_folders_compare_seed_by_seed(same_seeds, tmp_path, capsys):
+    a, c = same_seeds
+    r = compare(a, c, paired=True)
+    sa, sc = np.array(scores(a, "all")), np.array(scores(c, "all"))
+    assert r["paired"] and r["paired_by"] == "replica" and r["n_pairs"] == 3 and r["pairs_left_out"] == 0
+    assert r["difference"] == pytest.approx(np.mean(sc - sa))
+    n_test = len(np.load(a / "test_labels.npy"))
+    assert r["difference_ci"] == pytest.approx(list(stats.mean_ci(sc - sa, resolution=1 / n_test)))
+    assert r["p"] in (0.25, 0.5, 0.75, 1.0)  # exact sign flips of 3 pairs: never below 2/2^3
+    assert r["probability_of_improvement"] == pytest.approx(np.mean((sc > sa) + 0.5 * (sc == sa)))
+    plot = tmp_path / "paired.png"
+    assert main([str(a), str(c), "--paired", "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out
+    assert "paired by replica: 3 seed pairs" in out and "sign-flip p" in out and plot.stat().st_size > 10_000
+    assert main([str(a), str(c), "--paired", "--arm", "init", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["a"]["arm"] == "init"
+
+
+def test_paired_refuses_runs_that_do_not_share_seeds(runs, capsys):
+    a, b = runs
+    assert main([str(a), str(b), "--paired"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "same study.seed" in err and "drop --paired" in err
+    assert main([str(a), str(a), "--paired", "--arm", "init", "--arm-b", "all"]) == 2
+    assert "same arm" in capsys.readouterr().err
+
+
+def test_paired_csv_files_pair_by_their_seed_column(tmp_path):
+    a, b = tmp_path / "a.csv", tmp_path / "b.csv"
+    a.write_text("seed,acc\n0,0.90\n1,0.85\n2,0.88\n3,0.91\n")
+    b.write_text("seed,acc\n3,0.93\n1,0.86\n0,0.91\n2,0.88\n")  # another order: paired by seed, not by row
+    r = compare(a, b, paired=True)
+    assert r["paired_by"] == "seed" and r["difference"] == pytest.approx(np.mean([0.01, 0.01, 0.0, 0.02]))
+    assert r["probability_of_improvement"] == pytest.approx(3.5 / 4)
+    b.write_text("seed,acc\n0,0.91\n1,0.86\n2,0.88\n7,0.93\n")
+    with pytest.raises(UsageError, match="seed 3 is only in"):
+        compare(a, b, paired=True)
+    a.write_text("acc\n0.90\n0.85\n0.88\n")
+    b.write_text("acc\n0.91\n0.86\n")
+    with pytest.raises(UsageError, match="row by row.*3 scores.*2"):
+        compare(a, b, paired=True)
+    b.write_text("acc\n0.91\n0.86\n0.90\n")
+    assert compare(a, b, paired=True)["paired_by"] == "row"
+
+
+def test_sign_flip_p_holds_its_level_and_is_exact_for_few_pairs():
+    rng = np.random.default_rng(0)
+    u = rng.normal(size=(300, 8))
+    p = [stats.sign_flip_p(u[i] + rng.normal(0, 0.3, 8), u[i] + rng.normal(0, 0.3, 8)) for i in range(300)]
+    assert np.mean(np.array(p) < 0.05) <= 0.08  # no difference: about 5% false alarms
+    assert stats.sign_flip_p([0.0, 0.0, 0.0], [1.0, 2.0, 3.0]) == pytest.approx(0.25)  # 2 of 8 sign patterns
 
 
 def scores(run, arm):

@@ -47,8 +47,17 @@ def run_scores(run: str | Path, arm: str, metric: str = "test_accuracy") -> tupl
     config = json.loads((run / "config.json").read_text())
     where = {"source": str(run), "kind": "run", "arm": arm, "metric": metric, "dataset": config["data"]["name"],
              "model": config["model"]["name"], "diverged_left_out": len(record["rows"]) - len(rows),
-             "test_set": _test_set(run) or config["data"]["name"]}
+             "test_set": _test_set(run) or config["data"]["name"], "seed": config["study"]["seed"],
+             "replicas": [int(r["replica"]) for r in rows], "n_test": _n_test(run)}
     return np.array([r[metric] for r in rows], dtype=np.float64), where
+
+
+def _n_test(run: Path) -> int | None:
+    """The number of test examples of a run (the step of its test accuracy), or None."""
+    try:
+        return int(np.load(RunPaths(run).test_labels, allow_pickle=False).shape[0])
+    except (OSError, ValueError):
+        return None
 
 
 def _test_set(run: Path) -> str | None:
@@ -106,14 +115,60 @@ def csv_scores(path: str | Path, column: str | None = None) -> tuple[np.ndarray,
         if idx not in numeric:
             raise UsageError(f"column '{column}' of {path} holds values that are not numbers; fix the file or --column")
     scores = np.array([number(r[idx]) for r in body], dtype=np.float64)
-    return scores, {"source": str(path), "kind": "csv", "column": header[idx]}
+    where = {"source": str(path), "kind": "csv", "column": header[idx]}
+    index = next((i for i, h in enumerate(header) if h.strip().lower() in INDEX_COLUMNS and i != idx), None)
+    if index is not None:  # what --paired pairs the rows by
+        where["index_column"] = header[index].strip().lower()
+        where["index"] = [r[index].strip() for r in body]
+    return scores, where
+
+
+def pair_up(xa: np.ndarray, wa: dict, xb: np.ndarray, wb: dict) -> tuple[np.ndarray, np.ndarray, dict]:
+    """The two methods' scores as seed pairs for ``--paired``: run folders pair replica r with replica r
+    (the same keys only under the same ``study.seed``; a replica that diverged in either is left out),
+    CSV files pair by a seed/replica/run/index column both have, else row by row."""
+    if wa["kind"] == "run":
+        if wa["seed"] != wb["seed"]:
+            raise UsageError(f"--paired pairs replica r of A with replica r of B, which share seeds only under the "
+                             f"same study.seed: {wa['source']} used {wa['seed']} and {wb['source']} {wb['seed']}; "
+                             "rerun one with the other's --seed, or drop --paired")
+        if wa["arm"] != wb["arm"]:
+            raise UsageError(f"--paired needs the same arm in both (the arm decides which sources each replica's keys "
+                             f"vary): A is '{wa['arm']}', B '{wb['arm']}'; drop --arm-b or --paired")
+        ra, rb = dict(zip(wa["replicas"], xa)), dict(zip(wb["replicas"], xb))
+        keys = sorted(set(ra) & set(rb))
+        left_out = len(set(ra) ^ set(rb))
+        how = "replica"
+    elif "index" in wa and wa.get("index_column") == wb.get("index_column"):
+        ra, rb = dict(zip(wa["index"], xa)), dict(zip(wb["index"], xb))
+        for w, r in ((wa, ra), (wb, rb)):
+            if len(r) != len(w["index"]):
+                raise UsageError(f"{w['source']} names a {w['index_column']} twice; --paired needs one row per "
+                                 f"{w['index_column']}")
+        only = sorted(set(ra) ^ set(rb))
+        if only:
+            side = wa["source"] if only[0] in ra else wb["source"]
+            raise UsageError(f"{wa['index_column']} {only[0]} is only in {side}; --paired needs the same "
+                             f"{wa['index_column']}s in both files (or drop --paired)")
+        keys, left_out, how = sorted(ra, key=lambda k: (len(k), k)), 0, wa["index_column"]
+    else:
+        if len(xa) != len(xb):
+            raise UsageError(f"--paired pairs the files row by row (neither names a seed column), but {wa['source']} "
+                             f"has {len(xa)} scores and {wb['source']} {len(xb)}; add a seed column or drop --paired")
+        ra, rb = dict(enumerate(xa)), dict(enumerate(xb))
+        keys, left_out, how = list(range(len(xa))), 0, "row"
+    return (np.array([ra[k] for k in keys]), np.array([rb[k] for k in keys]),
+            {"paired_by": how, "pairs_left_out": left_out})
 
 
 def compare(a: str | Path, b: str | Path, arm: str = "all", arm_b: str | None = None, metric: str = "test_accuracy",
-            column: str | None = None, higher_is_better: bool | None = None, detect: float | None = None) -> dict:
+            column: str | None = None, higher_is_better: bool | None = None, detect: float | None = None,
+            paired: bool = False) -> dict:
     """Compare method A with method B: two run folders (arm ``arm`` of A, ``arm_b`` or ``arm`` of B,
     per-replica ``metric``) or two CSV files (``column``). Returns
-    :func:`nondet_jax.analysis.stats.compare_means`'s fields plus ``a`` and ``b`` (where the scores came from).
+    :func:`nondet_jax.analysis.stats.compare_means`'s fields plus ``a`` and ``b`` (where the scores came from);
+    ``paired``: the methods ran under the same seeds (:func:`pair_up`), and the fields are
+    :func:`nondet_jax.analysis.stats.compare_paired`'s.
     ``higher_is_better`` defaults to True, or to the metric's direction for run folders (losses: lower).
     ``detect``: a difference to size the next study for (replicas per method for 80% power at it).
     """
@@ -148,10 +203,20 @@ def compare(a: str | Path, b: str | Path, arm: str = "all", arm_b: str | None = 
             raise UsageError(f"{w['source']} gives {len(x)} score(s); the comparison needs at least 2 per method")
         if not np.isfinite(x).all():
             raise UsageError(f"{w['source']} holds a non-finite score (NaN or inf); remove that seed or fix the file")
-    result = S.compare_means(xa, xb, higher_is_better=True if higher_is_better is None else higher_is_better,
-                             detect=detect)
+    higher = True if higher_is_better is None else higher_is_better
+    if paired:
+        xa, xb, how = pair_up(xa, wa, xb, wb)
+        if len(xa) < 2:
+            raise UsageError(f"only {len(xa)} seed pair(s) are in both A and B; --paired needs at least 2")
+        resolution = 1 / wa["n_test"] if wa["kind"] == "run" and wa["n_test"] and "accuracy" in wa["metric"] else None
+        result = {**S.compare_paired(xa, xb, higher_is_better=higher, detect=detect, resolution=resolution), **how}
+        kinds = ("paired_difference", "paired_probability_of_improvement")
+    else:
+        result = S.compare_means(xa, xb, higher_is_better=higher, detect=detect)
+        kinds = ("difference", "probability_of_improvement")
     wa, wb = {**wa, "scores": xa.tolist()}, {**wb, "scores": xb.tolist()}
-    return {**result, "a": wa, "b": wb, "methods": {k: S.METHODS[k] for k in ("difference", "probability_of_improvement")}}
+    return {**result, "a": wa, "b": wb,
+            "methods": dict(zip(("difference", "probability_of_improvement"), (S.METHODS[k] for k in kinds)))}
 
 
 def _label(w: dict) -> str:
@@ -165,15 +230,47 @@ def verdict(r: dict) -> str:
     """One sentence on what the interval supports."""
     lo, hi = r["difference_ci"]
     better = "better" if (r["difference"] > 0) == r["higher_is_better"] else "worse"
+    test = "sign-flip p" if r.get("paired") else "Welch p"
     if lo > 0 or hi < 0:
-        return f"B is {better} than A: the 95% CI of the difference excludes 0 (Welch p = {r['p']:.3g})."
+        return f"B is {better} than A: the 95% CI of the difference excludes 0 ({test} = {r['p']:.3g})."
+    if r.get("paired"):
+        n = r["pairs_for_80pct_power"]
+        need = (f"about {n} seed pairs would detect a difference this size 80% of the time" if n
+                else "no difference was observed to size a study for")
+        return f"Cannot tell A and B apart with {r['n_pairs']} seed pairs: the 95% CI includes 0; {need}."
     n = r["replicas_for_80pct_power"]
     need = (f"about {n} runs per method would detect a difference this size 80% of the time" if n
             else "no difference was observed to size a study for")
     return f"Cannot tell A and B apart with {r['n_a']} and {r['n_b']} runs: the 95% CI includes 0; {need}."
 
 
+def format_paired(r: dict) -> str:
+    g = lambda x: f"{x:.4g}"  # noqa: E731
+    lo, hi = r["difference_ci"]
+    plo, phi = r["probability_of_improvement_ci"]
+    op = ">" if r["higher_is_better"] else "<"
+    left = f"; {r['pairs_left_out']} replica(s) diverged in one of them, left out" if r["pairs_left_out"] else ""
+    corr = "n/a" if not np.isfinite(r["correlation"]) else f"{r['correlation']:.3f}"
+    return "\n".join([
+        f"A: {_label(r['a'])}: mean {g(r['mean_a'])}, std {g(r['std_a'])}",
+        f"B: {_label(r['b'])}: mean {g(r['mean_b'])}, std {g(r['std_b'])}",
+        f"paired by {r['paired_by']}: {r['n_pairs']} seed pairs{left}; correlation of the pairs {corr}",
+        f"mean difference B − A over seeds: {r['difference']:+.4g}  95% CI [{g(lo)}, {g(hi)}]  sign-flip p = "
+        f"{r['p']:.3g} (std of the differences {g(r['std_difference'])})",
+        f"share of seeds where B {op} A (ties ½): {r['probability_of_improvement']:.3f}  95% CI [{plo:.3f}, {phi:.3f}]",
+        f"seed pairs for 80% power at this difference: {r['pairs_for_80pct_power'] or 'n/a'} (paired t-test; a "
+        "planning figure for the next study, not evidence about this one)",
+        *([f"seed pairs for 80% power at a difference of {g(r['detect'])} (--detect): "
+           f"{r['pairs_for_detect'] or 'n/a'}"] if r.get("detect") is not None else []),
+        verdict(r),
+        f"methods: difference: {r['methods']['difference']}; share of seeds: "
+        f"{r['methods']['probability_of_improvement']}; p: {S.TESTS['sign_flip_p']}",
+    ])
+
+
 def format_result(r: dict) -> str:
+    if r.get("paired"):
+        return format_paired(r)
     g = lambda x: f"{x:.4g}"  # noqa: E731
     lo, hi = r["difference_ci"]
     plo, phi = r["probability_of_improvement_ci"]

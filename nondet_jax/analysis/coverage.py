@@ -207,6 +207,54 @@ def _poi_discrete(rng, r, t, n_test=360):
     return _hit(ci, truth)
 
 
+def _paired_normal(rng, r, t, shift=0.3):
+    """Two methods under shared seeds: a seed effect u_i common to both (std 1) plus each run's own
+    noise (std 0.3), B better by ``shift``: a = u + e_a, b = u + shift + e_b."""
+    u = rng.normal(size=(t, r))
+    return u + rng.normal(0, 0.3, (t, r)), u + shift + rng.normal(0, 0.3, (t, r))
+
+
+def _paired_counts(rng, r, t, n_test=360, gain=0.5, flips=5):
+    """Accuracies on 360 images under shared seeds: the seed decides 30 borderline images for both
+    methods (binomial), and B changes ``flips`` more, each right with probability 0.5 + gain/flips (A:
+    0.5): the differences are counts of 1/360 and often tie. Returns a, b and the true mean difference."""
+    shared = 330 + rng.binomial(30, 0.6, (t, r))
+    a = shared + rng.binomial(flips, 0.5, (t, r))
+    b = shared + rng.binomial(flips, 0.5 + gain / flips / 2, (t, r))
+    return a / n_test, b / n_test, flips * (gain / flips / 2) / n_test
+
+
+def _paired_difference(rng, r, t):
+    a, b = _paired_normal(rng, r, t)
+    return _hit(S.paired_difference(a, b)["ci"], 0.3)
+
+
+def _paired_difference_counts(rng, r, t):
+    a, b, truth = _paired_counts(rng, r, t)
+    return _hit(S.paired_difference(a, b, resolution=1 / 360)["ci"], truth)
+
+
+def _paired_difference_identical(rng, r, t):
+    """A bitflip-like method: B equals A on every image but each of 2 borderline ones, which flip with
+    probability 0.05 in either method: most differences are exactly 0, the truth is 0."""
+    d = rng.binomial(2, 0.05, (t, r)) - rng.binomial(2, 0.05, (t, r))
+    a = 0.9 + np.zeros((t, r))
+    return _hit(S.paired_difference(a, a + d / 360, resolution=1 / 360)["ci"], 0.0)
+
+
+def _paired_poi(rng, r, t):
+    a, b = _paired_normal(rng, r, t, shift=0.2)
+    truth = float(sps.norm.cdf(0.2 / (0.3 * np.sqrt(2))))
+    return _hit(S.paired_probability_of_improvement(a, b)["ci"], truth)
+
+
+def _paired_poi_counts(rng, r, t):
+    a, b, _ = _paired_counts(rng, r, t)
+    big_a, big_b, _ = _paired_counts(rng, 400_000, 1)
+    truth = float((big_b > big_a).mean() + 0.5 * (big_b == big_a).mean())
+    return _hit(S.paired_probability_of_improvement(a, b)["ci"], truth)
+
+
 # name -> (interval kind in stats.METHODS, data model, simulator); "(stress)" cases are recorded, not required
 CASES = {
     **{f"{kind}: {name}": (kind, sc.description, _interval_case(kind, sc))
@@ -222,6 +270,17 @@ CASES = {
     "probability of improvement": ("probability_of_improvement", "normal, shift 1 std", _poi),
     "probability of improvement, ties": ("probability_of_improvement", "binomial accuracies, 360 images",
                                          _poi_discrete),
+    "paired difference": ("paired_difference", "shared seed effect (std 1), run noise 0.3, shift 0.3",
+                          _paired_difference),
+    "paired difference, counts": ("paired_difference", "accuracies on 360 images, shared borderline images",
+                                  _paired_difference_counts),
+    "paired difference, near-identical": ("paired_difference", "B = A but 2 images flipping with p 0.05 (ties at 0)",
+                                          _paired_difference_identical),
+    "paired probability of improvement": ("paired_probability_of_improvement",
+                                          "shared seed effect, run noise 0.3, shift 0.2", _paired_poi),
+    "paired probability of improvement, ties": ("paired_probability_of_improvement",
+                                                "accuracies on 360 images, shared borderline images",
+                                                _paired_poi_counts),
 }
 
 

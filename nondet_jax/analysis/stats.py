@@ -46,6 +46,10 @@ METHODS = {
     "difference": "Welch t interval of mean(B) − mean(A), Welch–Satterthwaite degrees of freedom",
     "probability_of_improvement": ("P(B > A) + ½P(B = A) over all pairs of runs (as rliable); Newcombe's score interval "
                                    "with the Hanley–McNeil variance (method 5)"),
+    "paired_difference": ("paired t interval of mean(B_i − A_i) over runs sharing seeds: the mean interval of the "
+                          "differences (tied differences of counts: ± the largest mean shift that ties them all)"),
+    "paired_probability_of_improvement": ("share of seed pairs where B beats A (a tie counts ½); Wilson's score interval "
+                                          "with continuity correction (Newcombe 1998, method 4)"),
 }
 TESTS = {
     "spread_p": ("permutation Brown–Forsythe test: the pooled t of absolute deviations from each arm's median, "
@@ -54,13 +58,18 @@ TESTS = {
     "spread_p_holm": "spread_p Holm-adjusted over the arms compared with `all` (per quantity)",
     "f_test_p": "F-test of equal variances (normal data only; Morin & Willetts' test)",
     "brown_forsythe_p": "Brown–Forsythe (Levene with medians), F approximation",
+    "sign_flip_p": ("paired sign-flip permutation test of mean(B_i − A_i) = 0, exact over every sign pattern up to 16 "
+                    "pairs (100,000 seeded draws above), two-sided"),
 }
-MIN_REPLICAS = {"mean": 2, "std": 3, "pairwise": 3, "ratio": 5, "difference": 2, "probability_of_improvement": 2}
+MIN_REPLICAS = {"mean": 2, "std": 3, "pairwise": 3, "ratio": 5, "difference": 2, "probability_of_improvement": 2,
+                "paired_difference": 2, "paired_probability_of_improvement": 2}
 _WHY = {"mean": "a mean's interval needs a spread estimate", "std": "the robust interval needs three values",
         "pairwise": "the jackknife needs a pair left when one replica is left out",
         "ratio": "below 5 replicas per arm the robust ratio interval covers < 93% of skewed or heavy-tailed spreads",
         "difference": "each mean's spread needs two values",
-        "probability_of_improvement": "its variance needs two values per method"}
+        "probability_of_improvement": "its variance needs two values per method",
+        "paired_difference": "the differences' spread needs two pairs",
+        "paired_probability_of_improvement": "a share needs two pairs"}
 
 
 def na_reason(kind: str, replicas: int) -> str | None:
@@ -591,6 +600,90 @@ def probability_of_improvement(a, b, level: float = LEVEL) -> dict:
     low = np.where(theta <= 0, 0.0, bisect(zero, theta, True))
     high = np.where(theta >= 1, 1.0, bisect(theta, one, False))
     return {"probability": _out(theta), "ci": [_out(low), _out(high)]}
+
+
+def paired_difference(a, b, level: float = LEVEL, resolution: float | None = None) -> dict:
+    """``mean(b_i − a_i)`` over pairs of runs that share seeds (pair i: replica i of each), with the
+    paired t interval (:func:`mean_ci` of the differences, so differences of counts that all tie get
+    the tie bound, not a zero width) and ``std`` of the differences. Last axis: pairs."""
+    d = np.asarray(b, np.float64) - np.asarray(a, np.float64)
+    lo, hi = mean_ci(d, level, resolution)
+    return {"difference": _out(d.mean(-1)), "ci": [lo, hi], "std": _out(np.asarray(std(d)))}
+
+
+def sign_flip_p(a, b, resamples: int = 100_000) -> float:
+    """Two-sided p of the paired sign-flip permutation test of mean(b − a) = 0 (scipy's
+    ``permutation_test`` with ``permutation_type="samples"``): exact up to 16 pairs (every one of the
+    2^n sign patterns), ``resamples`` seeded draws above. Never below 1/2^(n−1): it claims no more
+    certainty than n pairs can give."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    res = sps.permutation_test((a, b), lambda x, y, axis: np.mean(y - x, axis=axis), permutation_type="samples",
+                               vectorized=True, n_resamples=resamples, alternative="two-sided",
+                               rng=np.random.default_rng(BOOTSTRAP_SEED))
+    return float(res.pvalue)
+
+
+def paired_probability_of_improvement(a, b, level: float = LEVEL) -> dict:
+    """The share of seed pairs where B beats A, ``(wins + ½ ties) / n``, with Wilson's score interval
+    with continuity correction (Newcombe 1998, method 4: inside [0, 1], not degenerate when B wins
+    every pair; a half-counted tie only makes it wider than needed). Last axis: pairs."""
+    d = np.asarray(b, np.float64) - np.asarray(a, np.float64)
+    n = d.shape[-1]
+    theta = ((d > 0) + 0.5 * (d == 0)).mean(-1)
+    if n < MIN_REPLICAS["paired_probability_of_improvement"]:
+        nan = _out(np.full(np.shape(theta), np.nan))
+        return {"probability": _out(theta), "ci": [nan, nan]}
+    z = sps.norm.ppf(0.5 + level / 2)
+    z2, k = z * z, 2 * n * theta
+    with np.errstate(invalid="ignore"):
+        low = (k + z2 - 1 - z * np.sqrt(np.maximum(z2 - 2 - 1 / n + 4 * theta * (n * (1 - theta) + 1), 0))) / (
+            2 * (n + z2))
+        high = (k + z2 + 1 + z * np.sqrt(np.maximum(z2 + 2 - 1 / n + 4 * theta * (n * (1 - theta) - 1), 0))) / (
+            2 * (n + z2))
+    low = np.where(theta <= 0, 0.0, np.clip(low, 0.0, 1.0))
+    high = np.where(theta >= 1, 1.0, np.clip(high, 0.0, 1.0))
+    return {"probability": _out(theta), "ci": [_out(low), _out(high)]}
+
+
+def pairs_for_difference(difference: float, sd: float, power: float = 0.8, alpha: float = 0.05,
+                         max_n: int = 100_000) -> int | None:
+    """Pairs for the two-sided paired t-test to detect ``difference`` with ``power`` when the
+    differences' std is ``sd`` (one-sample t on the differences). None as :func:`replicas_for_difference`."""
+    if not (np.isfinite(difference) and np.isfinite(sd)) or difference == 0:
+        return None
+    if sd == 0:
+        return 2
+
+    def enough(n):
+        df, ncp = n - 1, abs(difference) / sd * math.sqrt(n)
+        crit = sps.t.ppf(1 - alpha / 2, df)
+        return float(sps.nct.sf(crit, df, ncp) + sps.nct.cdf(-crit, df, ncp)) >= power
+
+    return _smallest_n(enough, max_n)
+
+
+def compare_paired(a, b, level: float = LEVEL, higher_is_better: bool = True, detect: float | None = None,
+                   resolution: float | None = None) -> dict:
+    """:func:`compare_means` for runs that share seeds: ``a[i]`` and ``b[i]`` are the two methods'
+    scores under seed i. The difference ``mean(B_i − A_i)`` with its paired t interval and the
+    sign-flip permutation p, the share of seeds where B is better (higher, or lower when
+    ``higher_is_better`` is False) with its interval, the correlation of the pairs, and the pairs a
+    paired t-test needs for 80% power at the observed (and at ``detect``) difference."""
+    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
+    if len(a) != len(b) or len(a) < 2 or not (np.isfinite(a).all() and np.isfinite(b).all()):
+        raise ValueError(f"need at least 2 pairs of finite scores; got {len(a)} and {len(b)} scores")
+    sign = 1.0 if higher_is_better else -1.0
+    d, poi = paired_difference(a, b, level, resolution), paired_probability_of_improvement(sign * a, sign * b, level)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        corr = float(np.corrcoef(a, b)[0, 1]) if std(a) > 0 and std(b) > 0 else float("nan")
+    return {"paired": True, "n_a": len(a), "n_b": len(b), "n_pairs": len(a), "mean_a": float(a.mean()),
+            "mean_b": float(b.mean()), "std_a": std(a), "std_b": std(b), "difference": d["difference"],
+            "difference_ci": d["ci"], "std_difference": d["std"], "p": sign_flip_p(a, b),
+            "correlation": corr, "probability_of_improvement": poi["probability"],
+            "probability_of_improvement_ci": poi["ci"],
+            "pairs_for_80pct_power": pairs_for_difference(d["difference"], d["std"]), "level": level,
+            "higher_is_better": higher_is_better, "detect": detect,
+            "pairs_for_detect": None if detect is None else pairs_for_difference(abs(detect), d["std"])}
 
 
 def t_test_power(effect: float, n: int, alpha: float = 0.05) -> float:

@@ -58,4 +58,8 @@ def run_command(command: str, argv: list[str] | None = None, prog: str | None = 
     compiles; see :mod:`nondet_jax.machine.signals`)."""
     signals.install(INTERRUPTED.get(command) or signals.MESSAGE)
     module = importlib.import_module(f"nondet_jax.cli.{command}")
-    return module.main(argv, prog=prog) if prog else module.main(argv)
+    try:
+        return module.main(argv, prog=prog) if prog else module.main(argv)
+    except BrokenPipeError:  # the reader (head, less) closed the pipe: no traceback (Python's signal docs)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1

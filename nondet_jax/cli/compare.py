@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     p.add_argument("--lower-is-better", action="store_true", help="scores are losses or errors (CSV files)")
     p.add_argument("--detect", type=float, default=None, metavar="D",
                    help="also give the replicas per method for 80%% power at a difference D (the scores' units)")
+    p.add_argument("--paired", action="store_true",
+                   help="the methods ran under the same seeds: compare seed by seed (run folders: replica r with "
+                        "replica r, same --seed; CSV files: by their seed/replica/run/index column, else row by row)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--plot", metavar="FILE", help="also draw the comparison (scores, difference, probability of "
                    "improvement, each with its interval) into FILE (.png, .pdf or .svg)")
@@ -44,7 +47,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     try:
         plot = _plot_path(args.plot) if args.plot else None
         r = compare(args.a, args.b, args.arm, args.arm_b, args.metric, args.column,
-                    False if args.lower_is_better else None, detect=args.detect)
+                    False if args.lower_is_better else None, detect=args.detect, paired=args.paired)
     except UsageError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2

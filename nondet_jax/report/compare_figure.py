@@ -20,20 +20,28 @@ def plot_result(r: dict):
 
     fig, (ax, ad, ap) = plt.subplots(1, 3, figsize=(10, 3.6), gridspec_kw={"width_ratios": [1.2, 1, 1]})
     what = r["a"].get("metric") or r["a"].get("column") or "score"
+    paired, op = bool(r.get("paired")), ">" if r["higher_is_better"] else "<"
     rng = np.random.default_rng(0)
     for i, (_name, w) in enumerate((("A", r["a"]), ("B", r["b"]))):
         x = np.asarray(w["scores"])
         lo, hi = S.mean_ci(x)
-        ax.scatter(i + rng.uniform(-0.1, 0.1, len(x)), x, s=16, alpha=0.8, color=f"C{i}")
+        ax.scatter(i + (np.zeros(len(x)) if paired else rng.uniform(-0.1, 0.1, len(x))), x, s=16, alpha=0.8,
+                   color=f"C{i}")
         ax.errorbar(i + 0.25, x.mean(), yerr=[[x.mean() - lo], [hi - x.mean()]], fmt="o", color="k", capsize=4)
+    if paired:  # one line per seed: A's score to B's
+        for ya, yb in zip(r["a"]["scores"], r["b"]["scores"]):
+            ax.plot([0, 1], [ya, yb], color="0.6", lw=0.8, zorder=0)
     ax.set_xticks([0, 1], [f"A (n={r['n_a']})", f"B (n={r['n_b']})"])
     ax.set_xlim(-0.5, 1.6)
     ax.set_ylabel(what)
     ax.set_title("per-seed scores; mean, 95% t CI", fontsize=9)
     for axis, value, (lo, hi), null, title in (
-            (ad, r["difference"], r["difference_ci"], 0.0, "difference of means B − A\n(Welch 95% CI)"),
+            (ad, r["difference"], r["difference_ci"], 0.0,
+             "mean difference B − A over seed pairs\n(paired t 95% CI)" if paired else
+             "difference of means B − A\n(Welch 95% CI)"),
             (ap, r["probability_of_improvement"], r["probability_of_improvement_ci"], 0.5,
-             f"P(B {'>' if r['higher_is_better'] else '<'} A), one run each\n(Newcombe 95% CI)")):
+             f"share of seeds with B {op} A\n(Wilson 95% CI)" if paired else
+             f"P(B {op} A), one run each\n(Newcombe 95% CI)")):
         axis.errorbar([value], [0], xerr=[[value - lo], [hi - value]], fmt="o", color="k", capsize=5)
         axis.axvline(null, color="C3", lw=1, ls="--", label="no difference")
         left, right = min(lo, null), max(hi, null)
