@@ -30,13 +30,15 @@ class ModelConfig:
     width: float = 1.0  # multiplier on every layer's channel count
     dropout: float = 0.0  # rate of the dropout before the classifier (0 = none)
     dtype: str = "float32"  # compute dtype: float32 | bfloat16 (mixed precision: float32 weights and optimiser)
+    # a user model's submodule whose output CKA uses when the model has no return_features ("" = the logits)
+    features: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     name: str = "digits"
     data_dir: str | None = None  # TFDS data directory (None = TFDS default)
-    augment: str = "auto"  # auto (on for CIFAR, off otherwise) | on | off
+    augment: str = "auto"  # auto (on for CIFAR, off otherwise) | on | off | PACKAGE.MODULE:ATTR ((key, x) -> x)
     flip: str = "auto"  # horizontal flips when augmenting: auto (on for CIFAR, off for digits/MNIST) | on | off
     crop_padding: int = 0  # 0 = 4 pixels for 32x32 inputs, 1 for 8x8 ones
     image_size: int = 0  # TFDS sets: square side on loading (0 = 224 for imagenette/imagenet2012, else native)
@@ -46,7 +48,7 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    name: str = "sgd"  # sgd | adamw
+    name: str = "sgd"  # sgd | adamw | PACKAGE.MODULE:ATTR (an optax.GradientTransformation, or a function of no arguments returning one)
     lr: float = 0.05
     momentum: float = 0.9  # sgd only
     nesterov: bool = False  # sgd only
@@ -66,6 +68,8 @@ class TrainConfig:
     eval_batch_size: int = 500
     unroll: int = 0  # training steps unrolled per scan iteration (0 = auto: see train.scan_unroll)
     checkpoint_every: int = 1  # epochs between orbax checkpoints of an arm in training (0 = none)
+    # default (softmax cross-entropy; squared error for regression) | PACKAGE.MODULE:ATTR (per-example (outputs, labels) -> losses)
+    loss: str = "default"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +130,16 @@ class Config:
 STRATEGIES = ("auto", "vmap", "sequential", "unrolled", "sharded")
 HARDWARE_PROCESSES = ("replica", "arm")
 CUSTOM = "custom"  # optim.name of a study whose optimiser the user passed (nondet_jax.run_study)
+
+
+def imported(name: str) -> bool:
+    """Whether a config value names the user's own part, ``PACKAGE.MODULE:ATTR`` (the CLI imports it)."""
+    return ":" in name
+
+
+def user_optimizer(o: "OptimConfig") -> bool:
+    """The study trains with the user's own optax optimiser (passed in memory, or imported by name)."""
+    return o.name == CUSTOM or imported(o.name)
 ARRAYS_PREFIX = "arrays-"  # data.name of arrays passed to nondet_jax.run_study: arrays-<sha256 prefix>
 NPZ_BY_CONTENT = "<a .npz file, identified by its contents>"  # data.name of any .npz, where configs are compared
 
@@ -341,7 +355,7 @@ def validate(config: Config) -> None:
     if d.name not in DATASETS and not d.name.endswith(".npz") and not d.name.startswith(ARRAYS_PREFIX):
         raise UsageError(f"unknown dataset '{d.name}'; choose one of: {', '.join(DATASETS)}, or your own arrays as "
                          "PATH.npz")
-    if d.augment not in AUGMENT:
+    if d.augment not in AUGMENT and not imported(d.augment):
         raise UsageError(f"data.augment must be one of {', '.join(AUGMENT)}, got '{d.augment}'")
     if d.flip not in AUGMENT:
         raise UsageError(f"data.flip must be one of {', '.join(AUGMENT)}, got '{d.flip}'")
@@ -356,7 +370,10 @@ def validate(config: Config) -> None:
     if d.name in NEEDS_TRAIN_CAP and d.max_train_examples == 0:
         raise UsageError(f"{d.name}'s training split does not fit in memory; set a subset size with "
                          "--set data.max_train_examples=50000 (say)")
-    if o.name not in OPTIMIZERS and o.name != CUSTOM:
+    if t.loss != "default" and not imported(t.loss):
+        raise UsageError(f"train.loss must be default or PACKAGE.MODULE:ATTR (a function (outputs, labels) -> "
+                         f"per-example losses), got '{t.loss}'; write e.g. --loss mypkg.losses:smooth_ce")
+    if o.name not in OPTIMIZERS and not user_optimizer(o):
         raise UsageError(f"unknown optimizer '{o.name}'; choose one of: {', '.join(OPTIMIZERS)}")
     if o.schedule not in SCHEDULES:
         raise UsageError(f"unknown schedule '{o.schedule}'; choose one of: {', '.join(SCHEDULES)}")
@@ -459,7 +476,7 @@ def _validate_instruments(config: Config) -> None:
     if ic.hess_tol < 0:
         raise UsageError(f"instruments.hess_tol must be >= 0 (0 = off), got {ic.hess_tol}; fix --set instruments.hess_tol")
     plain = [q for q in names if q in configurations.PLAIN_SGD_ONLY]
-    if plain and o.name == CUSTOM:  # a chain's learning rate and plainness cannot be read off it
+    if plain and user_optimizer(o):  # a chain's learning rate and plainness cannot be read off it
         raise UsageError(f"{' and '.join(plain)} assume plain SGD with the config's learning rate, which your own "
                          "optimizer does not give; drop them from instruments.config or use the config's optimiser")
     if plain and (o.name != "sgd" or o.momentum != 0 or o.nesterov or o.weight_decay != 0):

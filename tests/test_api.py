@@ -183,6 +183,64 @@ class Net(nn.Module):
 '''
 
 
+PARTS_MODULE = NET_MODULE + '''
+import jax, jax.numpy as jnp, optax
+
+tx = optax.adam(3e-3)  # the user's own optimiser
+
+
+def smooth_ce(logits, labels):  # per-example label-smoothed cross-entropy
+    onehot = optax.smooth_labels(jax.nn.one_hot(labels, logits.shape[-1]), 0.1)
+    return optax.softmax_cross_entropy(logits, onehot)
+
+
+def noise(key, x):  # the user's own augmentation
+    return x + 0.1 * jax.random.normal(key, x.shape, x.dtype)
+'''
+
+
+@pytest.mark.slow
+def test_cli_takes_the_same_parts_as_run_study(tmp_path):
+    """--optimizer/--loss/--augment/--features import the user's parts by name: the run folder records them,
+    the hardware arm's child processes import them again, and the study is the one run_study runs on the
+    same parts in memory (the same fingerprints, the same logits up to rounding)."""
+    (tmp_path / "myparts.py").write_text(PARTS_MODULE)
+    np.savez(tmp_path / "mine.npz", **dict(zip(("x_train", "y_train", "x_test", "y_test"), own_arrays())))
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    cmd = [sys.executable, "-m", "nondet_jax", "sweep", "--model", "myparts:Net", "--optimizer", "myparts:tx",
+           "--loss", "myparts:smooth_ce", "--augment", "myparts:noise", "--features", "Dense_0", "--dataset",
+           str(tmp_path / "mine.npz"), "--arms", "control,augmentation,hardware", "--replicas", "2", "--epochs", "2",
+           "--batch-size", "32", "--no-progress", "--set", "metrics.lmc_pairs=0", "--out", str(tmp_path / "cli")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ident = json_of(tmp_path / "cli" / "model.json")["identity"]
+    assert (ident["optimizer"]["name"], ident["loss"]["name"], ident["augment"]["name"]) == (
+        "myparts:tx", "myparts:smooth_ce", "myparts:noise")
+    assert json_of(tmp_path / "cli" / "config.json")["train"]["loss"] == "myparts:smooth_ce"
+    assert (tmp_path / "cli" / "arms" / "hardware.json").exists()  # trained in child processes
+    aug = np.load(tmp_path / "cli" / "logits" / "augmentation.npy")
+    assert not np.array_equal(aug[0], aug[1])  # the user's augmentation draws from each replica's key
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import myparts
+        data = np.load(tmp_path / "mine.npz")
+        nj.run_study(model=myparts.Net, data=tuple(data[k] for k in ("x_train", "y_train", "x_test", "y_test")),
+                     optimizer=myparts.tx, loss=myparts.smooth_ce, augment=myparts.noise, features="Dense_0",
+                     epochs=2, batch_size=32, arms="control,augmentation", replicas=2, out=tmp_path / "api",
+                     settings={"metrics.lmc_pairs": 0}, **QUIET)
+    finally:
+        sys.path.remove(str(tmp_path))
+    api = json_of(tmp_path / "api" / "model.json")["identity"]
+    for part in ("model", "optimizer", "loss", "augment"):
+        assert api[part]["sha256"] == ident[part]["sha256"], part
+    # the same training up to rounding: the CLI runs under the CPU type's measured XLA flags, this process not
+    np.testing.assert_allclose(np.load(tmp_path / "api" / "logits" / "augmentation.npy"), aug, rtol=1e-3, atol=1e-5)
+    bad = subprocess.run(cmd[:4] + ["--optimizer", "myparts:noise", "--out", str(tmp_path / "bad")],
+                         capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert bad.returncode == 2 and "cannot be called without arguments" in bad.stderr, bad.stderr
+    assert not (tmp_path / "bad").exists()
+
+
 @pytest.mark.slow
 def test_cli_takes_model_and_dataset(tmp_path):
     (tmp_path / "mynets.py").write_text(NET_MODULE)

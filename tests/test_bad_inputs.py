@@ -100,6 +100,8 @@ CASES: list[tuple[str, str]] = [
     ("CLI", "--seed 9223372036854775808"),
     ("CLI", "--arms init@snapshot²"),
     ("CLI", "--coordinator bad --num-processes 2 --process-id 0"),
+    ("CLI", "--loss huber"),
+    ("CLI", "--optimizer nosuchpkg.opt:tx"),
     ("config file", "--config <tmp>/c.json  (contains `{\"optim\": {\"lr\": NaN}}`)"),
     ("config file", "--config <tmp>/c.yaml  (contains `optim: {weight_decay: .inf}`)"),
     ("config file", "--config <tmp>/c.yaml  (contains `study: {seed: 18446744073709551617}`)"),

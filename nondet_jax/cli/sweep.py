@@ -41,6 +41,8 @@ FLAGS = {
     "data_dir": "data.data_dir",
     "augment": "data.augment",
     "optimizer": "optim.name",
+    "loss": "train.loss",
+    "features": "model.features",
     "lr": "optim.lr",
     "instruments": "instruments.config",
 }
@@ -85,9 +87,16 @@ def build_parser(prog: str = "python -m nondet_jax.sweep") -> argparse.ArgumentP
                                      "prepared in --data-dir; see docs/data.md), or your own arrays as PATH.npz "
                                      "holding x_train, y_train, x_test, y_test (images NHWC or (N, features))")
     p.add_argument("--data-dir", help="TFDS data directory")
-    p.add_argument("--augment", help="auto (on for cifar10), on, off")
+    p.add_argument("--augment", help="auto (on for cifar10), on, off, or your own (key, x_batch) -> x_batch function "
+                                     "as PACKAGE.MODULE:ATTR")
     p.add_argument("--batch-size", type=int, help="mini-batch size per replica and step")
-    p.add_argument("--optimizer", help="sgd or adamw")
+    p.add_argument("--optimizer", help="sgd, adamw, or your own optax optimiser as PACKAGE.MODULE:ATTR (a "
+                                       "GradientTransformation, or a function of no arguments returning one; its "
+                                       "learning rate is its own, --lr and optim.* do not apply)")
+    p.add_argument("--loss", help="default (softmax cross-entropy; squared error for regression) or your own "
+                                  "per-example (outputs, labels) -> losses function as PACKAGE.MODULE:ATTR")
+    p.add_argument("--features", help="your model's submodule whose output CKA compares, when it has no "
+                                      "return_features (default: the logits)")
     p.add_argument("--lr", type=float, help="peak learning rate")
     p.add_argument("--seed", type=int, help="study seed (root of every key)")
     p.add_argument("--instruments", help="Cockpit's quantities per step and replica: economy, business, full, or "

@@ -72,22 +72,23 @@ def label_of(obj) -> str:
     return f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', type(target).__name__)}"
 
 
-def import_object(spec: str):
-    """``package.module:Attr`` -> the object, imported from the user's PYTHONPATH; UsageError otherwise."""
+def import_object(spec: str, flag: str = "--model", example: str = "mypkg.nets:SmallCNN"):
+    """``package.module:Attr`` -> the object, imported from the user's PYTHONPATH; UsageError otherwise
+    (naming ``flag``, the option that gave ``spec``)."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise UsageError(f"--model {spec!r} is neither a catalogue model nor PACKAGE.MODULE:ATTR; write e.g. "
-                         "--model mypkg.nets:SmallCNN")
+        raise UsageError(f"{flag} {spec!r} is neither a catalogue name nor PACKAGE.MODULE:ATTR; write e.g. "
+                         f"{flag} {example}")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise UsageError(f"--model {spec}: cannot import module '{module_name}' ({e}); put its folder on "
+        raise UsageError(f"{flag} {spec}: cannot import module '{module_name}' ({e}); put its folder on "
                          "PYTHONPATH") from None
     obj = module
     for part in attr.split("."):
         if not hasattr(obj, part):
             names = [n for n in dir(module) if not n.startswith("_")]
-            raise UsageError(f"--model {spec}: module '{module_name}' has no attribute '{attr}'; it has "
+            raise UsageError(f"{flag} {spec}: module '{module_name}' has no attribute '{attr}'; it has "
                              f"{', '.join(names[:12]) or 'no public names'}")
         obj = getattr(obj, part)
     return obj

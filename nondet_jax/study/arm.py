@@ -188,7 +188,7 @@ def instrument_values(config: Config, fns, result) -> dict[str, np.ndarray]:
         values["Alpha"] = np.concatenate([raw, np.full_like(raw[:, :1], np.nan)], axis=1)[:, steps + 1]
     out = {"step": steps, **values, "loss": np.asarray(result.steps["loss"])[:, steps],
            "accuracy": np.asarray(result.steps["accuracy"])[:, steps]}
-    if config.optim.name != cfg.CUSTOM:  # your own optimiser's learning rate is not the config's schedule
+    if not cfg.user_optimizer(config.optim):  # your own optimiser's learning rate is not the config's schedule
         lr = make_schedule(config.optim, config.train.epochs, fns.steps_per_epoch)
         out["lr"] = np.asarray([float(lr(int(t))) for t in steps])
     return out

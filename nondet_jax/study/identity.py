@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nondet_jax import config as cfg
 from nondet_jax.errors import UsageError
 from nondet_jax.machine import xla_flags
 from nondet_jax.report.optimizer import describe_optimizer, format_optimizer
@@ -147,7 +148,8 @@ def part_identities(config, data, fns) -> dict[str, dict]:
         "data": {"name": data.name, **data_identity(data)},
         "model": {"name": config.model.name if not user_model or ":" in config.model.name else label_of(p.model),
                   "sha256": h.hexdigest(), "parameters": n_params},
-        "optimizer": {"name": config.optim.name if p.optimizer is None else label_of(type(p.optimizer)) + " (user's)",
+        "optimizer": {"name": config.optim.name if p.optimizer is None or cfg.imported(config.optim.name)
+                      else label_of(type(p.optimizer)) + " (user's)",
                       "sha256": opt.hexdigest(), "transforms": describe_optimizer(fns.tx, total)},
         "loss": {"name": "softmax_cross_entropy_with_integer_labels" if p.loss is None else label_of(p.loss),
                  "sha256": jaxpr_sha256(fns.example_loss, logits, yb)},

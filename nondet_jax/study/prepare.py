@@ -98,14 +98,46 @@ def parse_arms(config: Config) -> list[Arm]:
 
 
 def resolve_parts(config: Config, parts: Parts = Parts()) -> Parts:
-    """``parts`` with the model a ``PACKAGE.MODULE:ATTR`` model name imports (the CLI's ``--model``);
-    UsageError when the config names a part that was not passed."""
-    if parts.model is None and ":" in config.model.name:
+    """``parts`` with what the config's ``PACKAGE.MODULE:ATTR`` names import (the CLI's ``--model``,
+    ``--optimizer``, ``--loss``, ``--augment``; ``model.features``), for each part not passed in memory;
+    UsageError when the config names a part that was not passed or an import is not what it should be."""
+    if parts.model is None and cfg.imported(config.model.name):
         parts = parts._replace(model=import_object(config.model.name))
     if config.optim.name == cfg.CUSTOM and parts.optimizer is None:
         raise UsageError("optim.name 'custom' means an optax optimiser passed to nondet_jax.run_study(optimizer=...); "
-                         "from the command line use --optimizer sgd or adamw")
+                         "from the command line use --optimizer sgd, adamw or PACKAGE.MODULE:ATTR")
+    if parts.optimizer is None and cfg.imported(config.optim.name):
+        parts = parts._replace(optimizer=_imported_optimizer(config.optim.name))
+    if parts.loss is None and cfg.imported(config.train.loss):
+        parts = parts._replace(loss=_imported_function(config.train.loss, "--loss", "(outputs, labels) -> losses"))
+    if parts.augment is None and cfg.imported(config.data.augment):
+        parts = parts._replace(augment=_imported_function(config.data.augment, "--augment", "(key, x) -> x"))
+    if parts.features is None and config.model.features:
+        parts = parts._replace(features=config.model.features)
     return parts
+
+
+def _imported_optimizer(spec: str):
+    """An optax ``GradientTransformation`` named ``PACKAGE.MODULE:ATTR``: the object, or what a function of no
+    arguments returns."""
+    obj = import_object(spec, "--optimizer", "mypkg.opt:tx")
+    if callable(obj) and not hasattr(obj, "update"):
+        try:
+            obj = obj()
+        except TypeError as e:
+            raise UsageError(f"--optimizer {spec} is a function that cannot be called without arguments ({e}); name "
+                             "an optax.GradientTransformation or a function of no arguments returning one") from None
+    if not (hasattr(obj, "init") and hasattr(obj, "update")):
+        raise UsageError(f"--optimizer {spec} is a {type(obj).__name__}, not an optax.GradientTransformation; name one "
+                         "(e.g. tx = optax.adamw(1e-3)) or a function of no arguments returning one")
+    return obj
+
+
+def _imported_function(spec: str, flag: str, signature: str):
+    obj = import_object(spec, flag, "mypkg.parts:fn")
+    if not callable(obj):
+        raise UsageError(f"{flag} {spec} is a {type(obj).__name__}, not a function; name a function {signature}")
+    return obj
 
 
 def prepare(config: Config, parts: Parts = Parts(), data=None):
