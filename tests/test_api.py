@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -458,6 +459,36 @@ def test_instruments_path_is_said_once_in_the_log_and_environment_json(tmp_path)
     _instrumented(PlainMLP, tmp_path / "plain")  # layers the recorder takes: the recorded pass, nothing said
     assert json_of(tmp_path / "plain" / "environment.json")["instruments_path"] == {"per_example": "recorded pass",
                                                                                       "why": []}
+
+
+class BNNet(nn.Module):
+    num_classes: int = 3
+    momentum: float = 0.99  # Flax's default
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        x = nn.BatchNorm(use_running_average=not train, momentum=self.momentum)(nn.Dense(8)(x))
+        return nn.Dense(self.num_classes)(nn.relu(x))
+
+
+class NNXBN(nnx.Module):
+    def __init__(self, num_classes, rngs):
+        self.l1, self.bn = nnx.Linear(6, 8, rngs=rngs), nnx.BatchNorm(8, momentum=0.95, rngs=rngs)
+        self.l2 = nnx.Linear(8, num_classes, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(self.bn(self.l1(x)))
+
+
+@pytest.mark.parametrize("model, says", [(BNNet, "momentum 0.99 over this study's 8 training steps leaves 92%"),
+                                         (functools.partial(BNNet, momentum=0.5), None),
+                                         (NNXBN, "momentum 0.95 over this study's 8 training steps leaves 66%")])
+def test_batchnorm_that_cannot_converge_in_the_study_is_said(tmp_path, model, says):
+    lines = []
+    nj.run_study(model=model, data=own_arrays(), epochs=2, batch_size=32, arms="control", replicas=1,
+                 out=tmp_path / "run", settings={"metrics.lmc_pairs": 0, "metrics.pairwise": False}, log=lines.append)
+    notes = [ln for ln in lines if "BatchNorm momentum" in ln]
+    assert (notes and says in notes[0] and "use momentum <= 0.69" in notes[0]) if says else not notes, lines
 
 
 def test_cabs_and_early_stopping_refused_with_own_optimizer(tmp_path):

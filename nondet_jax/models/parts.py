@@ -55,6 +55,7 @@ class ModelFns(NamedTuple):
     module: Any  # the Linen module (None for NNX)
     features: str  # where CKA's features come from: "model", "logits" or "intermediate:<name>"
     per_example_dropout: bool  # dropout keys tied to examples (the catalogue's convention)
+    bn_momenta: Callable = lambda x_sample: ()  # (x_sample) -> the momentum of every BatchNorm layer, in call order
 
 
 def _accepts(fn, name: str) -> bool:
@@ -208,7 +209,20 @@ def linen_model_fns(module, features: str | None = None) -> ModelFns:
             s1 = run(jax.tree.map(jnp.ones_like, v["batch_stats"]))
             return jax.tree.map(lambda a, b: a / (1.0 - (b - a)), s0, s1)
 
-    return ModelFns(init, train_apply, evaluate, dropout_input, recompute_batch_stats, module, source, per_example)
+    def bn_momenta(x):
+        found = []
+
+        def spy(next_fun, args, kwargs, context):
+            if isinstance(context.module, nn.BatchNorm) and context.method_name == "__call__":
+                found.append(float(context.module.momentum))
+            return next_fun(*args, **kwargs)
+
+        with nn.intercept_methods(spy):
+            jax.eval_shape(lambda: module.init(jax.random.key(0), x[:1], train=True))
+        return tuple(found)
+
+    return ModelFns(init, train_apply, evaluate, dropout_input, recompute_batch_stats, module, source, per_example,
+                    bn_momenta)
 
 
 def shape_fingerprint(params) -> dict:
@@ -283,5 +297,9 @@ def nnx_model_fns(factory, num_classes: int, features: str | None = None) -> Mod
     def recompute_batch_stats(v, x):
         return v["batch_stats"]  # NNX BatchNorm momentum is not reachable here: stored statistics kept
 
+    def bn_momenta(x):
+        module = nnx.eval_shape(lambda: build(jax.random.key(0)))
+        return tuple(float(node.momentum) for _, node in nnx.iter_graph(module) if isinstance(node, nnx.BatchNorm))
+
     return ModelFns(init, train_apply, evaluate, lambda step_key, b, perm: step_key, recompute_batch_stats, None,
-                    "logits", False)
+                    "logits", False, bn_momenta)

@@ -50,6 +50,9 @@ def write_run_files(store, config: Config, data, fns, command: str | None, model
     env["strategy"] = {"requested": study.strategy, "chosen": strategy, "reason": reason}
     env["scan_unroll"] = fns.unroll
     env["processes"] = processes
+    note = batch_norm_note(config, data, fns)
+    if note:
+        log(note)
     path = instruments_path(fns, data)
     if path is not None:
         env["instruments_path"] = path
@@ -61,6 +64,26 @@ def write_run_files(store, config: Config, data, fns, command: str | None, model
         atomic_write_bytes(store.paths.command, (command + "\n").encode())
     atomic_write_bytes(store.paths.test_labels, npy_bytes(np.asarray(data.y_test)))
     return strategy, reason
+
+
+BN_LEFT = 0.05  # the share of the initial running statistics a study's BatchNorm may keep at its end
+
+
+def batch_norm_note(config: Config, data, fns) -> str | None:
+    """A line for the log when the model's BatchNorm running statistics cannot have converged over the
+    study's training steps: a running average with momentum m keeps m**steps of its initial value
+    (mean 0, variance 1), and the test scores, computed with those statistics, measure that."""
+    momenta = fns.model.bn_momenta(data.x_train[:1])
+    if not momenta:
+        return None
+    steps = config.train.epochs * fns.steps_per_epoch
+    m = max(momenta)
+    left = m ** steps
+    if left <= BN_LEFT:
+        return None
+    return (f"note: BatchNorm momentum {m:g} over this study's {steps} training steps leaves {100 * left:.0f}% of its "
+            "running statistics at their initial values (mean 0, variance 1), and the test scores use them; train "
+            f"longer or use momentum <= {BN_LEFT ** (1 / steps):.2f} (Flax's default is 0.99)")
 
 
 def finish_study(store, log) -> dict:
