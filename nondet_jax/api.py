@@ -24,7 +24,7 @@ from nondet_jax.errors import UsageError
 from nondet_jax.models.parts import Parts, label_of
 from nondet_jax.replicas.choice import resolve_strategy
 from nondet_jax.report.summary import arm_rows, replica_rows
-from nondet_jax.sources import StepKeys, arm_keys, parse_arm, replica_slice, switches
+from nondet_jax.sources import StepKeys, arm_keys, check_own_sources, own_keys, parse_arm, switches
 from nondet_jax.store.paths import RunPaths
 from nondet_jax.study import runner
 
@@ -226,7 +226,7 @@ def run_study(model=None, data=None, optimizer=None, loss: Callable | None = Non
 
 def replicate(init: Callable, step: Callable, batches=None, *, steps: int | None = None,
               arms: Sequence[str] | str = ("control", "init"), replicas: int = 4, seed: int = 0,
-              strategy: str = "auto", collect: Callable | None = None) -> dict[str, Any]:
+              strategy: str = "auto", collect: Callable | None = None, sources: Sequence[str] = ()) -> dict[str, Any]:
     """Run your own single-replica functions for R replicas per arm.
 
     You write one replica's ``init(keys) -> state`` and ``step(state, batch, keys) -> state``;
@@ -252,6 +252,10 @@ def replicate(init: Callable, step: Callable, batches=None, *, steps: int | None
         compiled once, in a loop: replica r's result does not depend on R), or ``auto``.
       collect: ``collect(state, keys) -> pytree``, called after every step (``keys.step`` is its
         index): what to keep of the run, e.g. ``lambda s, k: {"loss": s.loss}``; jittable.
+      sources: names of randomness sources of your own (e.g. ``("env", "policy")`` for an RL agent's
+        environment noise and action sampling): ``keys.env`` is a key stream under the same rule as the
+        built-in ones (its stream index :func:`nondet_jax.sources.source_id`, stable across versions),
+        arms may name them (``"env"``, ``"policy+init"``), and ``all`` varies them too.
 
     Returns:
       ``{arm: state}``, every leaf with a leading replica axis R; with ``collect``,
@@ -265,7 +269,8 @@ def replicate(init: Callable, step: Callable, batches=None, *, steps: int | None
     duplicates = sorted({a for a in arm_list if arm_list.count(a) > 1})
     if duplicates:
         raise UsageError(f"arm '{duplicates[0]}' is named twice in arms; name each arm once")
-    parsed = [parse_arm(a) for a in arm_list]
+    own = check_own_sources(sources)
+    parsed = [parse_arm(a, own) for a in arm_list]
     for a in parsed:
         if "hardware" in a.varied or a.cycles:
             raise UsageError(f"arm '{a.name}' needs the study runner (a child process or a schedule); replicate takes "
@@ -285,12 +290,12 @@ def replicate(init: Callable, step: Callable, batches=None, *, steps: int | None
         raise UsageError(f"replicate runs strategy vmap or sequential, not '{chosen}'")
     reads: set[str] = set()  # the sources init and step read, recorded while they are traced
 
-    def one(keys, on):
-        state = init(StepKeys(keys, on, None, reads))
+    def one(keys, on, own_k, own_on):
+        state = init(StepKeys(keys, on, None, reads, own_k, own_on))
 
         def body(state, xs):
             t, batch = xs
-            step_keys = StepKeys(keys, on, t, reads)
+            step_keys = StepKeys(keys, on, t, reads, own_k, own_on)
             state = step(state, batch, step_keys)
             return state, (None if collect is None else collect(state, step_keys))
 
@@ -301,7 +306,11 @@ def replicate(init: Callable, step: Callable, batches=None, *, steps: int | None
             state, history = jax.lax.scan(body, state, xs)
         return state if collect is None else (state, history)
 
-    jax.eval_shape(jax.vmap(one), arm_keys(seed, frozenset(), replicas), switches(frozenset(), replicas))
+    def arm_inputs(varied: frozenset[str]):
+        return (arm_keys(seed, varied, replicas), switches(varied, replicas), own_keys(seed, own, varied, replicas),
+                {n: jnp.full((replicas,), n in varied) for n in own})
+
+    jax.eval_shape(jax.vmap(one), *arm_inputs(frozenset()))
     for a in parsed:
         unread = sorted(a.varied - reads)
         if a.varied and len(unread) == len(a.varied):
@@ -312,7 +321,7 @@ def replicate(init: Callable, step: Callable, batches=None, *, steps: int | None
     else:
         single = jax.jit(one)
 
-        def run(keys, on):
-            states = [single(replica_slice(keys, r), replica_slice(on, r)) for r in range(replicas)]
+        def run(*inputs):
+            states = [single(*jax.tree.map(lambda k: k[r], inputs)) for r in range(replicas)]
             return jax.tree.map(lambda *xs: jnp.stack(xs), *states)
-    return {a.name: run(arm_keys(seed, a.varied, replicas), switches(a.varied, replicas)) for a in parsed}
+    return {a.name: run(*arm_inputs(a.varied)) for a in parsed}

@@ -8,6 +8,9 @@ Every PRNG key in nondet_jax is made here::
                       fold_in(stream(source), 0)       otherwise (shared by every replica)
     per epoch/step  : fold_in(key(source, r), epoch or step)
 
+A source of your own (:func:`nondet_jax.replicate`'s ``sources=``) follows the same rule with
+``source_id(name)`` in place of ``SOURCE_ID[source]``: a hash of its name, never a built-in index.
+
 Two kinds of source:
 
 * *draw* sources (``init``, ``data_order``, ``augmentation``, ``dropout``) always draw from their
@@ -46,6 +49,35 @@ SOURCE_ID = {
     "hardware": 7,
 }
 SOURCES = tuple(SOURCE_ID)
+RESERVED = ("control", "all", "step", "varies")  # names a source of your own cannot take
+
+
+def source_id(name: str) -> int:
+    """The stream index of a source: :data:`SOURCE_ID` for the built-in ones; for a source of your own
+    (:func:`nondet_jax.replicate`'s ``sources=``) ``2**31 + the first 31 bits of
+    sha256("nondet_jax source:" + name)``: stable, the same in every version and process, and never a
+    built-in one's."""
+    if name in SOURCE_ID:
+        return SOURCE_ID[name]
+    import hashlib
+
+    digest = hashlib.sha256(f"nondet_jax source:{name}".encode()).digest()
+    return (1 << 31) + (int.from_bytes(digest[:4], "big") & 0x7FFFFFFF)
+
+
+def check_own_sources(names) -> tuple[str, ...]:
+    """Your own source names as a tuple; UsageError for a name that is not an identifier, repeats, or
+    is a built-in source or reserved."""
+    names = (names,) if isinstance(names, str) else tuple(names)
+    for n in names:
+        if not isinstance(n, str) or not n.isidentifier() or n.startswith("_"):
+            raise UsageError(f"source name {n!r} is not a Python identifier; name your sources like env or policy")
+        if n in SOURCE_ID or n in RESERVED:
+            raise UsageError(f"source name '{n}' is taken ({'a built-in source' if n in SOURCE_ID else 'reserved'}); "
+                             "choose another name for your own source")
+    if len(set(names)) != len(names):
+        raise UsageError(f"source '{next(n for n in names if names.count(n) > 1)}' is named twice in sources")
+    return names
 IMPLEMENTED = ("init", "data_order", "augmentation", "dropout", "bitflip", "batch_order")
 PERTURBATIONS = ("bitflip", "batch_order")
 
@@ -88,13 +120,14 @@ class Arm(NamedTuple):
         return self.name.partition("@")[0]
 
 
-def parse_arm(name: str) -> Arm:
+def parse_arm(name: str, own: tuple[str, ...] = ()) -> Arm:
     """Parse an arm name into an :class:`Arm`; UsageError naming the fix for unknown names.
 
     ``control`` varies nothing, ``all`` every seeded source (not ``hardware``), a source name only
     that source, and ``a+b`` the union of its parts (``all+hardware`` for everything). A variant
     suffix ``@snapshotK`` (K >= 2) trains the same arm under the snapshot schedule of K cycles (a
-    mitigation, compared with the plain arm at equal training cost); it changes no source.
+    mitigation, compared with the plain arm at equal training cost); it changes no source. ``own``:
+    sources of your own (:func:`nondet_jax.replicate`), which arms may name, and ``all`` varies too.
     """
     base, _, variant = name.partition("@")
     cycles = 0
@@ -108,16 +141,16 @@ def parse_arm(name: str) -> Arm:
     if base != "control":
         for p in base.split("+"):
             if p == "all":
-                varied.update(IMPLEMENTED)
-            elif p in SOURCES:
+                varied.update(IMPLEMENTED + tuple(own))
+            elif p in SOURCES or p in own:
                 varied.add(p)
             else:
                 import difflib
 
-                close = difflib.get_close_matches(p, ["control", "all", *SOURCES], n=1)
+                close = difflib.get_close_matches(p, ["control", "all", *SOURCES, *own], n=1)
                 hint = f"did you mean '{close[0]}'? " if close else ""
                 raise UsageError(f"unknown arm or source '{p}'; {hint}use control, all, one of "
-                                 f"{', '.join(SOURCES)}, or a '+'-joined combination")
+                                 f"{', '.join((*SOURCES, *own))}, or a '+'-joined combination")
     return Arm(name, frozenset(varied), cycles)
 
 
@@ -133,8 +166,8 @@ def arm_sources(arm: str) -> frozenset[str]:
 
 
 def stream(seed: int, source: str) -> jax.Array:
-    """The key stream of one source: ``fold_in(key(seed), SOURCE_ID[source])``."""
-    return jax.random.fold_in(jax.random.key(seed), SOURCE_ID[source])
+    """The key stream of one source: ``fold_in(key(seed), source_id(source))``."""
+    return jax.random.fold_in(jax.random.key(seed), source_id(source))
 
 
 def replica_key(seed: int, source: str, replica: int, varies: bool) -> jax.Array:
@@ -150,6 +183,13 @@ def arm_keys(seed: int, varied: frozenset[str], replicas: int) -> ReplicaKeys:
         r = idx + 1 if source in varied else jnp.zeros_like(idx)
         keys[source] = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(stream(seed, source), r)
     return ReplicaKeys(**keys)
+
+
+def own_keys(seed: int, names: tuple[str, ...], varied: frozenset[str], replicas: int) -> dict[str, jax.Array]:
+    """Keys of your own sources for replicas 0..R-1 of an arm, by the same rule as :func:`arm_keys`."""
+    idx = jnp.arange(replicas, dtype=jnp.uint32)
+    return {n: jax.vmap(jax.random.fold_in, in_axes=(None, 0))(stream(seed, n), idx + 1 if n in varied
+                                                                else jnp.zeros_like(idx)) for n in names}
 
 
 def replica_slice(keys: ReplicaKeys, r: int) -> ReplicaKeys:
@@ -178,18 +218,20 @@ class StepKeys:
     whose sources are never read is refused instead of returning copies of control.
     """
 
-    __slots__ = ("_keys", "_on", "_step", "_reads")
+    __slots__ = ("_keys", "_on", "_step", "_reads", "_own", "_own_on")
 
-    def __init__(self, keys: ReplicaKeys, on: ReplicaKeys, step=None, reads: set | None = None):
+    def __init__(self, keys: ReplicaKeys, on: ReplicaKeys, step=None, reads: set | None = None,
+                 own: dict | None = None, own_on: dict | None = None):
         self._keys, self._on, self._step = keys, on, step
         self._reads = reads if reads is not None else set()
+        self._own, self._own_on = own or {}, own_on or {}  # sources of your own: name -> key, switch
 
     def __getattr__(self, name: str):
-        if name in IMPLEMENTED:
+        if name in IMPLEMENTED or name in self._own:
             self._reads.add(name)
-            key = getattr(self._keys, name)
+            key = self._own[name] if name in self._own else getattr(self._keys, name)
             return key if self._step is None else jax.random.fold_in(key, self._step)
-        raise AttributeError(f"keys have no source '{name}'; sources: {', '.join(IMPLEMENTED)}")
+        raise AttributeError(f"keys have no source '{name}'; sources: {', '.join((*IMPLEMENTED, *self._own))}")
 
     @property
     def step(self):
@@ -198,17 +240,24 @@ class StepKeys:
 
     def varies(self, source: str) -> jax.Array:
         """True (a boolean array) where this arm varies ``source``."""
+        if source in self._own_on:
+            return self._own_on[source]
         if source not in IMPLEMENTED:
-            raise UsageError(f"keys.varies('{source}'): unknown source; choose one of {', '.join(IMPLEMENTED)}")
+            raise UsageError(f"keys.varies('{source}'): unknown source; choose one of "
+                             f"{', '.join((*IMPLEMENTED, *self._own))}")
         return getattr(self._on, source)
 
     def tree_flatten(self):
-        return tuple(getattr(self, n) for n in IMPLEMENTED) + tuple(self._on), None
+        names = tuple(self._own)
+        return (tuple(getattr(self, n) for n in IMPLEMENTED) + tuple(self._on)
+                + tuple(getattr(self, n) for n in names) + tuple(self._own_on[n] for n in names)), names
 
     @classmethod
-    def tree_unflatten(cls, aux, children):
-        n = len(IMPLEMENTED)
-        return cls(ReplicaKeys(*children[:n]), ReplicaKeys(*children[n:]))
+    def tree_unflatten(cls, names, children):
+        n, k = len(IMPLEMENTED), len(names)
+        own = children[2 * n:]
+        return cls(ReplicaKeys(*children[:n]), ReplicaKeys(*children[n:2 * n]), own=dict(zip(names, own[:k])),
+                   own_on=dict(zip(names, own[k:])))
 
 
 jax.tree_util.register_pytree_node_class(StepKeys)

@@ -10,6 +10,8 @@ import warnings
 from pathlib import Path
 
 import flax.linen as nn
+import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -171,8 +173,31 @@ def test_replicate_passes_the_step_index_and_collects_a_history():
         nj.replicate(init, step, steps=2, arms="init", collect=3)
 
 
+@pytest.mark.parametrize("strategy", ["vmap", "sequential"])
+def test_replicate_takes_sources_of_your_own(strategy):
+    """An RL-like step with two sources of its own: each arm varies what it names, control none, all both."""
+    def init(keys):
+        return jnp.zeros(2)
+
+    def step(s, batch, keys):
+        return s + jnp.stack([jax.random.normal(keys.env), jax.random.normal(keys.policy)])
+
+    out = nj.replicate(init, step, steps=3, arms="control,env,policy,all", replicas=3, sources=("env", "policy"),
+                       strategy=strategy)
+    spread = {a: np.ptp(np.asarray(v), axis=0) > 0 for a, v in out.items()}  # which coordinate differs
+    assert [spread[a].tolist() for a in ("control", "env", "policy", "all")] == [
+        [False, False], [True, False], [False, True], [True, True]]
+    np.testing.assert_array_equal(np.asarray(out["env"])[:, 1], np.asarray(out["control"])[:, 1])
+    with pytest.raises(UsageError, match="arm 'unused' varies unused, which neither init nor step reads"):
+        nj.replicate(init, step, steps=2, arms="unused", sources=("env", "policy", "unused"))
+    with pytest.raises(UsageError, match="source name 'dropout' is taken"):
+        nj.replicate(init, step, steps=2, sources=("dropout",))
+
+
 NET_MODULE = '''
 import flax.linen as nn
+import jax
+import jax.numpy as jnp
 
 
 class Net(nn.Module):

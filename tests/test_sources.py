@@ -112,3 +112,23 @@ def test_one_replica_is_that_replica_of_its_arm():
         assert (jax.random.key_data(a) == jax.random.key_data(b)).all()
     for a, b in zip(jax.tree.leaves(perturb), jax.tree.leaves(sources.perturbations(varied)), strict=True):
         assert np.array_equal(a, b)
+
+
+def test_own_sources_get_stable_streams_under_the_key_rule():
+    # stored studies depend on these: a source of your own keeps its stream index in every version
+    assert (sources.source_id("env"), sources.source_id("policy")) == (2528874108, 4088871418)
+    assert sources.source_id("init") == 1 and all(sources.source_id(n) >= 2 ** 31 for n in ("env", "policy"))
+    varied = sources.own_keys(3, ("env",), frozenset({"env"}), 2)["env"]
+    shared = sources.own_keys(3, ("env",), frozenset(), 2)["env"]
+    stream = jax.random.fold_in(jax.random.key(3), 2528874108)
+    for r in range(2):  # replica r's own key, r + 1; the shared key, 0 (the rule of the built-in sources)
+        assert np.array_equal(jax.random.key_data(varied[r]), jax.random.key_data(jax.random.fold_in(stream, r + 1)))
+        assert np.array_equal(jax.random.key_data(shared[r]), jax.random.key_data(jax.random.fold_in(stream, 0)))
+    assert sources.parse_arm("all", ("env",)).varied == set(sources.IMPLEMENTED) | {"env"}
+    assert sources.parse_arm("env+init", ("env",)).varied == {"env", "init"}
+    for bad, msg in [(("init",), "taken"), (("all",), "taken"), (("my env",), "identifier"),
+                     (("env", "env"), "named twice")]:
+        with pytest.raises(UsageError, match=msg):
+            sources.check_own_sources(bad)
+    with pytest.raises(UsageError, match="did you mean 'env'"):
+        sources.parse_arm("evn", ("env",))
