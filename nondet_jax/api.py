@@ -169,6 +169,7 @@ def run_study(model=None, data=None, optimizer=None, loss: Callable | None = Non
               *, epochs: int | None = None, batch_size: int | None = None, arms: Sequence[str] | str = DEFAULT_ARMS,
               replicas: int = 4, seed: int = 0, out: str | Path | None = None, strategy: str = "auto",
               features: str | None = None, task: str | None = None, settings: dict | None = None,
+              init_params: dict | str | Path | None = None,
               config: cfg.Config | None = None, progress: bool = False, log: Callable = print) -> StudyResult:
     """Train ``replicas`` replicas per arm of your own parts and write a run folder and report.
 
@@ -191,6 +192,10 @@ def run_study(model=None, data=None, optimizer=None, loss: Callable | None = Non
         whose data, model, optimiser, loss or augmentation differ by content is refused, naming the part.
       features: submodule whose output CKA uses when the model has no ``return_features`` (default:
         the logits).
+      init_params: fine-tuning: a params tree (nested dict of arrays, a subset of the model's: a
+        pre-trained body without its head) or a ``.npz`` of one (:func:`load_params`) that every replica
+        starts from; the ``init`` source then draws only the parameters it does not hold, and ``bitflip``
+        moves one weight of the result. Identified by content, like the other parts.
       task: ``"classification"`` or ``"regression"`` for arrays; default: recognised from the targets
         (floating-point targets are a regression: the model's outputs are shaped like the targets, the
         default loss is the squared error, and the report gives test MSE and MAE, the distance and
@@ -213,7 +218,7 @@ def run_study(model=None, data=None, optimizer=None, loss: Callable | None = Non
                           batch_size=batch_size, arms=arms, replicas=replicas, seed=seed, strategy=strategy,
                           settings=settings, base=config)
     parts = Parts(model=None if model is None or isinstance(model, str) else model, optimizer=optimizer,
-                  loss=loss, augment=augment, features=features)
+                  loss=loss, augment=augment, features=features, init_params=init_params)
     try:
         summary = runner.run(config, out, progress=progress, log=log, parts=parts, data=dataset,
                             command=f"nondet_jax.run_study(model={config.model.name}, data={config.data.name}, ...)")

@@ -32,6 +32,9 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype: float32 | bfloat16 (mixed precision: float32 weights and optimiser)
     # a user model's submodule whose output CKA uses when the model has no return_features ("" = the logits)
     features: str = ""
+    # fine-tuning: a .npz of parameters every replica starts from (PATH.npz, or PATH.npz@R for replica R of a run
+    # folder's weights/<arm>.npz); the init key draws only the parameters it does not hold ("" = none)
+    init_from: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

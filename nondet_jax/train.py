@@ -41,7 +41,7 @@ from nondet_jax.data.pipeline import (
     epoch_indices,
 )
 from nondet_jax.errors import UsageError
-from nondet_jax.models import MODELS, compute_dtype
+from nondet_jax.models import MODELS, compute_dtype, pretrained
 from nondet_jax.models.parts import Parts, model_fns
 from nondet_jax.sources import Perturbations, ReplicaKeys, bitflip
 
@@ -236,6 +236,7 @@ def make_train(config: Config, spec: DataSpec, parts: Parts = Parts()) -> TrainF
     ``parts`` are the user's own model, optimiser, loss and augmentation; each one left ``None``
     is the one ``config`` names (the catalogue's models go through the same :func:`model_fns`).
     """
+    parts = parts._replace(init_params=pretrained.as_given(parts.init_params))  # hashable, by content
     return _make_train(dataclasses.replace(config, study=StudyConfig()), spec, parts)
 
 
@@ -290,6 +291,8 @@ def _make_train(config: Config, spec: DataSpec, parts: Parts) -> TrainFns:
 
     def init(keys: ReplicaKeys, perturb: Perturbations, x_sample: jax.Array) -> TrainState:
         v = model.init(keys.init, x_sample[:1])
+        if parts.init_params is not None:  # fine-tuning: the given weights, the init key draws the rest
+            v = {**v, "params": pretrained.overlay(v["params"], parts.init_params.tree)}
         flipped = bitflip(v["params"], keys.bitflip)
         params = jax.tree.map(lambda a, b: jnp.where(perturb.bitflip, a, b), flipped, v["params"])
         return TrainState(params, v["batch_stats"], tx.init(params), healthy(),

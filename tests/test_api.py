@@ -261,6 +261,15 @@ def test_cli_takes_the_same_parts_as_run_study(tmp_path):
         assert api[part]["sha256"] == ident[part]["sha256"], part
     # the same training up to rounding: the CLI runs under the CPU type's measured XLA flags, this process not
     np.testing.assert_allclose(np.load(tmp_path / "api" / "logits" / "augmentation.npy"), aug, rtol=1e-3, atol=1e-5)
+    # --init-from: fine-tune from replica 0 of that run's weights, the first layer only (a new head)
+    w = np.load(tmp_path / "cli" / "weights" / "control.npz")
+    np.savez(tmp_path / "body.npz", **{k: w[k] for k in w.files if k.startswith("params/Dense_0/")})
+    fine = subprocess.run(cmd[:cmd.index("--arms")] + ["--arms", "control,init", "--replicas", "2", "--epochs", "1",
+                                                       "--init-from", str(tmp_path / "body.npz@0"), "--no-progress",
+                                                       "--out", str(tmp_path / "fine")],
+                          capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert fine.returncode == 0, fine.stderr[-3000:]
+    assert json_of(tmp_path / "fine" / "model.json")["identity"]["init_params"]["name"] == str(tmp_path / "body.npz@0")
     bad = subprocess.run(cmd[:4] + ["--optimizer", "myparts:noise", "--out", str(tmp_path / "bad")],
                          capture_output=True, text=True, env=env, cwd=tmp_path)
     assert bad.returncode == 2 and "cannot be called without arguments" in bad.stderr, bad.stderr
@@ -294,13 +303,71 @@ def test_cli_takes_model_and_dataset(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["digits_cnn.py", "wine_mlp.py", "own_step.py"])
+@pytest.mark.parametrize("script", ["digits_cnn.py", "wine_mlp.py", "own_step.py", "finetune.py"])
 def test_examples_run(script, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / script), str(tmp_path / "run")],
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "control" in proc.stdout
+
+
+class HeadNet(nn.Module):
+    num_classes: int = 3
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        return nn.Dense(self.num_classes, name="head")(nn.relu(nn.Dense(8, name="body")(x)))
+
+
+def _body(seed=0):
+    rng = np.random.default_rng(seed)
+    return {"body": {"kernel": rng.normal(size=(6, 8)).astype(np.float32), "bias": np.zeros(8, np.float32)}}
+
+
+def test_init_params_start_every_replica_from_the_given_weights():
+    """The given body in every replica of every arm, bitwise; the init key draws only the head; bitflip
+    moves one weight of the result."""
+    from nondet_jax.config import from_flat
+    from nondet_jax.sources import arm_keys, perturbations, replica_slice
+    from nondet_jax.train import DataSpec, make_train
+
+    body = _body()
+    fns = make_train(from_flat({"train.batch_size": 32}), DataSpec(128, (6,), 3, "arrays"),
+                     nj.Parts(model=HeadNet, optimizer=optax.sgd(0.1), init_params=body))
+    x = jnp.zeros((1, 6))
+    states = [fns.init(replica_slice(arm_keys(0, frozenset({"init"}), 2), r), perturbations(frozenset()), x)
+              for r in range(2)]
+    for st in states:
+        np.testing.assert_array_equal(st.params["body"]["kernel"], body["body"]["kernel"])
+    assert not np.array_equal(states[0].params["head"]["kernel"], states[1].params["head"]["kernel"])
+    flipped = fns.init(replica_slice(arm_keys(0, frozenset({"bitflip"}), 1), 0), perturbations(frozenset({"bitflip"})),
+                       x)
+    moved = sum(int((np.asarray(a) != np.asarray(b)).sum()) for a, b in
+                zip(jax.tree.leaves(flipped.params), jax.tree.leaves(states[0].params)))
+    assert moved >= 1
+
+
+def test_init_params_are_part_of_the_study_by_content(tmp_path):
+    data = own_arrays()
+    run = dict(model=HeadNet, data=data, optimizer=optax.sgd(0.05), epochs=1, batch_size=32, arms="control,init",
+               replicas=2, out=tmp_path / "run", settings={"metrics.lmc_pairs": 0}, **QUIET)
+    nj.run_study(init_params=_body(), **run)
+    ident = json_of(tmp_path / "run" / "model.json")["identity"]["init_params"]
+    assert ident["name"] == "in memory" and ident["parameters"] == 2
+    with pytest.raises(UsageError, match="the init_params differs"):
+        nj.run_study(init_params=_body(seed=1), **run)  # one weight set for another: not this folder's study
+    np.savez(tmp_path / "body.npz", **{"params/body/kernel": _body()["body"]["kernel"],
+                                       "params/body/bias": _body()["body"]["bias"]})
+    nj.run_study(init_params=tmp_path / "body.npz", **run)  # the same weights from a file: the same study, reused
+    with pytest.raises(UsageError, match=r"init_params 'body/kernel' has shape \(6, 4\), the model's is \(6, 8\)"):
+        nj.run_study(init_params={"body": {"kernel": np.zeros((6, 4), np.float32)}}, **{**run, "out": tmp_path / "b"})
+    with pytest.raises(UsageError, match="init_params holds 'neck/kernel', which the model has no parameter of"):
+        nj.run_study(init_params={"neck": {"kernel": np.zeros(3)}}, **{**run, "out": tmp_path / "c"})
+    whole = {**_body(), "head": {"kernel": np.zeros((8, 3), np.float32), "bias": np.zeros(3, np.float32)}}
+    with pytest.raises(UsageError, match="arm 'init' varies only init, which is drawing nothing"):
+        nj.run_study(init_params=whole, **{**run, "out": tmp_path / "d"})
+    assert not any((tmp_path / n).exists() for n in "bcd")
 
 
 def test_python_m_nondet_jax_lists_its_commands():

@@ -43,6 +43,7 @@ FLAGS = {
     "optimizer": "optim.name",
     "loss": "train.loss",
     "features": "model.features",
+    "init_from": "model.init_from",
     "lr": "optim.lr",
     "instruments": "instruments.config",
 }
@@ -95,6 +96,9 @@ def build_parser(prog: str = "python -m nondet_jax.sweep") -> argparse.ArgumentP
                                        "learning rate is its own, --lr and optim.* do not apply)")
     p.add_argument("--loss", help="default (softmax cross-entropy; squared error for regression) or your own "
                                   "per-example (outputs, labels) -> losses function as PACKAGE.MODULE:ATTR")
+    p.add_argument("--init-from", help="fine-tuning: a .npz of parameters every replica starts from (PATH.npz, or "
+                                       "PATH.npz@R: replica R of a run folder's weights/<arm>.npz); the init source "
+                                       "draws only the parameters it does not hold")
     p.add_argument("--features", help="your model's submodule whose output CKA compares, when it has no "
                                       "return_features (default: the logits)")
     p.add_argument("--lr", type=float, help="peak learning rate")

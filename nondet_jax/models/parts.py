@@ -42,6 +42,7 @@ class Parts(NamedTuple):
     loss: Callable | None = None  # per-example (logits, labels) -> loss; None: softmax cross-entropy
     augment: Callable | None = None  # (key, x_batch) -> x_batch; None: config.data.augment (crop, flip)
     features: str | None = None  # submodule whose output CKA uses when the model has no return_features
+    init_params: Any = None  # a params subtree every replica starts from (nondet_jax.models.pretrained)
 
 
 class ModelFns(NamedTuple):

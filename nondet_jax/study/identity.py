@@ -34,9 +34,10 @@ import numpy as np
 from nondet_jax import config as cfg
 from nondet_jax.errors import UsageError
 from nondet_jax.machine import xla_flags
+from nondet_jax.models import pretrained
 from nondet_jax.report.optimizer import describe_optimizer, format_optimizer
 
-PARTS = ("data", "model", "optimizer", "loss", "augment", "platform")
+PARTS = ("data", "model", "optimizer", "loss", "augment", "init_params", "platform")
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # a function's repr inside a jaxpr parameter: not its content
 _DATA_CACHE: dict[tuple, dict] = {}  # (real path, size, mtime_ns) of a .npz -> its data identity
 
@@ -156,6 +157,10 @@ def part_identities(config, data, fns) -> dict[str, dict]:
         "augment": {"name": "none" if fns.augment is None else "config" if p.augment is None else label_of(p.augment),
                     "sha256": hashlib.sha256(aug.encode()).hexdigest()},
         "platform": platform_identity(),
+        # fine-tuning only (a study without keeps the identity it always had)
+        **({} if p.init_params is None else {"init_params": {
+            "name": config.model.init_from or "in memory", "sha256": pretrained.fingerprint(p.init_params),
+            "parameters": len(pretrained.flat(p.init_params))}}),
     }
 
 

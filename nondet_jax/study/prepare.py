@@ -14,6 +14,7 @@ from nondet_jax import config as cfg
 from nondet_jax.config import Config
 from nondet_jax.data import load_data
 from nondet_jax.errors import UsageError
+from nondet_jax.models import pretrained
 from nondet_jax.models.parts import (
     Parts,
     fingerprint_diff,
@@ -51,6 +52,9 @@ def check_arms_active(config: Config, arms: list[Arm], fns) -> None:
     from the user's own parts, a model whose training pass never reads its dropout input or an
     ``augment`` that never reads its key."""
     parts, inactive = fns.parts, set()
+    if parts.init_params is not None and pretrained.covers_all(parts.init_params, _params_shape(fns)):
+        inactive.add(("init", "drawing nothing: init_params holds every parameter",
+                      "leave a layer (the head) out of init_params"))
     if fns.augment is None:
         inactive.add(("augmentation", "off in this config", "turn it on with --augment on"))
     elif parts.augment is not None:
@@ -69,6 +73,17 @@ def check_arms_active(config: Config, arms: list[Arm], fns) -> None:
         if arm.name not in ("control", "all") and arm.varied and len(off) == len(arm.varied):
             raise UsageError(f"arm '{arm.name}' varies only {', '.join(s for s, _, _ in off)}, which is {off[0][1]}, "
                              f"so its replicas would equal control's; {off[0][2]} or drop the arm")
+
+
+def _params_shape(fns):
+    x1 = jax.ShapeDtypeStruct((1, *fns.spec.image_shape), fns.spec.x_dtype)
+    return jax.eval_shape(fns.model.init, jax.random.key(0), x1)["params"]
+
+
+def check_init_params(fns) -> None:
+    """Refuse, before anything trains, ``init_params`` that are not a subset of the model's parameters."""
+    if fns.parts.init_params is not None:
+        pretrained.check(fns.parts.init_params, _params_shape(fns))
 
 
 def check_outputs(fns) -> None:
@@ -114,7 +129,14 @@ def resolve_parts(config: Config, parts: Parts = Parts()) -> Parts:
         parts = parts._replace(augment=_imported_function(config.data.augment, "--augment", "(key, x) -> x"))
     if parts.features is None and config.model.features:
         parts = parts._replace(features=config.model.features)
-    return parts
+    if parts.init_params is None and config.model.init_from:
+        path, _, r = config.model.init_from.rpartition("@") if "@" in config.model.init_from else (
+            config.model.init_from, "", "")
+        if r and not r.isdigit():
+            raise UsageError(f"--init-from {config.model.init_from}: after @ comes a replica number, e.g. "
+                             "runs/pretrain/weights/control.npz@0")
+        parts = parts._replace(init_params=pretrained.load_params(path, int(r) if r else None))
+    return parts._replace(init_params=pretrained.as_given(parts.init_params))
 
 
 def _imported_optimizer(spec: str):
@@ -170,6 +192,7 @@ def prepare(config: Config, parts: Parts = Parts(), data=None):
     spec = DataSpec(n_train, tuple(data.x_train.shape[1:]), data.num_classes, data.name, np.dtype(data.x_train.dtype),
                     getattr(data, "task", "classification"))
     fns = make_train(config, spec, parts)
+    check_init_params(fns)
     check_arms_active(config, parse_arms(config), fns)
     check_outputs(fns)
     check_fits(config, spec, len(data.x_test), fns=fns)  # before anything is allocated or written

@@ -1,0 +1,128 @@
+"""Starting every replica from given weights (fine-tuning): ``init_params``.
+
+A study's replicas normally draw all their weights from their ``init`` key. With ``init_params`` (a
+nested dict of arrays, a subset of the model's params: a pre-trained body without its head, say) every
+replica starts from those values, and the ``init`` key draws only the parameters ``init_params`` does not
+hold; ``bitflip`` then moves one weight of the result, so within the given weights too.
+
+Example::
+
+    pre = load_params("runs/pretrain/weights/control.npz", replica=0)   # a run folder's weights file
+    pre.pop("head")                                                      # a new head for the new task
+    nj.run_study(model=..., init_params=pre, arms="control,init,data_order")
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import traverse_util
+
+from nondet_jax.errors import UsageError
+
+
+class Given:
+    """``init_params`` as a study holds them: the tree and its :func:`fingerprint`, hashable and equal by
+    content (the training functions are cached by their parts)."""
+
+    __slots__ = ("tree", "sha256")
+
+    def __init__(self, tree: dict):
+        self.tree, self.sha256 = tree, fingerprint(tree)
+
+    def __hash__(self) -> int:
+        return hash(self.sha256)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Given) and other.sha256 == self.sha256
+
+    def __repr__(self) -> str:
+        return f"Given({len(flat(self.tree))} parameters, sha256 {self.sha256[:12]})"
+
+
+def as_given(init_params) -> Given | None:
+    """``init_params`` (None, a params tree, a ``.npz`` path, or :class:`Given`) as a :class:`Given`."""
+    if init_params is None or isinstance(init_params, Given):
+        return init_params
+    if isinstance(init_params, (str, Path)):
+        return Given(load_params(init_params))
+    return Given(init_params)
+
+
+def _tree(x):
+    return x.tree if isinstance(x, Given) else x
+
+
+def flat(tree) -> dict[str, np.ndarray]:
+    """``'/'``-joined leaf paths of a nested dict of arrays (or of a :class:`Given`'s)."""
+    tree = _tree(tree)
+    if not isinstance(tree, dict):
+        raise UsageError(f"init_params must be a nested dict of arrays (a params tree), got {type(tree).__name__}")
+    return traverse_util.flatten_dict(tree, sep="/")
+
+
+def load_params(path: str | Path, replica: int | None = None) -> dict:
+    """A params tree from a ``.npz`` of ``'/'``-joined keys (a leading ``params/`` is dropped; other
+    collections, ``batch_stats/...``, are left out): a run folder's ``weights/<arm>.npz`` holds every
+    replica along a leading axis, so name one with ``replica``."""
+    path = Path(path)
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+    except (OSError, ValueError) as e:
+        raise UsageError(f"cannot read init params {path}: {e}; pass a .npz of '/'-joined parameter names") from None
+    if any(k.startswith("params/") for k in arrays):
+        params = {k.removeprefix("params/"): a for k, a in arrays.items() if k.startswith("params/")}
+    else:
+        params = {k: a for k, a in arrays.items() if not k.startswith("batch_stats/")}
+    if not params:
+        raise UsageError(f"{path} holds no parameters (keys like params/Dense_0/kernel); pass a params .npz")
+    if replica is not None:
+        n = {a.shape[0] if a.ndim else 0 for a in params.values()}
+        if len(n) != 1 or not 0 <= replica < n.pop():
+            raise UsageError(f"{path}: replica {replica} is not on the leading axis of its arrays; pick one of "
+                             f"0 .. {min(a.shape[0] for a in params.values()) - 1}")
+        params = {k: a[replica] for k, a in params.items()}
+    return traverse_util.unflatten_dict(params, sep="/")
+
+
+def check(given: dict, params_shape) -> None:
+    """UsageError unless every leaf of ``given`` is a parameter of the model with its shape."""
+    want, have = flat(params_shape), flat(given)
+    for name, a in have.items():
+        if name not in want:
+            close = sorted(want)[:6]
+            raise UsageError(f"init_params holds '{name}', which the model has no parameter of (it has "
+                             f"{', '.join(close)}{', ...' if len(want) > 6 else ''}); drop it or rename it")
+        if tuple(np.shape(a)) != tuple(want[name].shape):
+            raise UsageError(f"init_params '{name}' has shape {tuple(np.shape(a))}, the model's is "
+                             f"{tuple(want[name].shape)}; drop it from init_params to draw that layer from the "
+                             "init key")
+
+
+def covers_all(given: dict, params_shape) -> bool:
+    """Whether ``given`` holds every parameter (then the ``init`` key draws nothing)."""
+    return set(flat(given)) >= set(flat(params_shape))
+
+
+def overlay(params, given: dict):
+    """``params`` with every leaf ``given`` holds replaced by it (in the model's dtype)."""
+    have = flat(given)
+    out = {k: (jnp.asarray(have[k], v.dtype) if k in have else v) for k, v in flat(params).items()}
+    return traverse_util.unflatten_dict(out, sep="/")
+
+
+def fingerprint(given: dict) -> str:
+    """sha256 over every leaf's name, shape, dtype and bytes: what the study's identity records."""
+    if isinstance(given, Given):
+        return given.sha256
+    h = hashlib.sha256()
+    for name, a in sorted(flat(given).items()):
+        a = np.asarray(jax.device_get(a))
+        h.update(f"{name}{a.shape}{a.dtype.str}".encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
