@@ -84,6 +84,7 @@ class StudyConfig:
     xla_determinism: bool = True  # CLI: XLA's determinism flags on (hardware arms run without them)
     hardware_processes: str = "replica"  # hardware arms: one fresh process per replica, caches off | "arm": one child
     dynamics_every: int = 0  # > 0: trace replicas 0 and 1 of each arm every k steps (nondet_jax.analysis.dynamics)
+    eval_every: int = 0  # > 0: test every replica every k epochs (and after the last): test curves, best epochs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -415,6 +416,8 @@ def validate(config: Config) -> None:
     if not SEED_RANGE[0] <= s.seed <= SEED_RANGE[1]:
         raise UsageError(f"study.seed must be in {SEED_RANGE[0]} .. {SEED_RANGE[1]} (jax.random.key keeps only a "
                          f"seed's low 32 bits), got {s.seed}; use a seed in that range")
+    if s.eval_every < 0:
+        raise UsageError(f"study.eval_every must be >= 0 (0 = off), got {s.eval_every}; fix --set study.eval_every")
     if s.dynamics_every < 0:
         raise UsageError(f"study.dynamics_every must be >= 0 (0 = off), got {s.dynamics_every}")
     if s.strategy not in STRATEGIES:

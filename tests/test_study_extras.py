@@ -75,3 +75,28 @@ def test_sharded_strategy_from_the_cli_over_two_host_devices(tmp_path):
     record = json.loads((out / "arms" / "control.json").read_text())
     assert record["strategy"] == "sharded" and record["replicas_bitwise_identical"]
     assert np.load(out / "logits" / "init.npy").shape == (3, 360, 10)
+
+
+@pytest.mark.slow
+def test_eval_every_keeps_test_curves_and_best_epochs(tmp_path):
+    """study.eval_every: every replica's test curve in the history, its last point the table's score,
+    the best epoch and score per replica with intervals in the record and the report, a figure, the
+    TensorBoard test scalars at every evaluated epoch; a snapshot arm keeps only its cycles' snapshots."""
+    out = tmp_path / "run"
+    proc = sweep("--model", "mlp", "--epochs", "4", "--replicas", "3", "--arms", "init,init@snapshot2",
+                 "--set", "study.eval_every=3", "--set", "metrics.lmc_pairs=0", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    h = np.load(out / "history" / "init.npz")
+    np.testing.assert_array_equal(h["test_epochs"], [3, 4])  # every 3 epochs, and after the last
+    rows = [r for r in csv.DictReader((out / "replicas.csv").open()) if r["arm"] == "init"]
+    np.testing.assert_allclose(100 * h["test_accuracy"][:, -1], [float(r["test_accuracy_pct"]) for r in rows], rtol=1e-12)
+    rec = json.loads((out / "arms" / "init.json").read_text())["over_training"]
+    np.testing.assert_allclose(rec["best"]["values"], h["test_accuracy"].max(1))
+    assert all(e in (3, 4) for e in rec["best_epoch"]["values"]) and len(rec["best"]["std_ci"]) == 2
+    report = (out / "report.md").read_text()
+    assert "## Test scores over training" in report and "| init@snapshot2 |" in report
+    assert (out / "figures" / "test_curves.png").stat().st_size > 10_000
+    assert np.load(out / "snapshots" / "init@snapshot2.npy").shape == (3, 2, 360, 10)  # its 2 cycles, not 3 points
+    from nondet_jax.report.tensorboard import arm_scalars
+
+    assert [e for e, _ in arm_scalars(out, "init")[0]["test/accuracy"]] == [3, 4]

@@ -174,6 +174,29 @@ def make_figures(run: Path, summary: dict, records: dict[str, dict]) -> list[str
     else:
         plt.close(fig)
 
+    # 4b. test scores over training (study.eval_every): every replica's curve, one panel per arm
+    curves = [(i, a, h) for i, a, h in _stored(run, arms, "history", "test_epochs")]
+    if curves:
+        name = "test_accuracy" if "test_accuracy" in curves[0][2] else "test_mse"
+        cols = min(4, len(curves))
+        rows = -(-len(curves) // cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 3 * rows), squeeze=False, sharey=True)
+        for ax, (i, a, h) in zip(axes.ravel(), curves):
+            ep, c = h["test_epochs"], h[name] * (100 if name == "test_accuracy" else 1)
+            for r in range(len(c)):
+                ax.plot(ep, c[r], color=f"C{i}", lw=0.8, alpha=0.6)
+            ax.plot(ep, np.nanmean(c, 0), color="k", lw=1.8, label="mean over replicas")
+            ax.set_title(a, fontsize=10)
+            ax.set_xlabel("epoch")
+            ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        for ax in axes.ravel()[len(curves):]:
+            ax.axis("off")
+        for ax in axes[:, 0]:
+            ax.set_ylabel("test accuracy (%)" if name == "test_accuracy" else "test MSE")
+        axes[0, 0].legend(fontsize=8)
+        fig.suptitle("Test scores over training, one line per replica")
+        save(fig, "test_curves")
+
     # 5. divergence dynamics of replicas 0 and 1, every k steps
     traces = list(_stored(run, arms, "dynamics", "weight_distance"))
     if traces:

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from nondet_jax.analysis.mitigations import mitigation_table
-from nondet_jax.analysis.stats import METHODS, TESTS, na_reason, replicas_for_std_factor
+from nondet_jax.analysis.stats import METHODS, TESTS, format_ci, na_reason, replicas_for_std_factor
 from nondet_jax.analysis.task import QUANTITIES, task_of
 from nondet_jax.errors import UsageError
 from nondet_jax.report.figures import make_figures
@@ -127,6 +127,29 @@ def _mitigations_md(summary: dict) -> list[str]:
             mitigation_table(summary["mitigations"]), ""]
 
 
+def _over_training_md(records: dict[str, dict]) -> list[str]:
+    """The best test score and best epoch of each arm's replicas (``study.eval_every``)."""
+    rows = {a: r["over_training"] for a, r in records.items() if r.get("over_training")}
+    if not rows:
+        return []
+    first = next(iter(rows.values()))
+    what = {"test_accuracy": "test accuracy", "test_mse": "test MSE"}[first["metric"]]
+    scale, unit = (100, "%") if first["metric"] == "test_accuracy" else (1, "")
+
+    def cell(s, k=scale, digits=2):
+        return (f"{k * s['mean']:.{digits}f} {format_ci(s['mean_ci'], digits, k).strip()}, std {k * s['std']:.{digits}f} "
+                f"{format_ci(s['std_ci'], digits, k).strip()}")
+
+    out = ["## Test scores over training", "",
+           f"Every replica was tested after epochs {', '.join(map(str, first['epochs']))} (`study.eval_every`): its best "
+           f"{what} and the first epoch reaching it (what early stopping on the test curve picks), mean and std over "
+           "replicas with 95% CIs (" + METHODS["mean"] + "; " + METHODS["std"] + "). Curves: `history/<arm>.npz` "
+           "(`test_epochs`, and the scores per replica and epoch), figure `test_curves`.", "",
+           f"| arm | best {what}{' (' + unit + ')' if unit else ''} | best epoch |", "|---|---|---|"]
+    out += [f"| {a} | {cell(r['best'])} | {cell(r['best_epoch'], 1, 1)} |" for a, r in rows.items()]
+    return out + [""]
+
+
 def _model_json(paths) -> dict:
     try:
         model = json.loads(paths.model.read_text())
@@ -188,6 +211,7 @@ def write_report(run: str | Path, command: str | None = None) -> dict:
            "## Spread relative to the `all` arm", "", *_comparison_md(summary),
            "## What the numbers say", "", *(_findings(summary) or ["- (nothing to compare)"]), "",
            *_dynamics_md(summary),
+           *_over_training_md(records),
            *_mitigations_md(summary),
            *_trained_md(model),
            "## Figures", ""]

@@ -5,7 +5,7 @@ arm) writes ``RUN_DIR/tensorboard/<arm>/replica<r>/`` with, per replica:
 
 * ``train/loss`` and ``train/accuracy`` per epoch (x axis: epoch);
 * ``train/step_loss`` per step (x axis: global step);
-* ``test/accuracy`` and ``test/loss`` at the last epoch;
+* ``test/accuracy`` and ``test/loss`` at the last epoch (at every evaluated epoch with ``study.eval_every``);
 * every scalar instrument at its tracked steps (``instruments/<Quantity>``), with ``--instruments``.
 
 View them with ``tensorboard --logdir RUN_DIR/tensorboard``. The writer is tensorboardX (no
@@ -64,6 +64,10 @@ def arm_scalars(run: Path, arm: str) -> list[dict[str, list[tuple[int, float]]]]
             "test/mse" if regression else "test/accuracy": [(epochs, float(acc[r]))],
             "test/mae" if regression else "test/loss": [(epochs, float(nll[r]))],
         }
+        if "test_epochs" in hist:  # study.eval_every: the test curve at every evaluated epoch
+            names = ("test_mse", "test_mae") if regression else ("test_accuracy", "test_loss")
+            for key, tag in zip(names, ("test/mse", "test/mae") if regression else ("test/accuracy", "test/loss")):
+                tags[tag] = [(int(e), float(v)) for e, v in zip(hist["test_epochs"], hist[key][r])]
         if "step_loss" in hist:
             tags["train/step_loss"] = [(t, float(v)) for t, v in enumerate(np.ravel(hist["step_loss"][r]))]
         for name, values in inst.items():

@@ -17,6 +17,7 @@ from nondet_jax.analysis.health import (
 )
 from nondet_jax.analysis.metrics import accuracy, cross_entropy, regression_errors
 from nondet_jax.analysis.mitigations import snapshot_epochs
+from nondet_jax.analysis.over_training import best_epochs, evaluated_epochs, test_curves
 from nondet_jax.analysis.task import TRAIN_SCORE
 from nondet_jax.analysis.tta import tta_logits, view_grid
 from nondet_jax.config import Config
@@ -113,9 +114,16 @@ def fit_arm(config: Config, data, fns, store, arm: Arm, progress, log=print, blo
         progress(start.epoch * len(block))
     result = train_replicas(strategy, keys, perturb, data, config.train.epochs, progress, start=start,
                             on_epoch=lambda p: ckpt.save(p, meta), fault=injected_fault(arm),
-                            eval_epochs=snapshot_epochs(config.train.epochs, arm.cycles) if arm.cycles else ())
+                            eval_epochs=test_epochs(config, arm))
     ckpt.close()
     return result, reason
+
+
+def test_epochs(config: Config, arm: Arm) -> tuple[int, ...]:
+    """The epoch counts after which an arm's test outputs are kept: its snapshot cycles' ends and, with
+    ``study.eval_every``, every k epochs and the last."""
+    cycles = snapshot_epochs(config.train.epochs, arm.cycles) if arm.cycles else ()
+    return tuple(sorted(set(cycles) | set(evaluated_epochs(config.train.epochs, config.study.eval_every))))
 
 
 def train_arm(config: Config, data, fns, store, arm: Arm, progress, log=print) -> dict:
@@ -150,6 +158,17 @@ def finish_arm(config: Config, data, fns, store, arm: Arm, result, reason: str, 
         scores = {"test_accuracy": accuracy(result.logits, labels), "test_loss": cross_entropy(result.logits, labels)}
     record = arm_record(arm, result, reason, metrics, scores, task)
     record["diverged"] = diverged
+    kept = test_epochs(config, arm)
+    history = {"train_loss": result.train_loss, "train_accuracy": result.train_accuracy,
+               "weight_distance": result.weight_distance, "step_loss": result.steps["loss"],
+               "diverged_at": result.diverged_at}
+    if study.eval_every:  # the test curves, and each replica's best epoch (on those that did not diverge)
+        at = evaluated_epochs(config.train.epochs, study.eval_every)
+        idx = [kept.index(e) for e in at]
+        history.update({"test_epochs": np.asarray(at), **test_curves(result.snapshots[:, idx], labels, task)})
+        if len(used.logits):
+            record["over_training"] = best_epochs(test_curves(used.snapshots[:, idx], labels, task), at,
+                                                  study.eval_every, len(labels))
     trace = None
     if study.dynamics_every and arm.name != "control" and study.replicas >= 2:
         from nondet_jax.analysis.dynamics import divergence_trace, fit_growth_rate
@@ -164,13 +183,11 @@ def finish_arm(config: Config, data, fns, store, arm: Arm, result, reason: str, 
         extra[RunPaths.rel("instruments", arm.name)] = npz_bytes(values)
         extra[RunPaths.rel("instruments", arm.name, ".csv")] = tidy_csv(arm.name, values)
     if arm.cycles:
-        extra[RunPaths.rel("snapshots", arm.name)] = npy_bytes(result.snapshots.astype(np.float32))
+        cycle_idx = [kept.index(e) for e in snapshot_epochs(config.train.epochs, arm.cycles)]
+        extra[RunPaths.rel("snapshots", arm.name)] = npy_bytes(result.snapshots[:, cycle_idx].astype(np.float32))
     elif config.metrics.tta:
         extra[RunPaths.rel("tta", arm.name)] = npz_bytes(tta_outputs(config, data, fns, result.state))
-    store.save_arm(arm.name, record, result.logits.astype(np.float32), result.features.astype(np.float32),
-                   {"train_loss": result.train_loss, "train_accuracy": result.train_accuracy,
-                    "weight_distance": result.weight_distance, "step_loss": result.steps["loss"],
-                    "diverged_at": result.diverged_at},
+    store.save_arm(arm.name, record, result.logits.astype(np.float32), result.features.astype(np.float32), history,
                    {**{f"params/{k}": v for k, v in flatten_tree(result.state.params).items()},
                     **{f"batch_stats/{k}": v for k, v in flatten_tree(result.state.batch_stats).items()}},
                    pair_arrays, trace, extra)
