@@ -63,6 +63,34 @@ class StudyResult:
     def __repr__(self) -> str:
         return f"StudyResult(out={str(self.out)!r}, arms={list(self.summary['arms'])})"
 
+    def load_replica(self, arm: str, replica: int, model=None):
+        """Replica ``replica`` of ``arm`` as trained: its Flax variables ``{"params": ..., "batch_stats": ...}``
+        (for ``model.apply(variables, x, train=False)`` of a Linen module), or, given the NNX class or
+        factory the study trained (``model=``), that module with the trained state in it (in eval mode).
+        Read from ``weights/<arm>.npz``."""
+        path = self._paths.arm_file("weights", arm)
+        if not path.exists():
+            raise UsageError(f"arm '{arm}' has no stored weights in {self.out} (arms: "
+                             f"{', '.join(self.summary['arms'])}); pick one of those")
+        with np.load(path, allow_pickle=False) as z:
+            flat = {k: z[k] for k in z.files}
+        count = next(iter(flat.values())).shape[0] if flat else 0
+        if isinstance(replica, bool) or not isinstance(replica, (int, np.integer)) or not 0 <= replica < count:
+            raise UsageError(f"arm '{arm}' has replicas 0 .. {count - 1}; got replica={replica!r}")
+        from flax import traverse_util
+
+        variables = {c: traverse_util.unflatten_dict({k.removeprefix(c + "/"): a[replica] for k, a in flat.items()
+                                                      if k.startswith(c + "/")}, sep="/")
+                     for c in ("params", "batch_stats")}
+        if model is None:
+            return variables
+        from nondet_jax.models.parts import nnx_module
+
+        return nnx_module(model, self._classes(), variables)
+
+    def _classes(self) -> int:
+        return int(np.load(self._paths.arm_file("logits", next(iter(self.summary["arms"]))), mmap_mode="r").shape[-1])
+
     def to_frame(self, what: str = "arms"):
         """:attr:`table` (``what="arms"``, indexed by arm) or :attr:`rows` (``"replicas"``, indexed by arm
         and replica) as a pandas DataFrame, same columns and units. Needs pandas (``pip install

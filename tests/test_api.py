@@ -370,6 +370,26 @@ def test_init_params_are_part_of_the_study_by_content(tmp_path):
     assert not any((tmp_path / n).exists() for n in "bcd")
 
 
+@pytest.mark.parametrize("model", [OwnNet, NNXNet])
+def test_load_replica_gives_the_trained_model_back(tmp_path, model):
+    data = own_arrays()
+    r = nj.run_study(model=model, data=data, optimizer=optax.adam(1e-2), epochs=2, batch_size=32, arms="control,init",
+                     replicas=2, out=tmp_path / "run", settings={"metrics.lmc_pairs": 0}, **QUIET)
+    x_test = jnp.asarray(data[2])
+    for rep in range(2):
+        if model is OwnNet:
+            variables = r.load_replica("init", rep)
+            assert set(variables) == {"params", "batch_stats"} and variables["batch_stats"]
+            logits = OwnNet().apply(variables, x_test, train=False)
+        else:
+            logits = r.load_replica("init", rep, model=NNXNet)(x_test)
+        np.testing.assert_allclose(logits, r.logits["init"][rep], rtol=1e-5, atol=1e-6)
+    with pytest.raises(UsageError, match="has replicas 0 .. 1; got replica=2"):
+        r.load_replica("init", 2)
+    with pytest.raises(UsageError, match="arm 'nosuch' has no stored weights"):
+        r.load_replica("nosuch", 0)
+
+
 def test_python_m_nondet_jax_lists_its_commands():
     proc = subprocess.run([sys.executable, "-m", "nondet_jax", "--help"], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})

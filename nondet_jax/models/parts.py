@@ -242,6 +242,25 @@ def fingerprint_diff(old: dict, new: dict, limit: int = 3) -> list[str]:
     return out[:limit]
 
 
+def nnx_module(factory, num_classes: int, variables: dict):
+    """An NNX module built by ``factory`` (as a study builds it) holding ``variables`` (``{"params": ...,
+    "batch_stats": ...}`` pure dicts, a stored replica's), in eval mode."""
+    from flax import nnx
+
+    target = factory.func if isinstance(factory, functools.partial) else factory
+    if not (inspect.isclass(target) and issubclass(target, nnx.Module)):
+        raise UsageError(f"load_replica(model=...) builds NNX modules; {label_of(factory)} is not an NNX class or "
+                         "factory (for a Linen module, leave model out and apply the variables it returns)")
+    module = factory(num_classes=num_classes, rngs=nnx.Rngs(0))
+    graphdef, params, stats, rest = nnx.split(module, nnx.Param, nnx.BatchStat, ...)
+    nnx.replace_by_pure_dict(params, variables["params"])
+    if variables.get("batch_stats"):
+        nnx.replace_by_pure_dict(stats, variables["batch_stats"])
+    module = nnx.merge(graphdef, params, stats, rest)
+    module.eval()
+    return module
+
+
 def nnx_model_fns(factory, num_classes: int, features: str | None = None) -> ModelFns:
     """:class:`ModelFns` of a Flax NNX module class or factory (``factory(num_classes=, rngs=)``),
     through ``nnx.split`` / ``nnx.merge``: its ``Param`` variables are the params, its
