@@ -16,6 +16,7 @@ most of it the exact permutation tests at R=8).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -65,14 +66,27 @@ def main(argv=None) -> int:
     p.add_argument("--replicas", type=int, nargs="+", default=[3, 4, 5, 8, 16])
     p.add_argument("--test-trials", type=int, default=300)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "coverage.json")
+    p.add_argument("--only", nargs="+", metavar="PREFIX",
+                   help="recompute only the interval rows whose name starts with a PREFIX and put them into the "
+                        "existing --out (its other rows, false alarms and replaced methods are kept)")
     args = p.parse_args(argv)
     rows = []
     print(f"{'interval: scenario':<50}" + "".join(f"{'R=' + str(r):>8}" for r in args.replicas) + "  data model")
     for name, (kind, model, _) in coverage.CASES.items():
+        if args.only and not name.startswith(tuple(args.only)):
+            continue
         cov = {str(r): coverage.simulate(name, r, args.trials, seed=r) if r >= MIN_REPLICAS[kind] else None
                for r in args.replicas}
         rows.append({"interval": name, "kind": kind, "method": METHODS[kind], "data_model": model, "coverage": cov})
         print(f"{name:<50}{cells(cov)}  {model}")
+    if args.only:  # merged into the stored table, in CASES order
+        stored = json.loads(args.out.read_text())
+        new = {r["interval"]: r for r in rows}
+        old = {r["interval"]: r for r in stored["rows"]}
+        stored["rows"] = [new.get(n) or old[n] for n in coverage.CASES if n in new or n in old]
+        atomic_write_json(args.out, stored)
+        print(f"{args.trials} simulated studies per cell; put {len(rows)} rows into {args.out}")
+        return 0
     alarms = []
     print(f"\nfalse alarms at p < 0.05, every arm from one scenario ({args.test_trials} studies; 5 arms: at least one)")
     print(f"{'test':<18}{'scenario':<26}" + "".join(f"{'R=' + str(r):>8}" for r in args.replicas) + f"{'5 arms R=8':>12}")

@@ -257,6 +257,20 @@ def run_study(model=None, data=None, optimizer=None, loss: Callable | None = Non
     return StudyResult(Path(summary.pop("out")), summary)
 
 
+def decompose(run: "str | Path | StudyResult") -> dict:
+    """The variance decomposition of a study's finished arms (a run folder or a :class:`StudyResult`):
+    per score, each one-source arm's share of the ``all`` arm's variance with its 95% interval, the sum
+    of the shares and the non-additivity 1 − sum with theirs (:mod:`nondet_jax.analysis.decomposition`).
+    Empty without an ``all`` arm or a one-source arm."""
+    from nondet_jax.analysis.decomposition import decompose as from_records
+    from nondet_jax.report.summary import load_records
+
+    folder = run.out if isinstance(run, StudyResult) else Path(run)
+    if not (folder / "config.json").is_file():
+        raise UsageError(f"{folder} is not a nondet_jax run folder (no config.json); pass a study's --out folder")
+    return from_records(load_records(folder)[1])
+
+
 def replicate(init: Callable, step: Callable, batches=None, *, steps: int | None = None,
               arms: Sequence[str] | str = ("control", "init"), replicas: int = 4, seed: int = 0,
               strategy: str = "auto", collect: Callable | None = None, sources: Sequence[str] = ()) -> dict[str, Any]:

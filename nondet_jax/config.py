@@ -94,6 +94,7 @@ class MetricsConfig:
     lmc_points: int = 11  # interpolation points from one endpoint to the other
     bn_examples: int = 2048  # training examples that BatchNorm statistics are recomputed on
     tta: tuple[str, ...] = ()  # test-time augmentation view sets evaluated per arm (nondet_jax.analysis.tta), e.g. flip,crop5
+    decomposition: bool = False  # the report's variance decomposition over the one-source arms and all
 
 
 @dataclasses.dataclass(frozen=True)

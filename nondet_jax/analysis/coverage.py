@@ -255,6 +255,26 @@ def _paired_poi_counts(rng, r, t):
     return _hit(S.paired_probability_of_improvement(a, b)["ci"], truth)
 
 
+DECOMPOSITION_STDS = (1.0, 0.8, 0.6, 0.9)  # four one-source arms; the all arm's std 1.2
+
+
+def _decomposition(rng, r, t, draw=None):
+    """Σ σ²_s / σ²_all over four one-source arms and the all arm, each drawn independently."""
+    draw = draw or (lambda s: rng.normal(0, s, (t, r)))
+    xs = [draw(s) for s in DECOMPOSITION_STDS]
+    truth = sum(s * s for s in DECOMPOSITION_STDS) / 1.2 ** 2
+    return _hit(S.variance_sum_ratio_ci(xs, draw(1.2)), truth)
+
+
+def _decomposition_counts(rng, r, t, n_test=360):
+    """Accuracies on 360 images: arm s has flips_s borderline images right with probability 0.5 each, all
+    arm 60 (binomial counts); the shares are ratios of binomial variances."""
+    flips = (40, 25, 10, 30)
+    xs = [(300 + rng.binomial(f, 0.5, (t, r))) / n_test for f in flips]
+    ref = (300 + rng.binomial(60, 0.5, (t, r))) / n_test
+    return _hit(S.variance_sum_ratio_ci(xs, ref, resolution=1 / n_test), sum(flips) / 60)
+
+
 # name -> (interval kind in stats.METHODS, data model, simulator); "(stress)" cases are recorded, not required
 CASES = {
     **{f"{kind}: {name}": (kind, sc.description, _interval_case(kind, sc))
@@ -270,6 +290,14 @@ CASES = {
     "probability of improvement": ("probability_of_improvement", "normal, shift 1 std", _poi),
     "probability of improvement, ties": ("probability_of_improvement", "binomial accuracies, 360 images",
                                          _poi_discrete),
+    "decomposition: normal": ("decomposition", "4 one-source arms (stds 1, 0.8, 0.6, 0.9) and all (1.2), normal",
+                              _decomposition),
+    "decomposition: skewed": ("decomposition", "the same, lognormal(0, 0.5) spreads: skewness 1.8",
+                              lambda rng, r, t: _decomposition(rng, r, t, lambda s: s * np.exp(rng.normal(0, 0.5, (t, r))))),
+    "decomposition: heavy tails": ("decomposition", "the same, Student t with 5 df",
+                                   lambda rng, r, t: _decomposition(rng, r, t, lambda s: s * rng.standard_t(5, (t, r)))),
+    "decomposition: counts, 360 images": ("decomposition", "binomial accuracies: 40, 25, 10, 30 borderline images "
+                                          "of 360, all 60", _decomposition_counts),
     "paired difference": ("paired_difference", "shared seed effect (std 1), run noise 0.3, shift 0.3",
                           _paired_difference),
     "paired difference, counts": ("paired_difference", "accuracies on 360 images, shared borderline images",

@@ -46,6 +46,9 @@ METHODS = {
     "difference": "Welch t interval of mean(B) − mean(A), Welch–Satterthwaite degrees of freedom",
     "probability_of_improvement": ("P(B > A) + ½P(B = A) over all pairs of runs (as rliable); Newcombe's score interval "
                                    "with the Hanley–McNeil variance (method 5)"),
+    "decomposition": ("sum of the one-source arms' variance shares Σ σ²_s/σ²_all: Bonett's log-variance interval "
+                      "extended to a sum (delta method, kurtosis pooled over the arms); each share alone: the std "
+                      "ratio's interval, squared"),
     "paired_difference": ("paired t interval of mean(B_i − A_i) over runs sharing seeds: the mean interval of the "
                           "differences (tied differences of counts: ± the largest mean shift that ties them all)"),
     "paired_probability_of_improvement": ("share of seed pairs where B beats A (a tie counts ½); Wilson's score interval "
@@ -62,14 +65,15 @@ TESTS = {
                     "pairs (100,000 seeded draws above), two-sided"),
 }
 MIN_REPLICAS = {"mean": 2, "std": 3, "pairwise": 3, "ratio": 5, "difference": 2, "probability_of_improvement": 2,
-                "paired_difference": 2, "paired_probability_of_improvement": 2}
+                "paired_difference": 2, "paired_probability_of_improvement": 2, "decomposition": 5}
 _WHY = {"mean": "a mean's interval needs a spread estimate", "std": "the robust interval needs three values",
         "pairwise": "the jackknife needs a pair left when one replica is left out",
         "ratio": "below 5 replicas per arm the robust ratio interval covers < 93% of skewed or heavy-tailed spreads",
         "difference": "each mean's spread needs two values",
         "probability_of_improvement": "its variance needs two values per method",
         "paired_difference": "the differences' spread needs two pairs",
-        "paired_probability_of_improvement": "a share needs two pairs"}
+        "paired_probability_of_improvement": "a share needs two pairs",
+        "decomposition": "as the ratio's: below 5 replicas per arm it covers < 93% of skewed spreads"}
 
 
 def na_reason(kind: str, replicas: int) -> str | None:
@@ -398,6 +402,45 @@ def std_ratio_ci(a, b, level: float = LEVEL, resolution: float | None = None) ->
         if resolution:
             tie_hi = math.sqrt(tie_rate(na, level)) * resolution / np.asarray(std_ci(b, level)[0])
             hi = np.where((va == 0) & (vb > 0), tie_hi, hi)
+    return _out(lo), _out(hi)
+
+
+def variance_sum_ratio_ci(arms, reference, level: float = LEVEL, resolution: float | None = None) -> tuple:
+    """Interval of ``Σ_j σ_j² / σ_ref²`` from independent arms (each (..., R_j), last axis replicas), the
+    sum of the one-source arms' variance shares (:mod:`nondet_jax.analysis.decomposition`).
+
+    Bonett's log-variance interval extended to a sum: each arm's ``c_j·s_j²`` with ``c_j = R_j/(R_j − z)``
+    and ``Var ln s_j² ≈ c_j²(γ̂ − (R_j−3)/R_j)/(R_j−1)`` (:func:`std_ci`'s), ``γ̂`` the kurtosis pooled over the arms (each about
+    its trimmed mean, in units of its own variance; never below a normal's); the sum's log variance by
+    the delta method, ``Σ_j (c_j s_j²)² Var ln s_j² / (Σ_j c_j s_j²)²``; the ratio's interval
+    ``exp(ln(ΣS/S_ref) ± z·√(Var ln ΣS + Var ln S_ref))``. A tied arm of counts (``resolution``) adds
+    nothing below and its tie bound² above. (nan, nan) below 5 replicas in an arm or when the
+    reference is tied."""
+    xs = [np.asarray(a, np.float64) for a in arms]
+    ref = np.asarray(reference, np.float64)
+    if min(x.shape[-1] for x in (*xs, ref)) < MIN_REPLICAS["ratio"]:
+        return _nan2(ref.shape[:-1])
+    z = _z(level)
+    group = [*xs, ref]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        kurts = [x.shape[-1] * _fourth(x) / _squares(x) ** 2 for x in group]
+        weights = [x.shape[-1] * (np.asarray(std(x)) > 0) for x in group]
+        pooled = sum(np.nan_to_num(k, nan=0.0) * w for k, w in zip(kurts, weights)) / np.maximum(sum(weights), 1)
+        kurt = np.maximum(pooled, NORMAL_KURTOSIS)
+        parts = []
+        for x in group:
+            n = x.shape[-1]
+            c = n / (n - z)
+            parts.append((c * np.asarray(std(x)) ** 2, c * c * (kurt - (n - 3) / n) / (n - 1)))  # std_ci's se
+        (v_ref, var_ref), terms = parts[-1], parts[:-1]
+        total = sum(v for v, _ in terms)
+        var_total = np.where(total > 0, sum(v * v * w for v, w in terms) / np.where(total > 0, total, 1) ** 2, 0.0)
+        f = np.where(v_ref > 0, total / np.where(v_ref > 0, v_ref, 1.0), np.nan)
+        half = z * np.sqrt(var_total + var_ref)
+        lo, hi = f * np.exp(-half), f * np.exp(half)
+        if resolution:
+            ties = sum(np.where(np.ptp(x, -1) == 0, tie_rate(x.shape[-1], level) * resolution ** 2, 0.0) for x in xs)
+            hi = hi + np.where(v_ref > 0, ties / np.where(v_ref > 0, v_ref * np.exp(-z * np.sqrt(var_ref)), 1), np.nan)
     return _out(lo), _out(hi)
 
 

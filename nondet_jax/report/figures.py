@@ -174,6 +174,33 @@ def make_figures(run: Path, summary: dict, records: dict[str, dict]) -> list[str
     else:
         plt.close(fig)
 
+    # 4a. variance decomposition: each source's share of Var(all), stacked, per score
+    dec = summary.get("decomposition") or {}
+    if dec:
+        fig, axes = plt.subplots(1, len(dec), figsize=(4.5 * len(dec), 4), squeeze=False)
+        for ax, (name, d) in zip(axes[0], dec.items()):
+            bottom = 0.0
+            for j, (a, sh) in enumerate(d["shares"].items()):
+                v = max(sh["share"], 0.0) if np.isfinite(sh["share"]) else 0.0
+                ax.bar(0, v, bottom=bottom, color=f"C{arms.index(a) if a in arms else j}", label=a, width=0.5)
+                bottom += v
+            lo, hi = d["sum_ci"]
+            top = 1.4 * max(1.0, bottom)  # a wide interval is cut at the top, its end written there
+            if np.isfinite(lo) and np.isfinite(hi):
+                ax.errorbar(0, d["sum"], yerr=[[d["sum"] - lo], [min(hi, top) - d["sum"]]], color="k", capsize=6,
+                            label="sum, 95% CI")
+                if hi > top:
+                    ax.annotate(f"CI up to {hi:.3g}", (0, top), xytext=(6, -12), textcoords="offset points", fontsize=8)
+            ax.set_ylim(0, top * 1.02)
+            ax.axhline(1.0, color="C3", ls="--", lw=1, label="Var(all)")
+            ax.set_xticks([])
+            ax.set_xlim(-0.8, 0.8)
+            ax.set_ylabel("share of Var(all)")
+            ax.set_title(f"{name}: sum {d['sum']:.2f}, non-additivity {d['non_additivity']:+.2f}", fontsize=9)
+            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        fig.suptitle("Variance decomposition: each source alone, as a share of all sources together")
+        save(fig, "decomposition")
+
     # 4b. test scores over training (study.eval_every): every replica's curve, one panel per arm
     curves = [(i, a, h) for i, a, h in _stored(run, arms, "history", "test_epochs")]
     if curves:

@@ -127,6 +127,29 @@ def _mitigations_md(summary: dict) -> list[str]:
             mitigation_table(summary["mitigations"]), ""]
 
 
+def _decomposition_md(summary: dict) -> list[str]:
+    """Each one-source arm's share of the all arm's variance, their sum and the non-additivity."""
+    dec = summary.get("decomposition") or {}
+    if not dec:
+        return []
+    labels = {q.name: q.label for q in QUANTITIES[task_of(summary)]}
+    out = ["## Variance decomposition", "",
+           "Each source's share of the `all` arm's variance, σ²(arm) / σ²(all), with its 95% CI (the std ratio's, "
+           "squared), and the non-additivity 1 − Σ shares: 0 if the sources' effects added up independently, "
+           "negative when each source alone already produces much of the total (their effects overlap), positive "
+           "when sources produce spread only together. The design (one source per arm, the others at one shared "
+           "draw, plus `all`) cannot say which sources interact. Method: " + METHODS["decomposition"] + ".", ""]
+    for name, d in dec.items():
+        arms = list(d["shares"])
+        out += [f"**{labels.get(name, name)}** (`all`: R={d['reference_replicas']})", "",
+                "| source arm | share of Var(all) | 95% CI |", "|---|---|---|"]
+        out += [f"| {a} | {d['shares'][a]['share']:.3f} | {format_ci(d['shares'][a]['ci'], 3).strip()} |" for a in arms]
+        out += [f"| sum of shares | {d['sum']:.3f} | {format_ci(d['sum_ci'], 3).strip()} |",
+                f"| non-additivity 1 − sum | {d['non_additivity']:.3f} | {format_ci(d['non_additivity_ci'], 3).strip()} |",
+                ""]
+    return out
+
+
 def _over_training_md(records: dict[str, dict]) -> list[str]:
     """The best test score and best epoch of each arm's replicas (``study.eval_every``)."""
     rows = {a: r["over_training"] for a, r in records.items() if r.get("over_training")}
@@ -209,6 +232,7 @@ def write_report(run: str | Path, command: str | None = None) -> dict:
            "## Per-arm table", "", "```", format_table(summary), "```", "",
            "Full per-arm table: `arms.csv`; one row per replica: `replicas.csv`.", "",
            "## Spread relative to the `all` arm", "", *_comparison_md(summary),
+           *_decomposition_md(summary),
            "## What the numbers say", "", *(_findings(summary) or ["- (nothing to compare)"]), "",
            *_dynamics_md(summary),
            *_over_training_md(records),

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from nondet_jax.analysis.arm import compare_arms
+from nondet_jax.analysis.decomposition import decompose
 from nondet_jax.analysis.mitigations import mitigation_metrics, snapshot_ensemble
 from nondet_jax.analysis.stats import METHODS, TESTS, format_ci
 from nondet_jax.analysis.task import PAIRWISE, QUANTITIES, task_of
@@ -75,6 +76,7 @@ def build_summary(run: Path) -> tuple[dict, dict[str, dict]]:
         "arms": {a: {k: v for k, v in rec.items() if k != "rows"} for a, rec in records.items()},
         "vs_all": compare_arms(records),
         "mitigations": mitigation_results(run, records),
+        "decomposition": decompose(records) if config.get("metrics", {}).get("decomposition") else {},
     }, records
 
 

@@ -1,0 +1,71 @@
+"""How much of the run-to-run variance each source contributes: the one-source-at-a-time design.
+
+The study's arms vary one source each (``init``, ``data_order``, ...: that source drawn afresh per
+replica, every other one at a single shared draw) and ``all`` varies every source. Write σ²_s for the
+variance over replicas of a score (test accuracy, cross-entropy, ...) in the arm of source s and σ²_all
+for the ``all`` arm's. Source s's **share** is σ²_s / σ²_all, and
+
+    non-additivity = 1 − Σ_s σ²_s / σ²_all.
+
+If the sources' effects added up independently (Y = μ + Σ_s g_s(u_s) + noise, a random-effects model
+with independent effects), Var(all) = Σ_s σ²_s: the shares sum to 1 and the non-additivity is 0. It is
+negative when each source alone already produces much of the total spread (their effects overlap, as
+when any perturbation is amplified by training into the same chaotic divergence: Summers & Dinneen's
+finding) and positive when sources only produce spread together (an interaction). What this design
+cannot tell apart: which pairs of sources interact (a factorial design over them can), and how σ²_s
+depends on the draw at which the other sources are held (it is measured at one draw of each).
+
+Intervals: each share is the square of the std ratio's interval (``stats.std_ratio_ci``); the sum of
+the shares, and so the non-additivity, has ``stats.variance_sum_ratio_ci``'s; both are simulated in
+``nondet_jax.analysis.coverage``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from nondet_jax.analysis import stats as S
+from nondet_jax.analysis.task import QUANTITIES, task_of
+from nondet_jax.sources import parse_arm
+
+
+def one_source_arms(arms, reference: str = "all") -> list[str]:
+    """The arms that vary exactly one source (snapshot variants and the reference left out)."""
+    out = []
+    for a in arms:
+        if a == reference:
+            continue
+        parsed = parse_arm(a)
+        if len(parsed.varied) == 1 and not parsed.cycles:
+            out.append(a)
+    return out
+
+
+def _scores(record: dict, row: str) -> np.ndarray:
+    return np.array([r[row] for r in record["rows"] if r.get("diverged_at_step", -1) < 0], np.float64)
+
+
+def decompose(records: dict[str, dict], reference: str = "all") -> dict:
+    """Per score of the task, each one-source arm's variance share of the ``reference`` arm's with its
+    interval, their sum and the non-additivity 1 − sum with theirs. Empty without the reference arm
+    or a one-source arm."""
+    singles = one_source_arms(records, reference)
+    if reference not in records or not singles:
+        return {}
+    out = {}
+    for q in QUANTITIES[task_of(records[reference])]:
+        ref = _scores(records[reference], q.row)
+        res = (records[reference].get("metrics") or {}).get(q.name, {}).get("resolution")
+        xs = {a: _scores(records[a], q.row) for a in singles}
+        v_ref = S.std(ref) ** 2
+        shares = {}
+        for a, x in xs.items():
+            lo, hi = S.std_ratio_ci(x, ref, resolution=res)
+            shares[a] = {"share": float(S.std(x) ** 2 / v_ref) if v_ref > 0 else float("nan"),
+                         "ci": [float(lo) ** 2, float(hi) ** 2], "replicas": len(x)}
+        lo, hi = S.variance_sum_ratio_ci(list(xs.values()), ref, resolution=res)
+        total = sum(s["share"] for s in shares.values())
+        out[q.name] = {"shares": shares, "sum": total, "sum_ci": [float(lo), float(hi)],
+                       "non_additivity": 1 - total, "non_additivity_ci": [1 - float(hi), 1 - float(lo)],
+                       "reference_replicas": len(ref)}
+    return out
