@@ -219,7 +219,7 @@ def linen_model_fns(module, features: str | None = None) -> ModelFns:
             return next_fun(*args, **kwargs)
 
         with nn.intercept_methods(spy):
-            jax.eval_shape(lambda: module.init(jax.random.key(0), x[:1], train=True))
+            jax.eval_shape(lambda: module.init(jax.random.key(0), x[:1], train=False))
         return tuple(found)
 
     return ModelFns(init, train_apply, evaluate, dropout_input, recompute_batch_stats, module, source, per_example,
