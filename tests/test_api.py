@@ -360,6 +360,14 @@ def test_init_params_are_part_of_the_study_by_content(tmp_path):
     np.savez(tmp_path / "body.npz", **{"params/body/kernel": _body()["body"]["kernel"],
                                        "params/body/bias": _body()["body"]["bias"]})
     nj.run_study(init_params=tmp_path / "body.npz", **run)  # the same weights from a file: the same study, reused
+    import orbax.checkpoint as ocp
+
+    ck = ocp.StandardCheckpointer()
+    ck.save(tmp_path / "orbax", {"params": _body()})
+    ck.wait_until_finished()
+    nj.run_study(init_params=tmp_path / "orbax", **run)  # and from an orbax checkpoint folder
+    with pytest.raises(UsageError, match="not an orbax checkpoint"):
+        nj.load_params(tmp_path / "run")
     with pytest.raises(UsageError, match=r"init_params 'body/kernel' has shape \(6, 4\), the model's is \(6, 8\)"):
         nj.run_study(init_params={"body": {"kernel": np.zeros((6, 4), np.float32)}}, **{**run, "out": tmp_path / "b"})
     with pytest.raises(UsageError, match="init_params holds 'neck/kernel', which the model has no parameter of"):

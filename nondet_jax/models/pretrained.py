@@ -67,9 +67,12 @@ def flat(tree) -> dict[str, np.ndarray]:
 
 def load_params(path: str | Path, replica: int | None = None) -> dict:
     """A params tree from a ``.npz`` of ``'/'``-joined keys (a leading ``params/`` is dropped; other
-    collections, ``batch_stats/...``, are left out): a run folder's ``weights/<arm>.npz`` holds every
+    collections, ``batch_stats/...``, are left out) or from an orbax checkpoint folder (a saved params
+    tree, or a tree holding one under ``params``): a run folder's ``weights/<arm>.npz`` holds every
     replica along a leading axis, so name one with ``replica``."""
     path = Path(path)
+    if path.is_dir():
+        return _orbax_params(path, replica)
     try:
         with np.load(path, allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
@@ -88,6 +91,21 @@ def load_params(path: str | Path, replica: int | None = None) -> dict:
                              f"0 .. {min(a.shape[0] for a in params.values()) - 1}")
         params = {k: a[replica] for k, a in params.items()}
     return traverse_util.unflatten_dict(params, sep="/")
+
+
+def _orbax_params(path: Path, replica: int | None) -> dict:
+    import orbax.checkpoint as ocp
+
+    try:
+        tree = ocp.StandardCheckpointer().restore(path.resolve())
+    except Exception as e:  # orbax raises many kinds for a folder that is not its checkpoint
+        raise UsageError(f"cannot read init params {path}: not an orbax checkpoint ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:120] if str(e) else 'no detail'}); pass a checkpoint folder or a "
+                         ".npz") from None
+    tree = tree.get("params", tree) if isinstance(tree, dict) else tree
+    if replica is not None:
+        tree = jax.tree.map(lambda a: np.asarray(a)[replica], tree)
+    return jax.tree.map(np.asarray, tree)
 
 
 def check(given: dict, params_shape) -> None:
