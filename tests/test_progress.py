@@ -68,3 +68,29 @@ def test_a_quiet_progress_logs_nothing(capsys):
         bar.arm("init", 2)(2)
     out = capsys.readouterr()
     assert out.out == "" and out.err == ""
+
+
+def test_the_arms_of_a_study_share_its_compiled_programs(tmp_path):
+    """Arms differ only in keys and perturbation switches passed at call time, so a 4-arm study compiles
+    what a 1-arm study compiles (training, evaluation, metrics, LMC), give or take one trivial program."""
+    import jax
+
+    import nondet_jax as nj
+
+    compiled = []
+
+    def count(event, seconds, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(seconds)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        counts = []
+        for arms in ("control", "control,init,data_order,all"):
+            compiled.clear()  # run_study releases its compiled programs at the end: the next one compiles anew
+            nj.run_study(model="mlp", data="digits", epochs=1, batch_size=128, arms=arms, replicas=2,
+                         out=tmp_path / str(len(counts)), settings={"metrics.lmc_pairs": 1}, log=lambda *a, **k: None)
+            counts.append(len(compiled))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    assert counts[0] > 10 and counts[1] <= counts[0] + 1, counts

@@ -7,7 +7,10 @@ without training.
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from nondet_jax.analysis import metrics as M
@@ -24,17 +27,24 @@ def lmc_pairs(replicas: int, count: int) -> list[tuple[int, int]]:
     return [(2 * i, 2 * i + 1) for i in range(min(count, replicas // 2))]
 
 
+@functools.lru_cache(maxsize=4)
+def _predictions(evaluate, recompute_batch_stats):
+    """One jitted program per model (not per arm): the arrays are arguments, not constants baked in."""
+    @jax.jit
+    def predictions(params, batch_stats, x_bn, x_test):
+        bs = recompute_batch_stats(params, batch_stats, x_bn)
+        logits, _ = evaluate(TrainState(params, bs, None), x_test)
+        return logits.argmax(-1)
+
+    return predictions
+
+
 def interpolation_error_fn(fns: TrainFns, batch_stats, x_bn, x_test, y_test):
     """Jitted test error of weights, with BatchNorm statistics recomputed on ``x_bn`` first."""
     y_test = np.asarray(y_test)
-
-    @jax.jit
-    def predictions(params):
-        bs = fns.recompute_batch_stats(params, batch_stats, x_bn)
-        logits, _ = fns.evaluate(TrainState(params, bs, None), x_test)
-        return logits.argmax(-1)
-
-    return lambda params: float((np.asarray(predictions(params)) != y_test).mean())
+    predictions = _predictions(fns.evaluate, fns.recompute_batch_stats)
+    x_bn, x_test = jnp.asarray(x_bn), jnp.asarray(x_test)
+    return lambda params: float((np.asarray(predictions(params, batch_stats, x_bn, x_test)) != y_test).mean())
 
 
 def arm_metrics(result, data, fns: TrainFns, cfg: MetricsConfig) -> tuple[dict, dict[str, np.ndarray]]:

@@ -1,0 +1,69 @@
+"""Compilation of a study with one arm against the same study with six: do the arms share their programs?
+
+    python benchmarks/study_compile.py [--models mlp,resnet8] [--out benchmarks/results/study_compile.json]
+
+For each model, two studies through ``nondet_jax.run_study`` on the embedded digits data (3 replicas, 1
+epoch, LMC on one pair), each in a fresh Python process (no compiled program carried over, no persistent
+cache): ``control`` alone and ``control,init,data_order,augmentation,bitflip,all``. Per study: the XLA
+programs compiled (``jax.monitoring``'s backend-compile events), the seconds spent compiling them, and
+the study's wall time; the ratio row divides the six-arm study's by the one-arm study's (target: compile
+seconds <= 1.3x, issue 29).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+CHILD = r"""
+import json, sys, tempfile, time
+import jax
+import nondet_jax as nj
+model, arms = sys.argv[1], sys.argv[2]
+seconds = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda e, d, **k: seconds.append(d) if e == "/jax/core/compile/backend_compile_duration" else None)
+t0 = time.perf_counter()
+with tempfile.TemporaryDirectory() as out:
+    nj.run_study(model=model, data="digits", epochs=1, batch_size=128, arms=arms, replicas=3, out=out,
+                 settings={"metrics.lmc_pairs": 1, "data.augment": "on"}, log=lambda *a, **k: None)
+print("RESULT " + json.dumps({"programs": len(seconds), "compile_s": sum(seconds), "wall_s": time.perf_counter() - t0}))
+"""
+ARMS = {"1 arm": "control", "6 arms": "control,init,data_order,augmentation,bitflip,all"}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="mlp,resnet8")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "study_compile.json")
+    args = ap.parse_args(argv)
+    env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+    results = {"machine": {"platform": platform.platform(), "cpu_count": os.cpu_count()}, "models": {}}
+    print(f"{'model':10s} {'study':8s} {'programs':>9s} {'compile s':>10s} {'wall s':>8s}")
+    for model in args.models.split(","):
+        rows = {}
+        for label, arms in ARMS.items():
+            proc = subprocess.run([sys.executable, "-c", CHILD, model, arms], capture_output=True, text=True, env=env)
+            line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+            if proc.returncode or not line:
+                print(proc.stderr[-2000:], file=sys.stderr)
+                return 1
+            rows[label] = json.loads(line[-1][7:])
+            r = rows[label]
+            print(f"{model:10s} {label:8s} {r['programs']:9d} {r['compile_s']:10.1f} {r['wall_s']:8.1f}")
+        ratio = {k: rows["6 arms"][k] / rows["1 arm"][k] for k in ("programs", "compile_s", "wall_s")}
+        print(f"{model:10s} {'ratio':8s} {ratio['programs']:9.2f} {ratio['compile_s']:10.2f} {ratio['wall_s']:8.2f}")
+        results["models"][model] = {**rows, "ratio_6_to_1": ratio}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
