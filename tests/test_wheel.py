@@ -36,9 +36,11 @@ def test_wheel_install_runs_the_default_study_from_another_directory(tmp_path):
 
     deps = [p for p in site.getsitepackages() if Path(p).is_dir()]
     Path(purelib, "_nondet_jax_test_deps.pth").write_text("\n".join(deps) + "\n")
-    subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", "-q", str(wheel)], check=True,
-                   capture_output=True, timeout=600)
+    # Without PYTHONPATH: a checkout on it (with the egg-info the wheel build writes there) would make pip
+    # think the package is installed already and skip the wheel.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", "-q", str(wheel)], check=True,
+                   capture_output=True, timeout=600, env=env)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     where = subprocess.run([str(python), "-c", "import nondet_jax; print(nondet_jax.__file__)"], capture_output=True,
