@@ -20,6 +20,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from nondet_jax.store.io import atomic_write_json
+
 CHILD = r"""
 import json, sys, tempfile, time
 import jax
@@ -60,7 +62,7 @@ def main(argv=None) -> int:
         print(f"{model:10s} {'ratio':8s} {ratio['programs']:9.2f} {ratio['compile_s']:10.2f} {ratio['wall_s']:8.2f}")
         results["models"][model] = {**rows, "ratio_6_to_1": ratio}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    atomic_write_json(args.out, results)
     print(f"wrote {args.out}")
     return 0
 

@@ -72,16 +72,12 @@ class StudyResult:
         if not path.exists():
             raise UsageError(f"arm '{arm}' has no stored weights in {self.out} (arms: "
                              f"{', '.join(self.summary['arms'])}); pick one of those")
-        with np.load(path, allow_pickle=False) as z:
-            flat = {k: z[k] for k in z.files}
-        count = next(iter(flat.values())).shape[0] if flat else 0
+        count = len(self._record(arm)["rows"])
         if isinstance(replica, bool) or not isinstance(replica, (int, np.integer)) or not 0 <= replica < count:
             raise UsageError(f"arm '{arm}' has replicas 0 .. {count - 1}; got replica={replica!r}")
-        from flax import traverse_util
+        from nondet_jax.models.pretrained import load_collection
 
-        variables = {c: traverse_util.unflatten_dict({k.removeprefix(c + "/"): a[replica] for k, a in flat.items()
-                                                      if k.startswith(c + "/")}, sep="/")
-                     for c in ("params", "batch_stats")}
+        variables = {c: load_collection(path, c, int(replica)) for c in ("params", "batch_stats")}
         if model is None:
             return variables
         from nondet_jax.models.parts import nnx_module

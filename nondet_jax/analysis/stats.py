@@ -428,10 +428,9 @@ def variance_sum_ratio_ci(arms, reference, level: float = LEVEL, resolution: flo
         pooled = sum(np.nan_to_num(k, nan=0.0) * w for k, w in zip(kurts, weights)) / np.maximum(sum(weights), 1)
         kurt = np.maximum(pooled, NORMAL_KURTOSIS)
         parts = []
-        for x in group:
-            n = x.shape[-1]
-            c = n / (n - z)
-            parts.append((c * np.asarray(std(x)) ** 2, c * c * (kurt - (n - 3) / n) / (n - 1)))  # std_ci's se
+        for x in group:  # (c·s², Var ln(c·s²)), as std_ci has them
+            c, se = _log_variance_se(kurt, x.shape[-1], level)
+            parts.append((c * np.asarray(std(x)) ** 2, se ** 2))
         (v_ref, var_ref), terms = parts[-1], parts[:-1]
         total = sum(v for v, _ in terms)
         var_total = np.where(total > 0, sum(v * v * w for v, w in terms) / np.where(total > 0, total, 1) ** 2, 0.0)
@@ -669,7 +668,9 @@ def sign_flip_p(a, b, resamples: int = 100_000) -> float:
 def paired_probability_of_improvement(a, b, level: float = LEVEL) -> dict:
     """The share of seed pairs where B beats A, ``(wins + ½ ties) / n``, with Wilson's score interval
     with continuity correction (Newcombe 1998, method 4: inside [0, 1], not degenerate when B wins
-    every pair; a half-counted tie only makes it wider than needed). Last axis: pairs."""
+    every pair; a half-counted tie only makes it wider than needed). Last axis: pairs. (scipy's
+    ``binomtest(...).proportion_ci("wilsoncc")`` takes one whole count; here ties count ½ and studies
+    are vectorised.)"""
     d = np.asarray(b, np.float64) - np.asarray(a, np.float64)
     n = d.shape[-1]
     theta = ((d > 0) + 0.5 * (d == 0)).mean(-1)
@@ -697,12 +698,7 @@ def pairs_for_difference(difference: float, sd: float, power: float = 0.8, alpha
     if sd == 0:
         return 2
 
-    def enough(n):
-        df, ncp = n - 1, abs(difference) / sd * math.sqrt(n)
-        crit = sps.t.ppf(1 - alpha / 2, df)
-        return float(sps.nct.sf(crit, df, ncp) + sps.nct.cdf(-crit, df, ncp)) >= power
-
-    return _smallest_n(enough, max_n)
+    return _smallest_n(lambda n: _t_power(abs(difference) / sd * math.sqrt(n), n - 1, alpha) >= power, max_n)
 
 
 def compare_paired(a, b, level: float = LEVEL, higher_is_better: bool = True, detect: float | None = None,
@@ -729,12 +725,16 @@ def compare_paired(a, b, level: float = LEVEL, higher_is_better: bool = True, de
             "pairs_for_detect": None if detect is None else pairs_for_difference(abs(detect), d["std"])}
 
 
+def _t_power(ncp: float, df: int, alpha: float) -> float:
+    """Power of a two-sided t-test with noncentrality ``ncp`` and ``df`` degrees of freedom."""
+    crit = sps.t.ppf(1 - alpha / 2, df)
+    return float(sps.nct.sf(crit, df, ncp) + sps.nct.cdf(-crit, df, ncp))
+
+
 def t_test_power(effect: float, n: int, alpha: float = 0.05) -> float:
     """Power of the two-sided two-sample t-test with n replicas per method at standardised effect
     ``effect`` = difference / std."""
-    df, ncp = 2 * n - 2, abs(effect) * math.sqrt(n / 2)
-    crit = sps.t.ppf(1 - alpha / 2, df)
-    return float(sps.nct.sf(crit, df, ncp) + sps.nct.cdf(-crit, df, ncp))
+    return _t_power(abs(effect) * math.sqrt(n / 2), 2 * n - 2, alpha)
 
 
 def replicas_for_difference(difference: float, sd: float, power: float = 0.8, alpha: float = 0.05,

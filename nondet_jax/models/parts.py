@@ -242,6 +242,17 @@ def fingerprint_diff(old: dict, new: dict, limit: int = 3) -> list[str]:
     return out[:limit]
 
 
+def _build_nnx(factory, num_classes: int, key):
+    """``factory(num_classes=, rngs=)`` with the params and dropout streams seeded from ``key``."""
+    from flax import nnx
+
+    try:
+        return factory(num_classes=num_classes, rngs=nnx.Rngs(params=key, dropout=key))
+    except TypeError as e:
+        raise UsageError(f"NNX model {label_of(factory)} could not be built with num_classes={num_classes} and "
+                         f"rngs= ({e}); give it those arguments") from None
+
+
 def nnx_module(factory, num_classes: int, variables: dict):
     """An NNX module built by ``factory`` (as a study builds it) holding ``variables`` (``{"params": ...,
     "batch_stats": ...}`` pure dicts, a stored replica's), in eval mode."""
@@ -251,7 +262,7 @@ def nnx_module(factory, num_classes: int, variables: dict):
     if not (inspect.isclass(target) and issubclass(target, nnx.Module)):
         raise UsageError(f"load_replica(model=...) builds NNX modules; {label_of(factory)} is not an NNX class or "
                          "factory (for a Linen module, leave model out and apply the variables it returns)")
-    module = factory(num_classes=num_classes, rngs=nnx.Rngs(0))
+    module = _build_nnx(factory, num_classes, jax.random.key(0))
     graphdef, params, stats, rest = nnx.split(module, nnx.Param, nnx.BatchStat, ...)
     nnx.replace_by_pure_dict(params, variables["params"])
     if variables.get("batch_stats"):
@@ -271,11 +282,7 @@ def nnx_model_fns(factory, num_classes: int, features: str | None = None) -> Mod
     from flax import nnx
 
     def build(key):
-        try:
-            return factory(num_classes=num_classes, rngs=nnx.Rngs(params=key, dropout=key))
-        except TypeError as e:
-            raise UsageError(f"NNX model {label_of(factory)} could not be built with num_classes={num_classes} and "
-                             f"rngs= ({e}); give it those arguments") from None
+        return _build_nnx(factory, num_classes, key)
 
     graphdef, _, _, rest_shape = nnx.split(nnx.eval_shape(lambda: build(jax.random.key(0))),
                                            nnx.Param, nnx.BatchStat, ...)

@@ -73,24 +73,35 @@ def load_params(path: str | Path, replica: int | None = None) -> dict:
     path = Path(path)
     if path.is_dir():
         return _orbax_params(path, replica)
+    params = load_collection(path, "params", replica)
+    if not params:
+        raise UsageError(f"{path} holds no parameters (keys like params/Dense_0/kernel); pass a params .npz")
+    return params
+
+
+def load_collection(path: Path, collection: str, replica: int | None = None) -> dict:
+    """One collection (``params``, ``batch_stats``) of a ``.npz`` of ``'/'``-joined keys as a tree ({} when it
+    holds none); keys without a collection prefix count as ``params`` when no key has the prefix. With
+    ``replica``: that index of every array's leading axis (a run folder's weights file)."""
     try:
         with np.load(path, allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
     except (OSError, ValueError) as e:
-        raise UsageError(f"cannot read init params {path}: {e}; pass a .npz of '/'-joined parameter names") from None
-    if any(k.startswith("params/") for k in arrays):
-        params = {k.removeprefix("params/"): a for k, a in arrays.items() if k.startswith("params/")}
+        raise UsageError(f"cannot read parameters from {path}: {e}; pass a .npz of '/'-joined parameter names") from None
+    prefix = collection + "/"
+    if any(k.startswith(prefix) for k in arrays):
+        tree = {k.removeprefix(prefix): a for k, a in arrays.items() if k.startswith(prefix)}
+    elif collection == "params":
+        tree = {k: a for k, a in arrays.items() if not k.startswith("batch_stats/")}
     else:
-        params = {k: a for k, a in arrays.items() if not k.startswith("batch_stats/")}
-    if not params:
-        raise UsageError(f"{path} holds no parameters (keys like params/Dense_0/kernel); pass a params .npz")
-    if replica is not None:
-        n = {a.shape[0] if a.ndim else 0 for a in params.values()}
+        tree = {}
+    if replica is not None and tree:
+        n = {a.shape[0] if a.ndim else 0 for a in tree.values()}
         if len(n) != 1 or not 0 <= replica < n.pop():
             raise UsageError(f"{path}: replica {replica} is not on the leading axis of its arrays; pick one of "
-                             f"0 .. {min(a.shape[0] for a in params.values()) - 1}")
-        params = {k: a[replica] for k, a in params.items()}
-    return traverse_util.unflatten_dict(params, sep="/")
+                             f"0 .. {min(a.shape[0] if a.ndim else 0 for a in tree.values()) - 1}")
+        tree = {k: a[replica] for k, a in tree.items()}
+    return traverse_util.unflatten_dict(tree, sep="/")
 
 
 def _orbax_params(path: Path, replica: int | None) -> dict:

@@ -13,6 +13,7 @@ from nondet_jax import config as cfg
 from nondet_jax.analysis.health import (
     bitwise_identical,
     divergence_records,
+    healthy_indices,
     healthy_subset,
 )
 from nondet_jax.analysis.metrics import accuracy, cross_entropy, regression_errors
@@ -165,10 +166,12 @@ def finish_arm(config: Config, data, fns, store, arm: Arm, result, reason: str, 
     if study.eval_every:  # the test curves, and each replica's best epoch (on those that did not diverge)
         at = evaluated_epochs(config.train.epochs, study.eval_every)
         idx = [kept.index(e) for e in at]
-        history.update({"test_epochs": np.asarray(at), **test_curves(result.snapshots[:, idx], labels, task)})
-        if len(used.logits):
-            record["over_training"] = best_epochs(test_curves(used.snapshots[:, idx], labels, task), at,
-                                                  study.eval_every, len(labels))
+        curves = test_curves(result.snapshots[:, idx], labels, task)
+        history.update({"test_epochs": np.asarray(at), **curves})
+        keep = healthy_indices(result.diverged_at)
+        if len(keep):
+            record["over_training"] = best_epochs({k: v[keep] for k, v in curves.items()}, at, study.eval_every,
+                                                  len(labels))
     trace = None
     if study.dynamics_every and arm.name != "control" and study.replicas >= 2:
         from nondet_jax.analysis.dynamics import divergence_trace, fit_growth_rate

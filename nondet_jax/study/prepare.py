@@ -75,9 +75,14 @@ def check_arms_active(config: Config, arms: list[Arm], fns) -> None:
                              f"so its replicas would equal control's; {off[0][2]} or drop the arm")
 
 
-def _params_shape(fns):
+def _variables_shape(fns):
+    """The model's variables as shapes (traced, not run)."""
     x1 = jax.ShapeDtypeStruct((1, *fns.spec.image_shape), fns.spec.x_dtype)
-    return jax.eval_shape(fns.model.init, jax.random.key(0), x1)["params"]
+    return jax.eval_shape(fns.model.init, jax.random.key(0), x1)
+
+
+def _params_shape(fns):
+    return _variables_shape(fns)["params"]
 
 
 def check_init_params(fns) -> None:
@@ -90,8 +95,7 @@ def check_outputs(fns) -> None:
     """Refuse, before anything trains, a model whose outputs do not fit the data: one score per class
     (classification) or as many outputs as the targets have (regression); traced, not run."""
     spec, b = fns.spec, fns.batch_size
-    key = jax.random.key(0)
-    variables = jax.eval_shape(fns.model.init, key, jax.ShapeDtypeStruct((1, *spec.image_shape), spec.x_dtype))
+    variables = _variables_shape(fns)
     out = jax.eval_shape(fns.model.evaluate, variables, jax.ShapeDtypeStruct((b, *spec.image_shape), spec.x_dtype))[0]
     shape = tuple(out.shape)
     if spec.task == "regression":
@@ -130,13 +134,14 @@ def resolve_parts(config: Config, parts: Parts = Parts()) -> Parts:
     if parts.features is None and config.model.features:
         parts = parts._replace(features=config.model.features)
     if parts.init_params is None and config.model.init_from:
-        path, _, r = config.model.init_from.rpartition("@") if "@" in config.model.init_from else (
-            config.model.init_from, "", "")
-        if r and not r.isdigit():
+        path, at, r = config.model.init_from.rpartition("@")
+        if not at:
+            path = config.model.init_from
+        elif not r.isdigit():
             raise UsageError(f"--init-from {config.model.init_from}: after @ comes a replica number, e.g. "
                              "runs/pretrain/weights/control.npz@0")
         parts = parts._replace(init_params=pretrained.load_params(path, int(r) if r else None))
-    return parts._replace(init_params=pretrained.as_given(parts.init_params))
+    return parts  # make_train holds init_params by content (pretrained.as_given)
 
 
 def _imported_optimizer(spec: str):
