@@ -27,6 +27,7 @@ from nondet_jax.report.summary import arm_rows, replica_rows
 from nondet_jax.sources import StepKeys, arm_keys, check_own_sources, own_keys, parse_arm, switches
 from nondet_jax.store.paths import RunPaths
 from nondet_jax.study import runner
+from nondet_jax.study.memory import check_program_fits, release_compiled
 
 DEFAULT_ARMS = ("control", "init", "all")
 
@@ -247,8 +248,6 @@ def run_study(model=None, data=None, optimizer=None, loss: Callable | None = Non
         summary = runner.run(config, out, progress=progress, log=log, parts=parts, data=dataset,
                             command=f"nondet_jax.run_study(model={config.model.name}, data={config.data.name}, ...)")
     finally:  # a notebook running study after study must not pile up compiled programs
-        from nondet_jax.study.memory import release_compiled
-
         release_compiled()
     return StudyResult(Path(summary.pop("out")), summary)
 
@@ -359,10 +358,14 @@ def replicate(init: Callable, step: Callable, batches=None, *, steps: int | None
         if a.varied and len(unread) == len(a.varied):
             raise UsageError(f"arm '{a.name}' varies {', '.join(unread)}, which neither init nor step reads (keys."
                              f"{unread[0]}), so its replicas would equal control's; use that key or drop the arm")
+    inputs = arm_inputs(frozenset())
     if chosen == "vmap":
-        run = jax.jit(jax.vmap(one))
+        run = jax.jit(jax.vmap(one)).lower(*inputs).compile()
+        check_program_fits(run.memory_analysis(), f"{replicas} replicas", "use fewer replicas, a smaller state or strategy='sequential'")
     else:
-        single = jax.jit(one)
+        single = jax.jit(one).lower(*jax.tree.map(lambda k: k[0], inputs)).compile()
+        check_program_fits(single.memory_analysis(), f"{replicas} replicas one at a time", "use fewer replicas or a smaller state",
+                           copies=replicas)
 
         def run(*inputs):
             states = [single(*jax.tree.map(lambda k: k[r], inputs)) for r in range(replicas)]

@@ -257,6 +257,11 @@ def load_file(path: str | Path) -> dict[str, Any]:
     except (json.JSONDecodeError, yaml.YAMLError) as e:
         raise UsageError(f"config file {path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: "
                          f"{str(e).splitlines()[0]}; fix the file") from None
+    except UsageError:
+        raise
+    except ValueError as e:  # an integer of more than sys.get_int_max_str_digits() digits
+        raise UsageError(f"config file {path} holds a number Python will not read ({str(e).split(';')[0]}); "
+                         "no config value needs that many digits: fix the file") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

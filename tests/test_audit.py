@@ -1,11 +1,13 @@
 """The bitwise audit: zero differences for a repeated run on CPU, nonzero under batch_order."""
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 from conftest import tiny_config
+from test_api import NET_MODULE
 from test_sweep import ENV
 
 from nondet_jax.cli.audit import failed
@@ -37,11 +39,15 @@ def test_too_many_steps_is_a_usage_error():
         audit_run(tiny_config(), steps=100)
 
 
-def test_cli_runs_both_flag_settings(tmp_path):
+def test_cli_runs_both_flag_settings_on_your_own_model(tmp_path):
+    """--model PACKAGE.MODULE:ATTR in the audit too (it was a KeyError traceback), in both processes."""
     out = tmp_path / "audit.json"
-    proc = subprocess.run([sys.executable, "-m", "nondet_jax", "audit", "--steps", "2", "--model", "mlp", "--json", str(out)],
-                          capture_output=True, text=True, env=ENV, timeout=600)
+    (tmp_path / "mynets.py").write_text(NET_MODULE)
+    env = {**ENV, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ENV.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, "-m", "nondet_jax", "audit", "--steps", "2", "--model", "mynets:Net",
+                           "--json", str(out)], capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
+    assert "params/Dense_1/kernel" in proc.stdout  # the user's layers, not a catalogue model's
     runs = json.loads(out.read_text())["runs"]
     assert len(runs) == 2
     child = runs["determinism flags on (child process)"]

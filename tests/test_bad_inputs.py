@@ -139,6 +139,19 @@ CASES: list[tuple[str, str]] = [
     ("API", "run_study(lambda num_classes: Linear(5), TWO_CLASSES, batch_size=4)"),
     ("API", "memory.check_fits(from_flat({'study.replicas': 10**7, 'model.name': 'mlp'}), digits_spec, 360, "
             "available=16 * 2**30, where='host memory')"),
+    ("config file", "--config <tmp>/digits.yaml  (a seed of 5000 digits)"),
+    ("run folder", "--out <tmp>/<256-byte-name>"),
+    ("run folder", "--out <tmp>/<byte-0xff>  (a name that is not UTF-8)"),
+    ("CLI", "--dataset <tmp>/ids.npz  (labels 0 and 10^8)"),
+    ("CLI", "--dataset <tmp>/header.npz  (x_train's header claims 10^8 examples, its data holds 20)"),
+    ("audit", "python -m nondet_jax audit --model mlp --steps 1 --no-child --json <tmp>/audit.json  "
+              "(read-only: writes fail with EROFS)"),
+    ("compare", "python -m nondet_jax compare <tmp>/a.csv <tmp>/b.csv --plot <tmp>/compare.png  "
+                "(read-only: writes fail with EROFS)"),
+    ("API", "run_study(Linear, TWO_CLASSES, batch_size=4, arms='control,augmentation', "
+            "augment=lambda key, x: (x + jax.random.normal(key, x.shape))[:-1])"),
+    ("API", "memory.check_program_fits(jax.jit(lambda: jnp.zeros((10**5, 10**5))).lower().compile().memory_analysis(), "
+            "'4 replicas', 'use fewer', available=16 * 2**30, where='host memory')"),
 ]
 
 class Linear:  # a user's model without dropout (built lazily: flax is imported by the cases that use it)
@@ -174,7 +187,23 @@ def _npz_arrays(name: str) -> dict:
             "labels.npz": {**good, "y_train": np.where(np.arange(20) == 3, -1, y)},
             "length.npz": {**good, "y_train": y[:19]},
             "features.npz": {**good, "x_train": x.reshape(20, 64), "x_test": x[:10].reshape(10, 64)},
+            "ids.npz": {**good, "y_train": np.where(np.arange(20) == 3, 10**8, y % 2), "y_test": y[:10] % 2},
             "good.npz": good}[name]
+
+
+def _write_claiming_npz(path: Path, arrays: dict, claims: dict) -> None:
+    """A .npz whose members' headers claim the shapes in ``claims`` but hold ``arrays``' data."""
+    import io
+    import zipfile
+
+    import numpy as np
+
+    with zipfile.ZipFile(path, "w") as z:
+        for name, a in arrays.items():
+            buf = io.BytesIO()
+            np.lib.format.write_array_header_1_0(buf, {"descr": np.lib.format.dtype_to_descr(a.dtype),
+                                                      "fortran_order": False, "shape": claims.get(name, a.shape)})
+            z.writestr(f"{name}.npy", buf.getvalue() + a.tobytes())
 
 
 def _normalize(message: str, tmp: Path) -> str:
@@ -225,7 +254,10 @@ def run_case(where: str, text: str, ctx: Context, capsys) -> tuple[str, int, boo
     if where == "API":
         spec = train.DataSpec(1437, (8, 8, 1), 10, "digits")
         try:
-            eval(text, {"config": config, "sources": sources, "data": data, "train": train,  # noqa: S307
+            import jax
+            import jax.numpy as jnp
+
+            eval(text, {"jax": jax, "jnp": jnp, "config": config, "sources": sources, "data": data, "train": train,  # noqa: S307
                         "from_flat": from_flat, "digits_spec": spec, "np": np, "metrics": metrics, "memory": memory,
                         "replicate": replicate, "run_study": run_study, "Linear": Linear,
                         "TWO_CLASSES": (np.zeros((8, 3), np.float32), np.arange(8) % 2, np.zeros((4, 3), np.float32),
@@ -240,7 +272,13 @@ def run_case(where: str, text: str, ctx: Context, capsys) -> tuple[str, int, boo
         command = command.replace("<run>", str(folder))
     command = command.replace("<tmp>", str(tmp))
     content = re.search(r"contains `(.*)`", note)
-    args = shlex.split(command)
+    args = [a.replace("<256-byte-name>", "n" * 256).replace("<byte-0xff>", os.fsdecode(b"\xff"))
+            for a in shlex.split(command)]
+    if note.startswith("a seed of 5000 digits"):
+        Path(args[args.index("--config") + 1]).write_text(f"study: {{seed: {'9' * 5000}}}\n")
+    if "compare" in args:
+        for name, values in (("a.csv", "0.91\n0.92\n0.90\n"), ("b.csv", "0.93\n0.92\n0.94\n")):
+            (tmp / name).write_text(f"accuracy\n{values}")
     if "--config" in args:
         path = Path(args[args.index("--config") + 1])
         if content:
@@ -250,7 +288,10 @@ def run_case(where: str, text: str, ctx: Context, capsys) -> tuple[str, int, boo
         import numpy as np
 
         path = Path(args[args.index("--dataset") + 1])
-        np.savez(path, **_npz_arrays(path.name))
+        if path.name == "header.npz":
+            _write_claiming_npz(path, _npz_arrays("good.npz"), {"x_train": (10**8, 8, 8, 1)})
+        else:
+            np.savez(path, **_npz_arrays(path.name))
     if note.startswith("a file"):
         Path(args[args.index("--out") + 1]).write_text("x")
     if note.startswith("a folder holding"):

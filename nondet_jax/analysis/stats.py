@@ -620,8 +620,10 @@ def probability_of_improvement(a, b, level: float = LEVEL) -> dict:
     """
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     na, nb = a.shape[-1], b.shape[-1]
-    diff = b[..., :, None] - a[..., None, :]
-    theta = ((diff > 0) + 0.5 * (diff == 0)).mean((-1, -2))
+    # The Mann-Whitney U of b from midranks: #(b > a) + ½·#(b = a) in O(n log n) memory and time (the
+    # (n_a, n_b) matrix of differences took 7 GB for two 20,000-run samples).
+    ranks = sps.rankdata(np.concatenate([a, b], -1), axis=-1)
+    theta = (ranks[..., na:].sum(-1) - nb * (nb + 1) / 2) / (na * nb)
     if min(na, nb) < MIN_REPLICAS["probability_of_improvement"]:
         nan = _out(np.full(np.shape(theta), np.nan))
         return {"probability": _out(theta), "ci": [nan, nan]}

@@ -56,10 +56,36 @@ INTERRUPTED = {"sweep": None,  # signals.MESSAGE: finished arms are kept, rerun 
 def run_command(command: str, argv: list[str] | None = None, prog: str | None = None) -> int:
     """Run a command's ``main`` with SIGINT/SIGTERM handled (one line, exit 130/143, even while XLA
     compiles; see :mod:`nondet_jax.machine.signals`)."""
-    signals.install(INTERRUPTED.get(command) or signals.MESSAGE)
+    child = os.environ.get(signals.CHILD_ENV) == "1" or "--child-json" in (argv or sys.argv)  # its parent says it
+    signals.install(None if child else INTERRUPTED.get(command) or signals.MESSAGE)
     module = importlib.import_module(f"nondet_jax.cli.{command}")
     try:
         return module.main(argv, prog=prog) if prog else module.main(argv)
     except BrokenPipeError:  # the reader (head, less) closed the pipe: no traceback (Python's signal docs)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except Exception:
+        problem = backend_problem()  # after the failure: the backend must start under the command's XLA flags
+        if problem is None:
+            raise
+        module_name = f"nondet_jax.{command}" if command == "sweep" else f"nondet_jax {command}"
+        print(f"{prog or prog_name(module_name, f'nondet-jax-{command}')}: error: {problem}", file=sys.stderr)
+        return 2
+
+
+def backend_problem() -> str | None:
+    """Why the backend ``JAX_PLATFORMS`` asks for cannot start (``cuda`` without a GPU or without
+    jax[cuda]; JAX raises an AssertionError from deep inside the first computation), as one line;
+    None when it starts or the variable is unset (JAX picks what is there)."""
+    asked = os.environ.get("JAX_PLATFORMS", "")
+    if not asked or "jax" not in sys.modules:
+        return None
+    import jax
+
+    try:
+        jax.devices()
+    except Exception as e:  # noqa: BLE001 (JAX raises RuntimeError, or AssertionError from its backend table)
+        said = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return (f"JAX_PLATFORMS={asked} but JAX could not start that backend ({said}); install the matching jax "
+                "package (e.g. pip install 'jax[cuda12]') on a machine with that device, or unset JAX_PLATFORMS")
+    return None

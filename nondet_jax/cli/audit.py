@@ -7,29 +7,29 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from nondet_jax import config as cfg
 from nondet_jax.cli import prog_name
 from nondet_jax.errors import OneLineParser, UsageError
 from nondet_jax.machine.determinism import check_flags, with_flags
-from nondet_jax.store.io import check_output_file
+from nondet_jax.machine.signals import die_with_parent
+from nondet_jax.store.io import check_output_file, check_path_name
 from nondet_jax.study.audit import audit_run
 
 
 def audit_in_child(args: list[str], flags) -> dict:
-    """Run the audit in a child process whose XLA_FLAGS carry ``flags``; return its result."""
+    """Run the audit in a child process whose XLA_FLAGS carry ``flags``; return its result (the last line
+    of its standard output: no temporary file, so a parent killed meanwhile leaves nothing behind)."""
     check_flags(flags)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "child.json"
-        env = {**os.environ, "XLA_FLAGS": with_flags(flags)}
-        proc = subprocess.run([sys.executable, "-m", "nondet_jax", "audit", *args, "--child-json", str(out)],
-                              env=env, capture_output=True, text=True)
-        if proc.returncode != 0 or not out.exists():
-            tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-            raise RuntimeError(f"the audit's child process failed (exit {proc.returncode}): {tail}")
-        return json.loads(out.read_text())
+    env = {**os.environ, "XLA_FLAGS": with_flags(flags)}
+    proc = subprocess.run([sys.executable, "-m", "nondet_jax", "audit", *args, "--child-json"],
+                          env=env, capture_output=True, text=True)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise RuntimeError(f"the audit's child process failed (exit {proc.returncode}): {tail}")
+    return json.loads(lines[-1])
 
 
 def format_run(title: str, run: dict) -> str:
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     prog = prog or prog_name("nondet_jax audit", "nondet-jax-audit")
     p = OneLineParser(prog=prog, description=__doc__.splitlines()[0].replace("``", ""))
     p.add_argument("--steps", type=int, default=5, help="training steps per run (default 5)")
-    p.add_argument("--model", default="resnet8")
+    p.add_argument("--model", default="resnet8", help="a catalogue model or your own, PACKAGE.MODULE:ATTR")
     p.add_argument("--dataset", default="digits")
     p.add_argument("--data-dir")
     p.add_argument("--batch-size", type=int, default=128)
@@ -61,13 +61,14 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     p.add_argument("--perturb", choices=["batch_order"], help="perturb the second run's reduction order")
     p.add_argument("--json", help="write the result here")
     p.add_argument("--no-child", action="store_true", help="skip the run with determinism flags on")
-    p.add_argument("--child-json", help=argparse.SUPPRESS)
+    p.add_argument("--child-json", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     raw = list(argv if argv is not None else sys.argv[1:])
     try:
         if args.steps < 1:
             raise UsageError(f"--steps must be >= 1, got {args.steps}")
         if args.json:
+            check_path_name(Path(args.json), "--json")
             if Path(args.json).is_dir() or not Path(args.json).parent.is_dir():
                 what = "is a folder" if Path(args.json).is_dir() else "is in a folder that does not exist"
                 raise UsageError(f"--json {args.json} {what}; pass a file path in an existing folder, e.g. "
@@ -77,7 +78,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                                 "train.batch_size": args.batch_size, "train.epochs": 1, "study.seed": args.seed,
                                 "study.replicas": 1, "metrics.pairwise": False})
         if args.child_json:
-            Path(args.child_json).write_text(json.dumps(audit_run(config, args.steps, args.perturb)))
+            die_with_parent()  # a parent gone (killed, Ctrl-C) takes its child along
+            print(json.dumps(audit_run(config, args.steps, args.perturb)))
             return 0
         from nondet_jax.machine.determinism import DETERMINISM_ON
 
@@ -88,15 +90,15 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                 i = child_args.index("--json")
                 del child_args[i:i + 2]
             runs["determinism flags on (child process)"] = audit_in_child(child_args, DETERMINISM_ON)
+        for title, run in runs.items():
+            print(format_run(title, run))
+        if args.json:
+            from nondet_jax.store.io import atomic_write_json
+
+            atomic_write_json(Path(args.json), {"runs": runs}, "--json")  # a refused write: one line (store.io.write_error)
     except UsageError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    for title, run in runs.items():
-        print(format_run(title, run))
-    if args.json:
-        from nondet_jax.store.io import atomic_write_json
-
-        atomic_write_json(Path(args.json), {"runs": runs})
     bad = [t for t, r in runs.items() if failed(r)]
     if bad:
         print(f"NOT DETERMINISTIC although declared so: {', '.join(bad)}", file=sys.stderr)

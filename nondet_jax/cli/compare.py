@@ -10,12 +10,13 @@ from nondet_jax.analysis.compare import RUN_METRICS, compare, format_result
 from nondet_jax.cli import prog_name
 from nondet_jax.errors import OneLineParser, UsageError
 from nondet_jax.report.compare_figure import plot_result
-from nondet_jax.store.io import check_output_file
+from nondet_jax.store.io import check_output_file, check_path_name
 
 
 def _plot_path(path: str) -> Path:
     """``--plot FILE``, checked before anything is computed."""
     path = Path(path)
+    check_path_name(path, "--plot")
     if path.suffix.lower() not in (".png", ".pdf", ".svg"):
         raise UsageError(f"--plot {path}: name a .png, .pdf or .svg file")
     if not path.parent.is_dir():
@@ -48,17 +49,17 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         plot = _plot_path(args.plot) if args.plot else None
         r = compare(args.a, args.b, args.arm, args.arm_b, args.metric, args.column,
                     False if args.lower_is_better else None, detect=args.detect, paired=args.paired)
+        if plot is not None:
+            import io
+
+            from nondet_jax.store.io import atomic_write_bytes
+
+            buf = io.BytesIO()
+            plot_result(r).savefig(buf, format=plot.suffix[1:], dpi=110)
+            atomic_write_bytes(plot, buf.getvalue(), "--plot")  # a refused write: one line
     except UsageError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    if plot is not None:
-        import io
-
-        from nondet_jax.store.io import atomic_write_bytes
-
-        buf = io.BytesIO()
-        plot_result(r).savefig(buf, format=plot.suffix[1:], dpi=110)
-        atomic_write_bytes(plot, buf.getvalue())
     if args.json:
         from nondet_jax.store.io import strict_json
 

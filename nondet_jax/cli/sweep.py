@@ -271,7 +271,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             config = config_from_args(args)
         if config.study.xla_determinism:
             set_determinism_flags()
-        command = prog + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+        command = prog + "".join(f" {os.fsencode(a).decode('utf-8', 'backslashreplace')}"  # as UTF-8 text
+                                 for a in (argv if argv is not None else sys.argv[1:]))
         t0 = time.perf_counter()
         recompute = tuple(a.strip() for a in (args.recompute or "").split(",") if a.strip())
         from nondet_jax.study import multihost

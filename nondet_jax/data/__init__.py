@@ -6,11 +6,13 @@ labels are int32. On-device batching, shuffling and augmentation live in :mod:`.
 
 from __future__ import annotations
 
+import zipfile
 from typing import NamedTuple
 
 import numpy as np
 
 from nondet_jax.errors import UsageError
+from nondet_jax.machine.memory import host_available, human
 
 DATASETS = ("digits", "cifar10", "mnist", "fashion_mnist", "imagenette", "imagenet2012")
 # Variable-size photographs: resized (shorter side) and centre-cropped to data.image_size on loading.
@@ -102,6 +104,11 @@ def from_arrays(name: str, x_train, y_train, x_test, y_test, num_classes: int | 
                        arrays["x_test"].astype(x_dtype), arrays["y_test"].astype(np.float32), outputs, "regression")
     labels = np.concatenate([arrays["y_train"], arrays["y_test"]]).astype(np.int64)
     classes = int(labels.max()) + 1 if num_classes is None else num_classes
+    used = len(np.unique(labels))
+    if num_classes is None and classes - used > max(1000, used):  # e.g. raw ids up to 1e8: a logit for each
+        raise UsageError(f"{name}: labels run up to {labels.max()}, which makes {classes} classes, but only {used} "
+                         "distinct labels occur; labels must be class indices 0 .. classes-1: relabel them, e.g. "
+                         "np.unique(y, return_inverse=True)[1]")
     if labels.min() < 0 or labels.max() >= classes or classes < 2:
         raise UsageError(f"{name}: labels range over {labels.min()} .. {labels.max()}, but must be class indices "
                          f"0 .. {classes - 1} with at least 2 classes; relabel them 0 .. classes-1")
@@ -109,10 +116,45 @@ def from_arrays(name: str, x_train, y_train, x_test, y_test, num_classes: int | 
                    arrays["x_test"].astype(x_dtype), arrays["y_test"].astype(np.int32), classes)
 
 
-def load_npz(path: str) -> Dataset:
-    """A ``.npz`` file holding ``x_train, y_train, x_test, y_test`` (see :func:`from_arrays`)."""
-    from nondet_jax.errors import UsageError
+def check_npz_sizes(path: str) -> None:
+    """Read a ``.npz`` file's array headers (not its data) and refuse, before anything is loaded, an
+    array whose header claims more data than its member holds (a corrupt or crafted header) or arrays
+    that would not fit in the memory this process can have (a few MB compressed can expand to GBs)."""
+    try:
+        z = zipfile.ZipFile(path)
+    except (OSError, zipfile.BadZipFile):
+        return  # np.load says what is wrong
+    total = 0
+    with z:
+        for info in z.infolist():
+            if not info.filename.endswith(".npy"):
+                continue
+            try:
+                with z.open(info) as f:
+                    version = np.lib.format.read_magic(f)
+                    read = np.lib.format.read_array_header_2_0 if version >= (2, 0) else \
+                        np.lib.format.read_array_header_1_0
+                    shape, _, dtype = read(f, max_header_size=10_000)
+                    header = f.tell()
+            except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+                raise UsageError(f"--dataset {path}: the header of {info.filename} cannot be read ({e}); pass a file "
+                                 "written by np.savez") from None
+            nbytes = int(np.prod(shape, dtype=object)) * dtype.itemsize
+            if not dtype.hasobject and nbytes > info.file_size - header:
+                raise UsageError(f"--dataset {path}: {info.filename} claims shape {shape} ({human(nbytes)}) but holds "
+                                 f"{human(info.file_size - header)} of data; the file is truncated or corrupt: write it "
+                                 "again with np.savez")
+            total += nbytes
+    available, where = host_available()
+    if available is not None and total > available:
+        raise UsageError(f"--dataset {path} expands to {human(total)} of arrays but {where} has {human(available)} "
+                         "available; use a subset of the data or a machine with more memory")
 
+
+def load_npz(path: str) -> Dataset:
+    """A ``.npz`` file holding ``x_train, y_train, x_test, y_test`` (see :func:`from_arrays`); its
+    headers are checked first (:func:`check_npz_sizes`)."""
+    check_npz_sizes(path)
     try:
         with np.load(path, allow_pickle=False) as f:
             missing = [k for k in ARRAY_NAMES if k not in f.files]

@@ -21,6 +21,7 @@ import socket
 import sys
 import threading
 
+CHILD_ENV = "NONDET_JAX_CHILD"  # set by the sweep in the processes it starts for an arm (see study.child)
 EXIT_STATUS = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + the signal number, as shells report
 MESSAGE = "interrupted: finished arms are kept in the run folder; rerun the same command to resume"
 
@@ -41,15 +42,17 @@ def _leave(signum: int, message: str) -> None:
         tty = os.isatty(2)
         prefix = "\n\x1b[?25h" if tty else ""  # off a progress bar's line, cursor shown again
         try:
-            os.write(2, (prefix + message + "\n").encode())
+            if message:  # a child process leaves quietly: its parent says it
+                os.write(2, (prefix + message + "\n").encode())
         except OSError:
             pass
     finally:
         os._exit(EXIT_STATUS.get(signum, 128 + signum))
 
 
-def install(message: str = MESSAGE):
-    """Handle SIGINT and SIGTERM from now on in this process: ``message`` on stderr, exit 130 / 143.
+def install(message: str | None = MESSAGE):
+    """Handle SIGINT and SIGTERM from now on in this process: ``message`` on stderr (None: nothing, for
+    a child process whose parent prints it), exit 130 / 143.
 
     Call it first thing in a command's ``main`` (from the main thread). Returns a function that
     restores the previous handlers (for tests and for library callers that want them back).

@@ -20,16 +20,22 @@ No pickles: orbax stores arrays with tensorstore and metadata as JSON.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import hashlib
 import json
 import logging
 import os
 import shutil
+import sys
+import tempfile
+import threading
 from pathlib import Path
 
 import jax
 import numpy as np
 
+from nondet_jax.errors import UsageError
 from nondet_jax.store.io import DENIED, FULL, atomic_write_json, write_error
 
 logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every save at INFO
@@ -109,6 +115,80 @@ def write_refusal(e: BaseException) -> OSError | None:
     return None
 
 
+CHECKPOINT_LOG = "orbax-errors.log"  # in an arm's checkpoint folder: what orbax printed while a save failed
+
+
+@contextlib.contextmanager
+def stderr_captured():
+    """Send everything written to file descriptor 2 (Python's tracebacks from orbax's threads, absl's
+    log lines, tensorstore's C++ messages) to an anonymous temporary file while the block runs; yields
+    a callable returning what was written. Nothing is shown unless the caller keeps it (:func:`keep_log`)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    sink = tempfile.TemporaryFile()
+    os.dup2(sink.fileno(), 2)
+
+    def said() -> bytes:
+        sys.stderr.flush()
+        sink.seek(0)
+        return sink.read()
+
+    try:
+        yield said
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        text = said()
+        sink.close()
+        said.text = text  # what was captured, readable after the block
+
+
+def quiet_after_failed_save(log: Path | None) -> None:
+    """After a failed save, tensorstore's C++ threads keep finishing their writes for a while and hand
+    each result to the asyncio loop orbax has closed; every one prints "RuntimeError: Event loop is
+    closed" through ``sys.excepthook``, and asyncio logs each of orbax's failed writes as "exception
+    was never retrieved" when it is collected (also after the one-line error). Those, and only those,
+    are kept out of the terminal from then on: the loop errors dropped, asyncio's log sent to ``log``."""
+    quiet = logging.getLogger("asyncio")
+    if quiet.propagate:
+        quiet.propagate = False
+        handler = logging.NullHandler()
+        if log is not None:
+            try:
+                handler = logging.FileHandler(log, delay=True)
+            except OSError:
+                pass
+        quiet.addHandler(handler)
+    previous = sys.excepthook
+    if getattr(previous, "quiet_closed_loops", False):
+        return
+
+    def hook(kind, value, tb):
+        if kind is RuntimeError and str(value) == "Event loop is closed":
+            return
+        previous(kind, value, tb)
+
+    hook.quiet_closed_loops = True
+    sys.excepthook = hook
+
+
+def keep_log(said, path: Path) -> Path | None:
+    """Write what :func:`stderr_captured` caught to ``path`` (or, where that folder refuses, e.g. a full
+    disk, to a file in the temporary folder); the path written, None when nothing was caught or
+    nothing could be written."""
+    text = getattr(said, "text", b"")
+    if not text.strip():
+        return None
+    for where in (path, Path(tempfile.gettempdir()) / f"nondet_jax-{path.name}"):
+        try:
+            where.write_bytes(text)
+            return where
+        except OSError:
+            continue
+    return None
+
+
 class ArmCheckpoints:
     """The checkpoints of one arm: save every ``every`` epochs, restore the latest valid one."""
 
@@ -158,17 +238,35 @@ class ArmCheckpoints:
         history = {"steps": progress.steps, "weight_distance": progress.weight_distance}
         if progress.snapshots is not None:
             history["snapshots"] = progress.snapshots
-        try:
-            self._mgr().save(progress.epoch, args=ocp.args.Composite(
-                state=ocp.args.StandardSave(jax.device_get(progress.state)),  # host arrays: any process layout
-                history=ocp.args.StandardSave(_nonempty(history)),
-                meta=ocp.args.JsonSave({**meta, "epoch": progress.epoch})))
-            self._mgr().wait_until_finished()
-        except Exception as e:  # orbax reports a full disk as a ValueError (from tensorstore) or an OSError
-            refused = write_refusal(e)
+        with stderr_captured() as said:  # a refused write makes orbax's threads print 100+ lines of tracebacks
+            before = set(threading.enumerate())
+            try:
+                self._mgr().save(progress.epoch, args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(jax.device_get(progress.state)),  # host arrays: any process layout
+                    history=ocp.args.StandardSave(_nonempty(history)),
+                    meta=ocp.args.JsonSave({**meta, "epoch": progress.epoch})))
+                self._mgr().wait_until_finished()
+                failed = None
+            except Exception as e:  # orbax reports a full disk as a ValueError (from tensorstore) or an OSError
+                failed = e
+                try:
+                    self.close()  # its threads finish (and print) while stderr is still captured
+                except Exception:  # noqa: BLE001 (the save's own error is the one to report)
+                    self._manager = None
+                for thread in set(threading.enumerate()) - before:  # orbax's background threads print as they end
+                    try:
+                        thread.join(timeout=10)
+                    except Exception:  # noqa: BLE001 (orbax's threads re-raise their error in join)
+                        pass
+                gc.collect()  # and asyncio logs its never-retrieved futures now, not at exit
+        if failed is not None:
+            refused = write_refusal(failed)
+            where = keep_log(said, self.root / CHECKPOINT_LOG)
+            quiet_after_failed_save(where)
             if refused is None:
-                raise
-            raise write_error(self.root / "orbax" / str(progress.epoch), refused) from None
+                raise failed
+            error = write_error(self.root / "orbax" / str(progress.epoch), refused)
+            raise UsageError(f"{error} (orbax's messages: {where})" if where else error) from None
         atomic_write_json(self._sha(progress.epoch), _manifest(self.root / "orbax" / str(progress.epoch)))
         for old in self._sha(0).parent.glob("*.json"):  # manifests of steps orbax has pruned
             if not (self.root / "orbax" / old.stem).exists():

@@ -21,12 +21,15 @@ FULL = (errno.ENOSPC, errno.EDQUOT)
 DENIED = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
-def write_error(path: Path, e: OSError) -> UsageError:
-    """The one-line error for a write the file system refused (disk full, read-only, immutable)."""
-    if e.errno in FULL:
+def write_error(path: Path, e: OSError, option: str = "--out") -> UsageError:
+    """The one-line error for a write the file system refused (disk full, read-only, immutable);
+    ``option`` names what the user passed the path with (a run folder's ``--out``, or ``--json`` ...)."""
+    if option != "--out":
+        fix = f"{'free some space' if e.errno in FULL else 'make the folder writable'}, or pass another {option}"
+    elif e.errno in FULL:
         fix = "free some space, then rerun the same command: finished arms and checkpoints are kept"
     else:
-        fix = "make the folder writable or choose another --out"
+        fix = "make the folder writable, then rerun the same command"  # report has no --out to change
     return UsageError(f"cannot write {path}: {e.strerror or e}; {fix}")
 
 
@@ -46,17 +49,34 @@ def umask() -> int:
 TEMP_GLOB = ".*.tmp"  # the names of atomic_write_bytes' temporary files
 
 
+def check_path_name(path: Path, option: str) -> None:
+    """Refuse a path the run folder could not record or the file system cannot hold, before anything
+    is written: one that is not UTF-8 (run folders record paths in UTF-8 JSON) or whose name is too long."""
+    text = os.fsdecode(path)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UsageError(f"{option} {ascii(text)} is not valid UTF-8 text, which nondet_jax's records (JSON, UTF-8) cannot hold; "
+                         "choose a name in UTF-8") from None
+    limit = os.pathconf("/", "PC_NAME_MAX")
+    long = next((p for p in Path(text).parts if len(p.encode()) > limit), None)
+    if long is not None:
+        raise UsageError(f"{option} {text.replace(long, f'{long[:12]}...({len(long.encode())} bytes)')} is too long "
+                         f"for the file system (at most {limit} bytes a name); choose a shorter name")
+
+
 def check_output_file(path: Path, option: str) -> None:
     """An output file named by the user outside a run folder (``--json``, ``--plot``): it is replaced by
     a rename, so a symbolic link, device, FIFO or folder there would be replaced too (``/dev/null``
     turned into a regular file). Refused with a one-line error instead."""
     path = Path(path)
+    check_path_name(path, option)
     if path.is_symlink() or (path.exists() and not path.is_file()):
         what = "a symbolic link" if path.is_symlink() else "a folder" if path.is_dir() else "a device, FIFO or socket"
         raise UsageError(f"{option} {path} is {what}, which would be replaced; pass the path of a regular file")
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+def atomic_write_bytes(path: Path, data: bytes, option: str = "--out") -> None:
     """Write ``data`` to ``path`` through a temporary file and a rename: never half a file. The file
     gets the permissions a plain ``open`` would (0644 under umask 022), not mkstemp's 0600; a write the
     file system refuses is a :class:`UsageError` naming the file and the fix."""
@@ -65,7 +85,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # TEMP_GLOB
     except OSError as e:
         if e.errno in FULL + DENIED:
-            raise write_error(path, e) from None
+            raise write_error(path, e, option) from None
         raise
     try:
         with os.fdopen(fd, "wb") as f:
@@ -77,12 +97,12 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
         if isinstance(e, OSError) and e.errno in FULL + DENIED:
-            raise write_error(path, e) from None
+            raise write_error(path, e, option) from None
         raise
 
 
-def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
+def atomic_write_json(path: Path, obj: Any, option: str = "--out") -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode(), option)
 
 
 def npy_bytes(array: np.ndarray) -> bytes:

@@ -22,6 +22,7 @@ from nondet_jax.store.io import (
     atomic_write_bytes,
     atomic_write_json,
     check_no_links,
+    check_path_name,
     npy_bytes,
     npz_bytes,
 )
@@ -181,6 +182,7 @@ class RunStore:
         root = self.root
         if self.locked_by_parent:
             return
+        check_path_name(root, "--out")
         if root.exists() and not root.is_dir():
             raise UsageError(f"--out {root} is a file, not a folder; choose another --out")
         cfg_path = root / "config.json"

@@ -16,6 +16,7 @@ from nondet_jax.machine.determinism import (
     tree_ulp_diff,
 )
 from nondet_jax.sources import arm_keys, arm_sources, perturbations, replica_slice
+from nondet_jax.study.prepare import check_outputs, resolve_parts
 from nondet_jax.study.provenance import environment
 from nondet_jax.train import DataSpec, make_train
 
@@ -28,7 +29,9 @@ def audit_run(config: Config, steps: int, perturb: str | None = None) -> dict:
         raise UsageError(f"{steps} steps of batch {b} need {steps * b} training examples, {data.name} has "
                          f"{len(data.x_train)}; use fewer --steps or a smaller --batch-size")
     x, y = jnp.asarray(data.x_train[: steps * b]), jnp.asarray(data.y_train[: steps * b])
-    fns = make_train(config, DataSpec(steps * b, tuple(x.shape[1:]), data.num_classes, data.name))
+    fns = make_train(config, DataSpec(steps * b, tuple(x.shape[1:]), data.num_classes, data.name),
+                     resolve_parts(config))  # --model PACKAGE.MODULE:ATTR: the user's own model
+    check_outputs(fns)
     init, epoch = jax.jit(fns.init), jax.jit(fns.train_epoch)
 
     def train(arm: str):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from nondet_jax.errors import UsageError
 from nondet_jax.machine.determinism import with_flags
+from nondet_jax.machine.signals import CHILD_ENV
 from nondet_jax.sources import Arm, parse_arm
 from nondet_jax.store.paths import RunPaths
 from nondet_jax.store.run import RunStore
@@ -16,8 +17,6 @@ from nondet_jax.study.arm import train_arm
 from nondet_jax.study.prepare import prepare_child
 from nondet_jax.study.progress import Progress
 from nondet_jax.study.provenance import environment, fallback_said
-
-CHILD_ENV = "NONDET_JAX_CHILD"  # set by the sweep in the processes it starts for an arm
 
 
 def run_in_child(out: Path, arm: Arm, flags) -> None:

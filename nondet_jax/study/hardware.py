@@ -111,6 +111,9 @@ def child_main(out: str, arm: str, replica: int) -> int:
 
 
 if __name__ == "__main__":
+    from nondet_jax.machine import signals
+
+    signals.install(None)  # Ctrl-C reaches the whole process group: the sweep prints the one line
     try:
         sys.exit(child_main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
     except UsageError as e:

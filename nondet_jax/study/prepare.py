@@ -91,6 +91,25 @@ def check_init_params(fns) -> None:
         pretrained.check(fns.parts.init_params, _params_shape(fns))
 
 
+def check_augment(fns) -> None:
+    """Refuse, before anything trains, a user's ``augment`` that does not return a batch of the shape it
+    got: one that drops, adds or reorders axes would misalign the labels (or fail mid-epoch); traced, not run."""
+    if fns.parts.augment is None:
+        return
+    spec, b = fns.spec, fns.batch_size
+    x = jax.ShapeDtypeStruct((b, *spec.image_shape), spec.x_dtype)
+    try:
+        out = jax.eval_shape(fns.parts.augment, jax.eval_shape(lambda: jax.random.key(0)), x)
+    except Exception as e:  # noqa: BLE001 (the user's function: any error, named)
+        raise UsageError(f"augment(key, x) fails on a batch of shape {x.shape} ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''}); it must take a key and a batch of inputs") from None
+    shape = getattr(out, "shape", None)
+    if shape != x.shape:
+        raise UsageError(f"augment(key, x) returns {f'shape {tuple(shape)}' if shape is not None else type(out).__name__} "
+                         f"for a batch of shape {x.shape}; it must return the batch in the same shape, example i "
+                         "still example i, or the labels no longer match")
+
+
 def check_outputs(fns) -> None:
     """Refuse, before anything trains, a model whose outputs do not fit the data: one score per class
     (classification) or as many outputs as the targets have (regression); traced, not run."""
@@ -199,6 +218,7 @@ def prepare(config: Config, parts: Parts = Parts(), data=None):
     fns = make_train(config, spec, parts)
     check_init_params(fns)
     check_arms_active(config, parse_arms(config), fns)
+    check_augment(fns)
     check_outputs(fns)
     check_fits(config, spec, len(data.x_test), fns=fns)  # before anything is allocated or written
     return data, fns

@@ -22,7 +22,7 @@ from nondet_jax.replicas.choice import make_strategy, resolve_strategy
 from nondet_jax.report.markdown import write_report
 from nondet_jax.report.summary import format_table, replica_rows
 from nondet_jax.sources import Arm, arm_keys, perturbations
-from nondet_jax.store.io import atomic_write_bytes, npy_bytes
+from nondet_jax.store.io import atomic_write_bytes, check_path_name, npy_bytes
 from nondet_jax.store.paths import RunPaths
 from nondet_jax.store.run import RunStore
 from nondet_jax.study import multihost as mh
@@ -118,6 +118,8 @@ def run(config: Config, out: str | Path | None = None, progress: bool | None = N
     is written.
     """
     in_memory = parts != Parts() or data is not None
+    if out is not None:
+        check_path_name(Path(out), "--out")  # before anything reads the folder
     data, fns = prepare(config, parts, data)
     study = config.study
     arms = parse_arms(config)
@@ -186,10 +188,8 @@ def run_distributed(config: Config, out: str | Path | None, procs, progress: boo
     """:func:`run` across several processes (see :mod:`nondet_jax.study.multihost`): each trains its block
     of every arm's replicas; process 0 holds the folder's lock, merges, stores and reports. Returns
     the summary on process 0, None elsewhere."""
-    from nondet_jax.store.io import atomic_write_bytes
-    from nondet_jax.store.paths import RunPaths
-    from nondet_jax.store.run import RunStore
-
+    if out is not None:
+        check_path_name(Path(out), "--out")
     data, fns = prepare(config)
     study = config.study
     arms = parse_arms(config)
