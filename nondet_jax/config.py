@@ -95,6 +95,9 @@ class MetricsConfig:
     bn_examples: int = 2048  # training examples that BatchNorm statistics are recomputed on
     tta: tuple[str, ...] = ()  # test-time augmentation view sets evaluated per arm (nondet_jax.analysis.tta), e.g. flip,crop5
     decomposition: bool = False  # the report's variance decomposition over the one-source arms and all
+    # std ratios (an arm's std / the all arm's) for which the report gives the replicas per arm a study needs
+    # to detect them (80% power, two-sided 5%); report only: changing them never retrains anything
+    power_ratios: tuple[float, ...] = (0.5, 0.75)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,9 +199,16 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
                 raise UsageError(f"config key '{key}' got {value!r}, which is not a finite number; fix the value")
             return number
         if isinstance(default, tuple):
-            if isinstance(value, str):
-                return tuple(v.strip() for v in value.split(",") if v.strip())
-            return tuple(str(v) for v in value)
+            items = tuple(v.strip() for v in value.split(",") if v.strip()) if isinstance(value, str) else tuple(value)
+            if default and all(isinstance(v, float) for v in default):  # a list of numbers
+                if any(isinstance(v, bool) for v in items):
+                    raise ValueError
+                numbers = tuple(float(v) for v in items)
+                if not all(math.isfinite(v) for v in numbers):
+                    raise UsageError(f"config key '{key}' got {value!r}, which holds a number that is not finite; "
+                                     "fix the value")
+                return numbers
+            return tuple(str(v) for v in items)
         if default is None or isinstance(default, str):
             if value is None or (isinstance(value, str) and value.lower() in ("", "none", "null")):
                 return None if default is None else value
@@ -361,6 +371,10 @@ def validate(config: Config) -> None:
         raise UsageError(f"dropout rate must be in [0, 1), got {m.dropout}; fix --set model.dropout")
     if m.dtype not in models.PRECISIONS:
         raise UsageError(f"unknown model dtype '{m.dtype}'; use --set model.dtype=float32 or bfloat16")
+    ratios = config.metrics.power_ratios
+    if not 1 <= len(ratios) <= 4 or any(r <= 0 or r == 1 for r in ratios):
+        raise UsageError(f"metrics.power_ratios must be 1 to 4 std ratios > 0 other than 1, got "
+                         f"{', '.join(map(str, ratios)) or 'none'}; e.g. --set metrics.power_ratios=0.5,0.75")
 
     if d.name not in DATASETS and not d.name.endswith(".npz") and not d.name.startswith(ARRAYS_PREFIX):
         raise UsageError(f"unknown dataset '{d.name}'; choose one of: {', '.join(DATASETS)}, or your own arrays as "

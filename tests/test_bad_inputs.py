@@ -140,6 +140,7 @@ CASES: list[tuple[str, str]] = [
     ("API", "memory.check_fits(from_flat({'study.replicas': 10**7, 'model.name': 'mlp'}), digits_spec, 360, "
             "available=16 * 2**30, where='host memory')"),
     ("config file", "--config <tmp>/digits.yaml  (a seed of 5000 digits)"),
+    ("CLI", "--set metrics.power_ratios=1"),
     ("run folder", "--out <tmp>/<256-byte-name>"),
     ("run folder", "--out <tmp>/<byte-0xff>  (a name that is not UTF-8)"),
     ("CLI", "--dataset <tmp>/ids.npz  (labels 0 and 10^8)"),

@@ -9,7 +9,7 @@ import pytest
 from nondet_jax.analysis import coverage, stats
 
 # cells documented in docs/statistics.md as below 93% at R=8: checked to stay where they are, not hidden
-KNOWN_WEAK = {"mean: skewed": 0.90, "mean: bad seeds": 0.90, "mean: strong skew (stress)": 0.80,
+KNOWN_WEAK = {"mean: strong skew (stress)": 0.82,
               "std: strong skew (stress)": 0.74, "ratio: strong skew (stress)": 0.88,
               "pairwise |X_a−X_b| (stress)": 0.88}
 

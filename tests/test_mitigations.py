@@ -66,8 +66,8 @@ def test_hand_computed_accuracy_spread_and_disagreement():
     assert m["accuracy"]["mean"] == pytest.approx(0.75)
     assert m["accuracy"]["std"] == pytest.approx(0.25)  # std(1, .75, .5), ddof=1
     assert m["disagreement"]["mean"] == pytest.approx((1 / 4 + 2 / 4 + 1 / 4) / 3)
-    lo, hi = m["accuracy"]["mean_ci"]  # t interval with 2 degrees of freedom: 0.75 ± 4.303 * 0.25 / sqrt(3)
-    assert (lo, hi) == pytest.approx((0.75 - 4.3027 * 0.25 / np.sqrt(3), 1.0), abs=1e-4)  # clipped at 100%
+    lo, hi = m["accuracy"]["mean_ci"]  # t(2 df) at 98.25% (stats.MEAN_TAIL): 0.75 ± 5.2039 * 0.25 / sqrt(3)
+    assert 0.75 - 5.2039 * 0.25 / np.sqrt(3) < 0 and (lo, hi) == (0.0, 1.0)  # both ends clipped to [0, 100%]
     # cross-entropy of a right answer with margin 2: log(1 + e^-2); of a wrong one: log(1 + e^2)
     right, wrong = np.log1p(np.exp(-2.0)), np.log1p(np.exp(2.0))
     assert m["cross_entropy"]["mean"] == pytest.approx((9 * right + 3 * wrong) / 12)

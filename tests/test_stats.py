@@ -68,9 +68,9 @@ def test_holm_matches_the_textbook_step_down():
     assert stats.holm([]) == []
 
 
-def test_mean_ci_is_the_t_interval():
+def test_mean_ci_is_the_t_interval_at_its_widened_critical_value():
     x = np.random.default_rng(3).normal(1.0, 2.0, 8)
-    half = sps.t.ppf(0.975, 7) * x.std(ddof=1) / np.sqrt(8)
+    half = sps.t.ppf(0.9825, 7) * x.std(ddof=1) / np.sqrt(8)  # 1 − 0.7 · 0.05 / 2: see stats.MEAN_TAIL
     assert stats.mean_ci(x) == pytest.approx((x.mean() - half, x.mean() + half))
     assert all(np.isnan(stats.mean_ci([0.5])))
 
@@ -161,14 +161,14 @@ def test_pairwise_mean_ci_is_the_replica_jackknife():
     # by hand: leave replica i (and its pairs) out
     loo = np.array([values[(a != i) & (b != i)].mean() for i in range(r)])
     se = np.sqrt((r - 1) / r * ((loo - loo.mean()) ** 2).sum())
-    half = sps.t.ppf(0.975, r - 1) * se
+    half = sps.t.ppf(0.9825, r - 1) * se  # the mean's widened critical value (stats.MEAN_TAIL)
     assert stats.pairwise_mean_ci(values, r) == pytest.approx((values.mean() - half, values.mean() + half))
     # every pair equal: the jackknife has no spread to see, so no zero-width interval is printed
     assert all(np.isnan(stats.pairwise_mean_ci(np.full(len(a), 0.25), r)))
     lo, hi = stats.pairwise_mean_ci(values, r, bounds=(0.0, np.inf), scale="log")  # log scale: by hand too
     loo_log = np.log(loo)
     se_log = np.sqrt((r - 1) / r * ((loo_log - loo_log.mean()) ** 2).sum())
-    t = sps.t.ppf(0.975, r - 1)
+    t = sps.t.ppf(0.9825, r - 1)
     assert (lo, hi) == pytest.approx((values.mean() * np.exp(-t * se_log), values.mean() * np.exp(t * se_log)))
     assert all(np.isnan(stats.pairwise_mean_ci([0.1], 2)))
     with pytest.raises(ValueError, match="pair values"):

@@ -94,7 +94,7 @@ def arm_metrics(result, data, fns: TrainFns, cfg: MetricsConfig) -> tuple[dict, 
     return out, arrays
 
 
-def compare_arms(records: dict[str, dict], reference: str = "all") -> dict[str, dict]:
+def compare_arms(records: dict[str, dict], reference: str = "all", ratios=S.POWER_RATIOS) -> dict[str, dict]:
     """Each arm's spread of the task's two per-replica scores (accuracy and cross-entropy, or test MSE
     and MAE) relative to the ``reference`` arm (:func:`nondet_jax.analysis.stats.compare_spread`), with
     the permutation spread test's p Holm-adjusted over the arms (``spread_p_holm``, per quantity).
@@ -116,7 +116,8 @@ def compare_arms(records: dict[str, dict], reference: str = "all") -> dict[str, 
             continue
         out[arm] = {q.name: S.compare_spread(np.array([row[q.row] for row in rows]),
                                              np.array([row[q.row] for row in ref]),
-                                             resolution=(rec.get("metrics") or {}).get(q.name, {}).get("resolution"))
+                                             resolution=(rec.get("metrics") or {}).get(q.name, {}).get("resolution"),
+                                             ratios=ratios)
                     for q in quantities}
     for q in quantities:
         arms = list(out)

@@ -22,7 +22,7 @@ import numpy as np
 from scipy import stats as sps
 
 from nondet_jax.analysis import stats as S
-from nondet_jax.analysis.metrics import pair_indices
+from nondet_jax.analysis.metrics import PAIRWISE_RANGE, PAIRWISE_SCALE, pair_indices
 
 
 def _hit(ci, truth) -> float:
@@ -182,6 +182,33 @@ BORDERLINE = {"pairwise disagreement, unequal noise": (30, 0.1, True),
               "pairwise disagreement, near-identical": (2, 0.06, True)}
 
 
+def _cka_pairs(features: np.ndarray) -> np.ndarray:
+    """Linear CKA of every pair of replicas, batched over studies: (T, R, n, d) -> (T, P) (the formula of
+    :func:`nondet_jax.analysis.metrics.linear_cka`)."""
+    f = features - features.mean(2, keepdims=True)
+    gram = np.einsum("trnd,trne->trde", f, f)
+    a, b = pair_indices(features.shape[1])
+    cross = np.einsum("tpnd,tpne->tpde", f[:, a], f[:, b])
+    norms = np.linalg.norm(gram, axis=(2, 3))
+    return (cross ** 2).sum((2, 3)) / (norms[:, a] * norms[:, b])
+
+
+def _pairwise_cka(rng, r, t, noise, n=60, d=6):
+    """Linear CKA of replicas whose features are a shared part plus each replica's own noise, its variance
+    ``noise``² times a per-replica factor lognormal(0, 0.7) (seeds of unequal noise, as in
+    :func:`borderline_draws`); the report's interval (the jackknife on the scale and range of ``cka``), the
+    truth by a large simulation."""
+    shared = np.random.default_rng(1234).normal(size=(n, d)) * np.linspace(2.0, 0.2, d)  # anisotropic features
+
+    def draw(gen, trials, reps):
+        scale = noise * np.sqrt(gen.lognormal(0.0, 0.7, (trials, reps, 1, 1)))
+        return shared + scale * gen.normal(size=(trials, reps, n, d))
+
+    truth = float(_cka_pairs(draw(np.random.default_rng(4321), 20_000, 2)).mean())
+    values = np.concatenate([_cka_pairs(draw(rng, 500, r)) for _ in range(0, t, 500)])[:t]
+    return _hit(S.pairwise_mean_ci(values, r, bounds=PAIRWISE_RANGE["cka"], scale=PAIRWISE_SCALE["cka"]), truth)
+
+
 def _pairwise_abs_difference(rng, r, t):
     """A stress case: one |X_a − X_b| per pair of standard normal X (skewed, no averaging inside a pair)."""
     a, b = pair_indices(r)
@@ -282,6 +309,10 @@ CASES = {
     "pairwise mean": ("pairwise", "pair = μ + u_a + u_b + e_ab (normal)", _pairwise_random_effects),
     "pairwise disagreement": ("pairwise", "Bernoulli predictions, replica-level shift", _pairwise_disagreement),
     "pairwise |X_a−X_b| (stress)": ("pairwise", "one skewed value per pair", _pairwise_abs_difference),
+    "pairwise CKA, moderate diversity": ("pairwise", "features: shared part + own noise (std 0.5, unequal seeds): "
+                                         "CKA about 0.84", functools.partial(_pairwise_cka, noise=0.5)),
+    "pairwise CKA, near-identical": ("pairwise", "features: shared part + own noise (std 0.02, unequal seeds): "
+                                     "CKA about 0.9997", functools.partial(_pairwise_cka, noise=0.02)),
     **{name: ("pairwise", f"{k} borderline images of 360, flip p = {p}, unequal seeds"
               + (": 0.06% disagreement (a bitflip arm)" if k == 2 else ""),
               functools.partial(_borderline_disagreement, borderline=k, p=p, unequal=u))

@@ -13,7 +13,7 @@ from nondet_jax import config as cfg
 from nondet_jax.cli import prog_name
 from nondet_jax.errors import OneLineParser, UsageError
 from nondet_jax.machine.determinism import check_flags, with_flags
-from nondet_jax.machine.signals import die_with_parent
+from nondet_jax.machine.signals import PARENT_ENV, die_with_parent
 from nondet_jax.store.io import check_output_file, check_path_name
 from nondet_jax.study.audit import audit_run
 
@@ -22,9 +22,9 @@ def audit_in_child(args: list[str], flags) -> dict:
     """Run the audit in a child process whose XLA_FLAGS carry ``flags``; return its result (the last line
     of its standard output: no temporary file, so a parent killed meanwhile leaves nothing behind)."""
     check_flags(flags)
-    env = {**os.environ, "XLA_FLAGS": with_flags(flags)}
+    env = {**os.environ, "XLA_FLAGS": with_flags(flags), PARENT_ENV: str(os.getpid())}
     proc = subprocess.run([sys.executable, "-m", "nondet_jax", "audit", *args, "--child-json"],
-                          env=env, capture_output=True, text=True)
+                          env=env, capture_output=True, text=True, start_new_session=True)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]

@@ -21,11 +21,16 @@ import socket
 import sys
 import threading
 
+# A child process (an arm, a replica, the audit's second run) starts in its own session, so a terminal's
+# Ctrl-C reaches the parent alone, which prints the one line and exits; the child then gets
+# die_with_parent's signal, or sees at start that its parent (PARENT_ENV) is gone.
+PARENT_ENV = "NONDET_JAX_PARENT_PID"
 CHILD_ENV = "NONDET_JAX_CHILD"  # set by the sweep in the processes it starts for an arm (see study.child)
 EXIT_STATUS = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + the signal number, as shells report
 MESSAGE = "interrupted: finished arms are kept in the run folder; rerun the same command to resume"
 
 _once = threading.Lock()
+_stderr: list[int] = []  # a duplicate of fd 2 taken at install
 _sockets: list[socket.socket] = []  # the wakeup socket pair, kept alive while installed (a GC'd one closes its fd)
 
 
@@ -39,11 +44,12 @@ def _leave(signum: int, message: str) -> None:
                 stream.flush()
             except Exception:  # noqa: BLE001 - a closed stream must not stop the exit
                 pass
-        tty = os.isatty(2)
+        fd = _stderr[0] if _stderr else 2  # stderr as it was at install: fd 2 may be captured meanwhile
+        tty = os.isatty(fd)
         prefix = "\n\x1b[?25h" if tty else ""  # off a progress bar's line, cursor shown again
         try:
             if message:  # a child process leaves quietly: its parent says it
-                os.write(2, (prefix + message + "\n").encode())
+                os.write(fd, (prefix + message + "\n").encode())
         except OSError:
             pass
     finally:
@@ -63,6 +69,8 @@ def install(message: str | None = MESSAGE):
             signals.install()
             ...
     """
+    if not _stderr:
+        _stderr.append(os.dup(2))  # where the one line goes, even while a checkpoint save captures fd 2
     reader, writer = socket.socketpair()
     writer.setblocking(False)
     _sockets[:] = [reader, writer]
@@ -108,5 +116,7 @@ def die_with_parent(signum: int = signal.SIGTERM) -> None:
         libc.prctl(1, int(signum), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
     except (OSError, AttributeError):
         pass
-    if os.getppid() == 1:  # the parent died before prctl took effect
-        _leave(signum, MESSAGE)
+    parent = os.environ.get(PARENT_ENV, "")
+    if os.getppid() == 1 or (parent.isdigit() and os.getppid() != int(parent)):  # it died before prctl took effect
+        _leave(signum, None)
+

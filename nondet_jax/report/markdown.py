@@ -48,7 +48,9 @@ def _comparison_md(summary: dict) -> list[str]:
         lines.append("Design (not a power computed from the observed ratio): to detect a true std ratio of "
                      + ", ".join(f"{k} ({n} replicas per arm)" for k, n in needed.items())
                      + " with 80% power (F-test, normal data); a std interval spanning at most a factor 2 needs "
-                     f"{replicas_for_std_factor(2.0)} replicas (normal data).")
+                     f"{replicas_for_std_factor(2.0)} replicas (normal data). Other ratios: "
+                     "rerun the sweep with `--set metrics.power_ratios=0.5,0.75` (finished arms are reused, only the report "
+                     "is rebuilt).")
     return lines + [""]
 
 

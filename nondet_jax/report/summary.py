@@ -12,7 +12,7 @@ import numpy as np
 from nondet_jax.analysis.arm import compare_arms
 from nondet_jax.analysis.decomposition import decompose
 from nondet_jax.analysis.mitigations import mitigation_metrics, snapshot_ensemble
-from nondet_jax.analysis.stats import METHODS, TESTS, format_ci
+from nondet_jax.analysis.stats import METHODS, POWER_RATIOS, TESTS, format_ci
 from nondet_jax.analysis.task import PAIRWISE, QUANTITIES, task_of
 from nondet_jax.errors import UsageError
 from nondet_jax.sources import split_variant
@@ -74,7 +74,7 @@ def build_summary(run: Path) -> tuple[dict, dict[str, dict]]:
         "std_ddof": 1, "ci_level": 0.95, "ci_methods": METHODS, "tests": TESTS,
         "task": task_of(next(iter(records.values()))),
         "arms": {a: {k: v for k, v in rec.items() if k != "rows"} for a, rec in records.items()},
-        "vs_all": compare_arms(records),
+        "vs_all": compare_arms(records, ratios=tuple(config.get("metrics", {}).get("power_ratios", POWER_RATIOS))),
         "mitigations": mitigation_results(run, records),
         "decomposition": decompose(records) if config.get("metrics", {}).get("decomposition") else {},
     }, records

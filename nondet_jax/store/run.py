@@ -31,9 +31,9 @@ from nondet_jax.store.paths import ARM_FILES, RunPaths
 LOCK = ".lock"
 
 
-# Keys a folder's results do not depend on: arms may be added (each arm is stored on its own), and
-# the checkpoint interval only decides how much a crash costs.
-RESULT_NEUTRAL = {("study", "arms"), ("train", "checkpoint_every")}
+# Keys a folder's results do not depend on: arms may be added (each arm is stored on its own), the
+# checkpoint interval only decides how much a crash costs, and the power ratios are read by the report.
+RESULT_NEUTRAL = {("study", "arms"), ("train", "checkpoint_every"), ("metrics", "power_ratios")}
 
 
 def _comparable(config: dict) -> dict:

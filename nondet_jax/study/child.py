@@ -9,7 +9,7 @@ from pathlib import Path
 
 from nondet_jax.errors import UsageError
 from nondet_jax.machine.determinism import with_flags
-from nondet_jax.machine.signals import CHILD_ENV
+from nondet_jax.machine.signals import CHILD_ENV, PARENT_ENV
 from nondet_jax.sources import Arm, parse_arm
 from nondet_jax.store.paths import RunPaths
 from nondet_jax.store.run import RunStore
@@ -22,9 +22,9 @@ from nondet_jax.study.provenance import environment, fallback_said
 def run_in_child(out: Path, arm: Arm, flags) -> None:
     """Train ``arm`` in a fresh process whose XLA_FLAGS carry ``flags`` (read at backend start);
     it writes into the same run folder, under the lock this process holds."""
-    env = {**os.environ, "XLA_FLAGS": with_flags(flags), CHILD_ENV: "1"}
+    env = {**os.environ, "XLA_FLAGS": with_flags(flags), CHILD_ENV: "1", PARENT_ENV: str(os.getpid())}
     proc = subprocess.run([sys.executable, "-m", "nondet_jax.sweep", "--out", str(out), "--child-arm", arm.name],
-                          env=env)
+                          env=env, start_new_session=True)  # Ctrl-C: the sweep's one line (signals.PARENT_ENV)
     if proc.returncode != 0:
         raise RuntimeError(f"the child process training arm '{arm.name}' failed with exit status {proc.returncode}; "
                            "its output is above; finished arms are kept")

@@ -27,7 +27,7 @@ import numpy as np
 
 from nondet_jax.errors import UsageError
 from nondet_jax.machine.determinism import with_flags
-from nondet_jax.machine.signals import die_with_parent
+from nondet_jax.machine.signals import PARENT_ENV, die_with_parent
 from nondet_jax.replicas.choice import make_strategy, resolve_strategy
 from nondet_jax.sources import arm_keys, parse_arm, perturbations
 from nondet_jax.store.io import atomic_write_bytes, atomic_write_json
@@ -44,7 +44,8 @@ NO_CACHES = {"NONDET_JAX_COMPILE_CACHE": "off", "JAX_ENABLE_COMPILATION_CACHE": 
 def child_env(flags) -> dict[str, str]:
     """The environment of a replica's process: ``flags`` in XLA_FLAGS (see determinism.with_flags), no
     persistent compilation or autotuning cache."""
-    return {**os.environ, "XLA_FLAGS": with_flags(flags), REPLICA_CHILD_ENV: "1", **NO_CACHES}
+    return {**os.environ, "XLA_FLAGS": with_flags(flags), REPLICA_CHILD_ENV: "1", **NO_CACHES,
+            PARENT_ENV: str(os.getpid())}
 
 
 def _parts(out: Path, arm: str) -> Path:
@@ -68,7 +69,8 @@ def train_arm_per_process(config, data, fns, store, arm, flags, log=print) -> di
             log(f"arm {arm.name}: replica {r} already trained in its own process, reusing it")
             continue
         log(f"arm {arm.name}: replica {r} in a fresh process (XLA_FLAGS {env['XLA_FLAGS']}; compilation cache off)")
-        proc = subprocess.run([sys.executable, "-m", "nondet_jax.study.hardware", str(store.root), arm.name, str(r)], env=env)
+        proc = subprocess.run([sys.executable, "-m", "nondet_jax.study.hardware", str(store.root), arm.name, str(r)], env=env,
+                              start_new_session=True)  # Ctrl-C: the sweep's one line (signals.PARENT_ENV)
         if proc.returncode != 0:
             raise RuntimeError(f"the process training replica {r} of arm '{arm.name}' failed with exit status "
                                f"{proc.returncode}; its output is above; finished replicas are kept")
