@@ -110,7 +110,7 @@ def test_table_has_one_row_per_arm_and_variant():
                                                 [" all ", " tta "]]
     assert "| 75.00 [" in rows[0] and "| 25.00 [" in rows[0] and "| 33.33 [" in rows[0]
     assert "| 1.00 (–) |" in rows[1]  # identical spread: ratio 1; the spread test is n/a at R=3 (< 5 per arm)
-    assert "| 75.00 [12.90, 100.00] |" in rows[1]  # an accuracy's mean interval ends at 100%
+    assert "| 75.00 [0.00, 100.00] |" in rows[1]  # an accuracy's mean interval ends at 100%
     assert "| 87.50 [" in rows[2] and "| 25.00 n/a |" in rows[2]  # R=2: a t interval, but no pairwise CI
     assert table.count("\n") == 6
 

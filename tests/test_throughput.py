@@ -114,7 +114,7 @@ def test_cpu_type_tells_avx512_vendors_apart_and_the_table_follows_their_measure
     assert xla_flags.cpu_type() == kind
     expected = {"x86_64-avx512-intel": ["--xla_cpu_experimental_ynn_fusion_type=-individual_convolution"],
                 "x86_64-avx512-amd": [], "x86_64-avx512": [],
-                "x86_64-avx2": ["--xla_cpu_experimental_ynn_fusion_type="]}[kind]
+                "x86_64-avx2": []}[kind]  # its YNNPACK-off flag broke vmap replicas' bitwise equality (measured.json)
     assert xla_flags.cpu_defaults() == expected
     env = {}
     assert xla_flags.apply_cpu_defaults(env) == expected

@@ -56,7 +56,7 @@ INTERRUPTED = {"sweep": None,  # signals.MESSAGE: finished arms are kept, rerun 
 def run_command(command: str, argv: list[str] | None = None, prog: str | None = None) -> int:
     """Run a command's ``main`` with SIGINT/SIGTERM handled (one line, exit 130/143, even while XLA
     compiles; see :mod:`nondet_jax.machine.signals`)."""
-    child = os.environ.get(signals.CHILD_ENV) == "1" or "--child-json" in (argv or sys.argv)  # its parent says it
+    child = os.environ.get(signals.CHILD_ENV) == "1"  # an arm's child process: its parent says it
     signals.install(None if child else INTERRUPTED.get(command) or signals.MESSAGE)
     module = importlib.import_module(f"nondet_jax.cli.{command}")
     try:

@@ -122,26 +122,20 @@ CHECKPOINT_LOG = "orbax-errors.log"  # in an arm's checkpoint folder: what orbax
 def stderr_captured():
     """Send everything written to file descriptor 2 (Python's tracebacks from orbax's threads, absl's
     log lines, tensorstore's C++ messages) to an anonymous temporary file while the block runs; yields
-    a callable returning what was written. Nothing is shown unless the caller keeps it (:func:`keep_log`)."""
+    a dict whose ``text`` holds what was written once the block ends. Nothing is shown unless the
+    caller keeps it (:func:`keep_log`)."""
     sys.stderr.flush()
-    saved = os.dup(2)
-    sink = tempfile.TemporaryFile()
+    saved, sink, captured = os.dup(2), tempfile.TemporaryFile(), {"text": b""}
     os.dup2(sink.fileno(), 2)
-
-    def said() -> bytes:
-        sys.stderr.flush()
-        sink.seek(0)
-        return sink.read()
-
     try:
-        yield said
+        yield captured
     finally:
         sys.stderr.flush()
         os.dup2(saved, 2)
         os.close(saved)
-        text = said()
+        sink.seek(0)
+        captured["text"] = sink.read()
         sink.close()
-        said.text = text  # what was captured, readable after the block
 
 
 def quiet_after_failed_save(log: Path | None) -> None:
@@ -173,11 +167,11 @@ def quiet_after_failed_save(log: Path | None) -> None:
     sys.excepthook = hook
 
 
-def keep_log(said, path: Path) -> Path | None:
+def keep_log(captured: dict, path: Path) -> Path | None:
     """Write what :func:`stderr_captured` caught to ``path`` (or, where that folder refuses, e.g. a full
     disk, to a file in the temporary folder); the path written, None when nothing was caught or
     nothing could be written."""
-    text = getattr(said, "text", b"")
+    text = captured["text"]
     if not text.strip():
         return None
     for where in (path, Path(tempfile.gettempdir()) / f"nondet_jax-{path.name}"):
@@ -238,7 +232,7 @@ class ArmCheckpoints:
         history = {"steps": progress.steps, "weight_distance": progress.weight_distance}
         if progress.snapshots is not None:
             history["snapshots"] = progress.snapshots
-        with stderr_captured() as said:  # a refused write makes orbax's threads print 100+ lines of tracebacks
+        with stderr_captured() as captured:  # a refused write makes orbax's threads print 100+ lines of tracebacks
             before = set(threading.enumerate())
             try:
                 self._mgr().save(progress.epoch, args=ocp.args.Composite(
@@ -261,7 +255,7 @@ class ArmCheckpoints:
                 gc.collect()  # and asyncio logs its never-retrieved futures now, not at exit
         if failed is not None:
             refused = write_refusal(failed)
-            where = keep_log(said, self.root / CHECKPOINT_LOG)
+            where = keep_log(captured, self.root / CHECKPOINT_LOG)
             quiet_after_failed_save(where)
             if refused is None:
                 raise failed
