@@ -32,8 +32,8 @@ def _bytes(tree) -> int:
 
 
 # Memory a study needs on the host beyond its state: XLA compiling and running the programs, the
-# report and figures. Measured (peak RSS minus RSS at the check, 2-core x86_64, jaxlib 0.10.2):
-# 469 MB for the smallest study (mlp, 2 replicas, 1 epoch on digits), 1.0-1.1 GB for resnet8.
+# report and figures. Measured by python benchmarks/memory_limits.py (peak RSS minus RSS at the check, 2-core
+# AMD EPYC, jaxlib 0.10.2): 417 MB for the smallest study (mlp, 2 replicas, 1 epoch on digits), 1,071 MB for resnet8.
 WORKING_BYTES = 450 * 10**6
 
 
