@@ -7,10 +7,12 @@ fraction whose interval contains the truth ("n/a" where the tool prints no inter
 printing n/a counts as a miss). Then, with
 every arm drawn from one scenario, how often each spread test says "different" at p < 0.05, alone and
 (Holm) over 5 arms; last, the methods these replaced (percentile bootstrap, chi-square and F intervals,
-the disagreement's jackknife alone) on the same data. Writes benchmarks/results/coverage.json.
+the disagreement's jackknife alone) on the same data; last, what an n/a for arms that look strongly skewed
+would do to the strong-skew case (:func:`skew_flag`). Writes benchmarks/results/coverage.json.
 
 Run ``python benchmarks/coverage.py [--trials 4000] [--test-trials 300]`` (about 15 minutes on 2 cores,
-most of it the exact permutation tests at R=8).
+most of it the exact permutation tests at R=8); ``--markdown`` prints docs/statistics.md's coverage table from
+the JSON.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from scipy import stats as sps
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -56,6 +59,40 @@ def normal_theory(kind: str, sc, replicas: int, trials: int, seed: int) -> float
     return float(np.mean((lo <= truth) & (truth <= hi)))
 
 
+def skew_flag(replicas, trials: int, threshold: float = 2.0) -> list:
+    """Would printing n/a for arms that look strongly skewed (|sample skewness| > ``threshold``) rescue the
+    strong-skew stress case? Prints and returns, per scenario and R, the share flagged and the coverage of
+    the mean's and the std's intervals among the arms left (the misses are arms that drew no large value,
+    which look the least skewed: the flag makes the printed intervals worse, not better)."""
+    out = []
+    print(f"\nan n/a for |sample skewness| > {threshold}: share flagged, then mean / std coverage of the rest "
+          "(all arms in brackets)")
+    for name in ("normal", "skewed", "bad seeds", "strong skew (stress)"):
+        sc, line = coverage.SCENARIOS[name], []
+        for r in replicas:
+            x = sc.draw(np.random.default_rng(r), (trials, r))
+            flagged = np.abs(sps.skew(x, axis=-1, bias=False)) > threshold
+            hits = {}
+            for kind, (lo, hi), truth in (("mean", S.mean_ci(x), sc.mean), ("std", S.std_ci(x), sc.std)):
+                hit = (lo <= truth) & (truth <= hi)
+                hits[kind] = {"all": float(hit.mean()), "rest": float(hit[~flagged].mean())}
+            out.append({"scenario": name, "replicas": r, "flagged": float(flagged.mean()), **hits})
+            line.append(f"R={r} {100 * flagged.mean():.0f}%: {100 * hits['mean']['rest']:.1f}% "
+                        f"({100 * hits['mean']['all']:.1f}) / {100 * hits['std']['rest']:.1f}% ({100 * hits['std']['all']:.1f})")
+        print(f"{name:<22}" + "  ".join(line))
+    return out
+
+
+def markdown(stored: dict) -> str:
+    """The coverage table of docs/statistics.md, from the stored JSON (``--markdown``)."""
+    rs = list(stored["rows"][0]["coverage"])
+    lines = ["| interval | data model | " + " | ".join(f"R={r}" for r in rs) + " |", "|---|---|" + "---|" * len(rs)]
+    for row in stored["rows"]:
+        lines.append(f"| {row['interval']} | {row['data_model']} | " + " | ".join(
+            "n/a" if c is None else f"{100 * c:.1f}%" for c in row["coverage"].values()) + " |")
+    return "\n".join(lines)
+
+
 def cells(cov: dict) -> str:
     return "".join(f"{'n/a':>8}" if c is None or c != c else f"{100 * c:>7.1f}%" for c in cov.values())
 
@@ -67,9 +104,15 @@ def main(argv=None) -> int:
     p.add_argument("--test-trials", type=int, default=300)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "coverage.json")
     p.add_argument("--only", nargs="+", metavar="PREFIX",
-                   help="recompute only the interval rows whose name starts with a PREFIX and put them into the "
-                        "existing --out (its other rows, false alarms and replaced methods are kept)")
+                   help="recompute only the interval rows whose name starts with a PREFIX (and the skewness-flag "
+                        "check) and put them into the existing --out (its other rows, false alarms and replaced "
+                        "methods are kept)")
+    p.add_argument("--markdown", action="store_true",
+                   help="print the coverage table of docs/statistics.md from --out and exit (no simulation)")
     args = p.parse_args(argv)
+    if args.markdown:
+        print(markdown(json.loads(args.out.read_text())))
+        return 0
     rows = []
     print(f"{'interval: scenario':<50}" + "".join(f"{'R=' + str(r):>8}" for r in args.replicas) + "  data model")
     for name, (kind, model, _) in coverage.CASES.items():
@@ -84,6 +127,7 @@ def main(argv=None) -> int:
         new = {r["interval"]: r for r in rows}
         old = {r["interval"]: r for r in stored["rows"]}
         stored["rows"] = [new.get(n) or old[n] for n in coverage.CASES if n in new or n in old]
+        stored["skew_flag"] = skew_flag(args.replicas, args.trials)  # cheap, and it rests on the intervals
         atomic_write_json(args.out, stored)
         print(f"{args.trials} simulated studies per cell; put {len(rows)} rows into {args.out}")
         return 0
@@ -126,8 +170,9 @@ def main(argv=None) -> int:
                        "printed": printed})
         print(f"{name + ' (jackknife alone)':<50}{cells(cov)}  printed in "
               + ", ".join(f"{100 * v:.0f}%" for v in printed.values()))
+    flag = skew_flag(args.replicas, args.trials)
     atomic_write_json(args.out, {"nominal": 0.95, "trials": args.trials, "rows": rows, "false_alarms": alarms,
-                                 "replaced": before})
+                                 "replaced": before, "skew_flag": flag})
     print(f"{args.trials} simulated studies per cell; wrote {args.out}")
     return 0
 

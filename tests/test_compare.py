@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from nondet_jax.analysis import stats
-from nondet_jax.analysis.compare import compare
+from nondet_jax.analysis.compare import compare, compare_many, verdict
 from nondet_jax.cli.compare import main
 from nondet_jax.errors import UsageError
 
@@ -56,6 +56,34 @@ def test_paired_run_folders_compare_seed_by_seed(same_seeds, tmp_path, capsys):
     assert "paired by replica: 3 seed pairs" in out and "sign-flip p" in out and plot.stat().st_size > 10_000
     assert main([str(a), str(c), "--paired", "--arm", "init", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["a"]["arm"] == "init"
+
+
+def test_several_arms_are_one_family_with_holm_adjusted_p(same_seeds, capsys):
+    """--arm init,all compares each arm of A with the same arm of B; every p is also Holm-adjusted over the
+    family, printed beside the raw one and named in the verdict, in the JSON too."""
+    a, c = same_seeds
+    family = compare_many(a, c, arms=["init", "all"], paired=True)
+    raw = [compare(a, c, arm=x, paired=True)["p"] for x in ("init", "all")]
+    assert [r["p"] for r in family] == raw and [r["p_holm"] for r in family] == stats.holm(raw)
+    assert [r["a"]["arm"] for r in family] == ["init", "all"] and {r["holm_family"] for r in family} == {2}
+    assert main([str(a), str(c), "--arm", "init,all", "--paired"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("Holm-adjusted over 2 comparisons") == 2 and "(arm init," in out and "(arm all," in out
+    assert main([str(a), str(c), "--arm", "init,all", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["holm_family"] == 2 and [x["p_holm"] for x in r["comparisons"]] == stats.holm(
+        [x["p"] for x in r["comparisons"]])
+    assert compare_many(a, c)[0]["p_holm"] == compare(a, c)["p"]  # one comparison: its own family
+
+
+def test_a_family_verdict_says_whether_the_finding_survives_holm(tmp_path):
+    (tmp_path / "a.csv").write_text("acc,other\n0.981,0.5\n0.975,0.52\n0.979,0.49\n0.983,0.51\n0.980,0.5\n")
+    (tmp_path / "b.csv").write_text("acc,other\n0.985,0.5\n0.982,0.51\n0.986,0.5\n0.984,0.52\n0.987,0.49\n")
+    acc, other = compare_many(tmp_path / "a.csv", tmp_path / "b.csv", columns=["acc", "other"])
+    assert acc["p"] < 0.05 and acc["p_holm"] == pytest.approx(min(1.0, 2 * acc["p"]))
+    assert "Holm-adjusted over the 2 comparisons" in verdict(acc)
+    assert ("the finding holds" in verdict(acc)) == (acc["p_holm"] < 0.05)
+    assert "Cannot tell A and B apart" in verdict(other)
 
 
 def test_paired_refuses_runs_that_do_not_share_seeds(runs, capsys):
@@ -155,6 +183,11 @@ def test_detect_sizes_the_next_study_for_a_stated_difference(tmp_path, capsys):
     (lambda d: (d / "c.csv").write_text("seed,acc\n0,0.9\n1,0.8\n2,\n"), ["{d}/a.csv", "{d}/c.csv"],
      "row 4, column 'acc' is empty or NA"),
     (lambda d: None, ["{d}/a.csv", "{d}/a.csv", "--detect", "0"], "--detect 0.0: give a nonzero difference"),
+    (lambda d: None, ["{d}/a.csv", "{d}/a.csv", "--column", "acc,acc"], "--column names acc, acc: name each at most once"),
+    (lambda d: None, ["{d}/a.csv", "{d}/a.csv", "--column", "acc,"], "--column 'acc,' has an empty name"),
+    (lambda d: None, ["{d}/a.csv", "{d}/a.csv", "--column", "acc,x", "--plot", "{d}/f.png"],
+     "--plot draws one comparison"),
+    (lambda d: None, ["{d}/run", "{d}/run", "--arm", "init,all", "--arm-b", "all"], "--arm-b pairs one arm"),
 ])
 def test_mismatched_inputs_exit_2_with_one_line(tmp_path, capsys, make, args, message):
     (tmp_path / "a.csv").write_text("acc\n0.98\n0.97\n0.99\n")

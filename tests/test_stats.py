@@ -19,12 +19,13 @@ def test_std_ci_normal_is_the_chi_square_interval():
 
 
 def test_std_ci_is_bonetts_interval_by_hand():
-    """Bonett (2006), written out: kurtosis about the mean trimmed by 1/(2√(n−4)), floored at 3."""
+    """Bonett (2006), written out: kurtosis about the mean trimmed by 1/(2√(n−4)), floored at 3; the small-sample
+    factor c at z(97.5%), the half-width at z(98.75%) (stats.SPREAD_TAIL)."""
     x = np.random.default_rng(1).standard_t(3, size=12)
-    n, z = 12, sps.norm.ppf(0.975)
+    n, z = 12, sps.norm.ppf(1 - 0.5 * 0.025)
     m = sps.trim_mean(x, 1 / (2 * np.sqrt(n - 4)))
     kurt = max(n * ((x - m) ** 4).sum() / (((x - x.mean()) ** 2).sum()) ** 2, 3.0)
-    c = n / (n - z)
+    c = n / (n - sps.norm.ppf(0.975))
     se = c * np.sqrt((kurt - (n - 3) / n) / (n - 1))
     lo, hi = stats.std_ci(x)
     assert lo == pytest.approx(np.sqrt(c * x.var(ddof=1) * np.exp(-z * se)))
@@ -37,13 +38,13 @@ def test_std_ci_is_bonetts_interval_by_hand():
 def test_ratio_ci_is_bonetts_pooled_kurtosis_interval_by_hand():
     rng = np.random.default_rng(2)
     a, b = rng.normal(0, 1, 10), rng.normal(0, 2, 12)
-    z = sps.norm.ppf(0.975)
+    z, z0 = sps.norm.ppf(1 - 0.5 * 0.025), sps.norm.ppf(0.975)  # the half-width's (widened) and c's
     tm = lambda v: sps.trim_mean(v, 1 / (2 * np.sqrt(len(v) - 4)))  # noqa: E731
     kurt = 22 * (((a - tm(a)) ** 4).sum() + ((b - tm(b)) ** 4).sum()) / (
         ((a - a.mean()) ** 2).sum() + ((b - b.mean()) ** 2).sum()) ** 2
     kurt = max(kurt, 3.0)
     se = np.sqrt((kurt - 7 / 10) / 9 + (kurt - 9 / 12) / 11)
-    c = (10 / (10 - z)) / (12 / (12 - z))
+    c = (10 / (10 - z0)) / (12 / (12 - z0))
     f = a.var(ddof=1) / b.var(ddof=1)
     assert stats.std_ratio_ci(a, b) == pytest.approx((np.sqrt(c * f * np.exp(-z * se)), np.sqrt(c * f * np.exp(z * se))))
 
@@ -294,6 +295,24 @@ def test_accuracy_std_interval_ends_at_the_largest_possible_std():
     assert lo == raw[0] and hi == 0.5
     assert stats.spread([0.80, 0.81, 0.82, 0.80, 0.79, 0.83], std_max=0.5)["std_ci"] == list(stats.std_ci(
         [0.80, 0.81, 0.82, 0.80, 0.79, 0.83]))  # far from the bound: unchanged
+
+
+def test_a_count_mean_a_few_steps_from_its_median_is_joined_with_the_poisson_interval():
+    """16 replicas, one a test image above the rest: the t interval alone is too narrow for a truth of 0.24
+    images above 340 (3 borderline images right with p 0.08); the joined interval holds it and is Garwood's
+    by hand: the median 340 plus [lo(1) − hi(0), hi(1) − lo(0)]/16 images, each at 97.5%."""
+    x = np.r_[np.full(15, 340.0), 341.0] / 360
+    truth = (340 + 3 * 0.08) / 360
+    t_lo, t_hi = stats.mean_ci(x)
+    assert not t_lo <= truth <= t_hi
+    lo, hi = stats.mean_ci(x, resolution=1 / 360)
+    assert lo <= truth <= hi and lo <= t_lo and t_hi <= hi
+    g = lambda q, k: sps.chi2.ppf(q, 2 * k) / 2  # noqa: E731  Garwood's ends: chi-square quantiles
+    assert (lo, hi) == pytest.approx(((340 + (g(0.0125, 1) - g(0.9875, 1)) / 16) / 360,
+                                      (340 + (g(0.9875, 2) - 0) / 16) / 360))
+    assert stats.rare_steps_ci(x, 1 / 360)[2] == 1
+    spread_out = np.r_[np.full(8, 300.0), np.full(8, 340.0)] / 360  # 320 steps from the median: t alone
+    assert stats.mean_ci(spread_out, resolution=1 / 360) == pytest.approx(stats.mean_ci(spread_out))
 
 
 def test_minority_predictions_and_the_poisson_interval_of_rare_disagreement():

@@ -219,6 +219,27 @@ def compare(a: str | Path, b: str | Path, arm: str = "all", arm_b: str | None = 
             "methods": dict(zip(("difference", "probability_of_improvement"), (S.METHODS[k] for k in kinds)))}
 
 
+def compare_many(a: str | Path, b: str | Path, arms: list[str] | None = None, columns: list[str] | None = None,
+                 **kwargs) -> list[dict]:
+    """:func:`compare` for each of several ``arms`` (run folders: arm x of A against arm x of B) or
+    ``columns`` (CSV files), as one family: each result gains ``p_holm``, its p Holm-adjusted over the
+    family (:func:`nondet_jax.analysis.stats.holm`), and ``holm_family``, the family's size; the verdicts
+    name the adjusted p. With one arm or column the family is that comparison (``p_holm`` = ``p``)."""
+    arms, columns = arms or ["all"], columns or [None]
+    if len(arms) > 1 and len(columns) > 1:
+        raise UsageError("name several --arm values (run folders) or several --column values (CSV files), not both")
+    many, option = (arms, "--arm") if len(arms) > 1 else (columns, "--column")
+    if len(set(many)) < len(many):
+        raise UsageError(f"{option} names {', '.join(many)}: name each at most once")
+    if len(arms) > 1 and kwargs.get("arm_b") is not None:
+        raise UsageError("--arm-b pairs one arm of A with another arm of B; give one --arm with it, or drop --arm-b")
+    pairs = [(x, columns[0]) for x in arms] if len(arms) > 1 else [(arms[0], c) for c in columns]
+    results = [compare(a, b, arm=x, column=c, **kwargs) for x, c in pairs]
+    for r, q in zip(results, S.holm([r["p"] for r in results])):
+        r.update(p_holm=q, holm_family=len(results))
+    return results
+
+
 def _label(w: dict) -> str:
     if w["kind"] == "run":
         out = f"{w['source']} (arm {w['arm']}, {w['metric']}"
@@ -231,7 +252,12 @@ def verdict(r: dict) -> str:
     lo, hi = r["difference_ci"]
     better = "better" if (r["difference"] > 0) == r["higher_is_better"] else "worse"
     test = "sign-flip p" if r.get("paired") else "Welch p"
+    family = r.get("holm_family", 1)
     if lo > 0 or hi < 0:
+        if family > 1:
+            held = "holds" if r["p_holm"] < 0.05 else "does not hold"
+            return (f"B is {better} than A: the 95% CI of the difference excludes 0 ({test} = {r['p']:.3g}); Holm-adjusted "
+                    f"over the {family} comparisons p = {r['p_holm']:.3g}: the finding {held} for the family.")
         return f"B is {better} than A: the 95% CI of the difference excludes 0 ({test} = {r['p']:.3g})."
     if r.get("paired"):
         n = r["pairs_for_80pct_power"]
@@ -242,6 +268,16 @@ def verdict(r: dict) -> str:
     need = (f"about {n} runs per method would detect a difference this size 80% of the time" if n
             else "no difference was observed to size a study for")
     return f"Cannot tell A and B apart with {r['n_a']} and {r['n_b']} runs: the 95% CI includes 0; {need}."
+
+
+def _holm(r: dict) -> str:
+    family = r.get("holm_family", 1)
+    return f", Holm-adjusted over {family} comparisons {r['p_holm']:.3g}" if family > 1 else ""
+
+
+def format_many(results: list[dict]) -> str:
+    """:func:`format_result` of each comparison of a family (:func:`compare_many`), blank-line separated."""
+    return "\n\n".join(format_result(r) for r in results)
 
 
 def format_paired(r: dict) -> str:
@@ -256,7 +292,7 @@ def format_paired(r: dict) -> str:
         f"B: {_label(r['b'])}: mean {g(r['mean_b'])}, std {g(r['std_b'])}",
         f"paired by {r['paired_by']}: {r['n_pairs']} seed pairs{left}; correlation of the pairs {corr}",
         f"mean difference B − A over seeds: {r['difference']:+.4g}  95% CI [{g(lo)}, {g(hi)}]  sign-flip p = "
-        f"{r['p']:.3g} (std of the differences {g(r['std_difference'])})",
+        f"{r['p']:.3g}{_holm(r)} (std of the differences {g(r['std_difference'])})",
         f"share of seeds where B {op} A (ties ½): {r['probability_of_improvement']:.3f}  95% CI [{plo:.3f}, {phi:.3f}]",
         f"seed pairs for 80% power at this difference: {r['pairs_for_80pct_power'] or 'n/a'} (paired t-test; a "
         "planning figure for the next study, not evidence about this one)",
@@ -278,7 +314,7 @@ def format_result(r: dict) -> str:
     return "\n".join([
         f"A: {_label(r['a'])}: n = {r['n_a']}, mean {g(r['mean_a'])}, std {g(r['std_a'])}",
         f"B: {_label(r['b'])}: n = {r['n_b']}, mean {g(r['mean_b'])}, std {g(r['std_b'])}",
-        f"difference of means B − A: {r['difference']:+.4g}  95% CI [{g(lo)}, {g(hi)}]  Welch p = {r['p']:.3g} "
+        f"difference of means B − A: {r['difference']:+.4g}  95% CI [{g(lo)}, {g(hi)}]  Welch p = {r['p']:.3g}{_holm(r)} "
         f"(df {r['welch_df']:.1f})",
         f"probability of improvement P(B {op} A): {r['probability_of_improvement']:.3f}  95% CI [{plo:.3f}, {phi:.3f}]",
         f"replicas per method for 80% power at this difference: {r['replicas_for_80pct_power'] or 'n/a'} "

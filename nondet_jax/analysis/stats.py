@@ -38,18 +38,19 @@ METHODS = {
     "mean": "t interval widened for skew: mean ± t(R−1; 98.25%)·s/√R (98.25%: the 95% holds under skew and bad seeds, "
             "by simulation); a tied arm: its value ± the largest mean shift that leaves R replicas tied",
     "std": ("Bonett (2006) robust interval: exp(ln(c·s²) ± z·se)^½, se from the trimmed-mean kurtosis (never below a "
-            "normal's); a tied arm of counts: [0, the largest std that ties R replicas with probability 2.5%]"),
+            "normal's), z at 98.75% (widened: the 95% holds under skew and bad seeds up to R=32, by simulation); a tied arm of counts: [0, the largest std that ties R replicas with probability 2.5%]"),
     "pairwise": ("replica jackknife (leave one replica and all its pairs out) of the mean over pairs, ± t(R−1; 98.25%)·se "
                  "(widened as the mean's), on "
                  "a log scale of the distance to the bound near-identical replicas approach; a disagreement with fewer "
                  "than 40 minority predictions: joined with Garwood's Poisson interval of that count"),
-    "ratio": ("Bonett (2006) robust interval of std(a)/std(b), pooled kurtosis (never below a normal's); a tied arm: "
+    "ratio": ("Bonett (2006) robust interval of std(a)/std(b), pooled kurtosis (never below a normal's), z widened as the "
+              "std's; a tied arm: "
               "[0, its tie bound / the lower end of the other's std]"),
     "difference": "Welch t interval of mean(B) − mean(A), Welch–Satterthwaite degrees of freedom",
     "probability_of_improvement": ("P(B > A) + ½P(B = A) over all pairs of runs (as rliable); Newcombe's score interval "
                                    "with the Hanley–McNeil variance (method 5)"),
     "decomposition": ("sum of the one-source arms' variance shares Σ σ²_s/σ²_all: Bonett's log-variance interval "
-                      "extended to a sum (delta method, kurtosis pooled over the arms); each share alone: the std "
+                      "extended to a sum (delta method, kurtosis pooled over the arms, z widened as the std's); each share alone: the std "
                       "ratio's interval, squared"),
     "paired_difference": ("paired t interval of mean(B_i − A_i) over runs sharing seeds: the mean interval of the "
                           "differences (tied differences of counts: ± the largest mean shift that ties them all)"),
@@ -148,6 +149,18 @@ def _tied(x) -> np.ndarray:
 # R=8), at the price of an interval 10% wider at R=8 (21% at R=3) that covers 96-97% of normal data.
 MEAN_TAIL = 0.7
 
+# Bonett's spread intervals (one std, a ratio of two, the decomposition's sum) put this share of 1 − level in
+# their tails on the log-variance scale (z at 98.75% for a 95% interval), chosen the same way: with z at 97.5%
+# the std's interval covered 91.6% of skewed and 89.8% of bad-seed spreads at R=16 (it falls with R: the
+# kurtosis of a few replicas is underestimated just when their spread is), the ratio's 91.2% under strong skew
+# at R=8; with 0.5, 93.1-96.5% at R=16 and the ratio 95.6%, at the price of a log-scale half-width 14% wider
+# that covers 98.8-99.9% of normal data at R=4-16 (benchmarks/coverage.py).
+SPREAD_TAIL = 0.5
+
+
+def _z_spread(level: float) -> float:
+    return float(sps.norm.ppf(1 - SPREAD_TAIL * (1 - level) / 2))
+
 
 def mean_ci(x, level: float = LEVEL, resolution: float | None = None) -> tuple:
     """t interval of the mean, its critical value widened for skewed data (:data:`MEAN_TAIL`: t's
@@ -155,16 +168,54 @@ def mean_ci(x, level: float = LEVEL, resolution: float | None = None) -> tuple:
 
     ``resolution``: the step of a count-valued score (1/n_test for an accuracy). R tied values then
     give their value ± the largest mean shift of a count that ties R replicas (:func:`tie_rate`), not
-    a zero-width interval.
+    a zero-width interval. When the replicas differ from their median by fewer than
+    :data:`RARE_MINORITY` steps in all, the interval is joined with :func:`rare_steps_ci` (a few
+    borderline test examples flipping: at R=16 the t interval alone covered 91.6% of such arms, one
+    replica a step away from the rest giving too small a spread).
     """
     x = np.asarray(x, dtype=np.float64)
     n = x.shape[-1]
     if n < MIN_REPLICAS["mean"]:
         return _nan2(x.shape[:-1])
     m, half = x.mean(-1), sps.t.ppf(1 - MEAN_TAIL * (1 - level) / 2, n - 1) * std(x) / math.sqrt(n)
+    lo, hi = m - half, m + half
     if resolution:
-        half = np.where(_tied(x), tie_rate(n, level) * resolution, half)
-    return _out(m - half), _out(m + half)
+        tied = _tied(x)
+        lo, hi = np.where(tied, m - tie_rate(n, level) * resolution, lo), np.where(tied, m + tie_rate(n, level) * resolution, hi)
+        rare_lo, rare_hi, steps = rare_steps_ci(x, resolution, level)
+        rare = ~tied & (steps < RARE_MINORITY)
+        lo, hi = np.where(rare, np.fmin(lo, rare_lo), lo), np.where(rare, np.fmax(hi, rare_hi), hi)
+    return _out(lo), _out(hi)
+
+
+def _garwood(count, level: float) -> tuple:
+    """Garwood's exact interval of a Poisson mean from one ``count``: [0, 3.69] at 95% for a count of 0."""
+    m = np.asarray(count, dtype=np.float64)
+    a = (1 - level) / 2
+    with np.errstate(invalid="ignore"):
+        lo = np.where(m > 0, sps.chi2.ppf(a, 2 * np.maximum(m, 1)) / 2, 0.0)
+    return lo, sps.chi2.ppf(1 - a, 2 * m + 2) / 2
+
+
+def rare_steps_ci(x, resolution: float, level: float = LEVEL) -> tuple:
+    """Interval of the mean of a count-valued score whose R replicas differ by a few steps of the count
+    (``resolution``: 1/n_test for an accuracy): few borderline test examples, each flipping rarely.
+
+    The steps above and below the replicas' median (rounded to the count), K+ and K−, are then about
+    Poisson: the mean lies in ``median + [lo(K+) − hi(K−), hi(K+) − lo(K−)]·resolution/R``, each
+    ``lo``/``hi`` Garwood's exact Poisson interval at 1 − (1 − level)/2 (Bonferroni over the two counts).
+    Returns (low, high, K+ + K−); last axis: replicas.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    n, first = x.shape[-1], x[..., :1]
+    k = np.rint((x - first) / resolution)
+    d = k - np.rint(np.median(k, axis=-1, keepdims=True))
+    up, down = np.clip(d, 0, None).sum(-1), np.clip(-d, 0, None).sum(-1)
+    inner = 1 - (1 - level) / 2
+    (up_lo, up_hi), (down_lo, down_hi) = _garwood(up, inner), _garwood(down, inner)
+    centre = first[..., 0] + (k - d)[..., 0] * resolution
+    return (_out(centre + (up_lo - down_hi) * resolution / n), _out(centre + (up_hi - down_lo) * resolution / n),
+            _out(up + down))
 
 
 def _trimmed_mean(x: np.ndarray) -> np.ndarray:
@@ -193,7 +244,8 @@ def _log_variance_se(kurtosis, n: int, level: float) -> tuple:
 def std_ci(x, level: float = LEVEL, std_max: float = np.inf, resolution: float | None = None) -> tuple:
     """Robust interval of the standard deviation (brackets ``std(x, ddof=1)``); last axis: replicas.
 
-    Bonett (2006): σ² lies in ``exp(ln(c·s²) ± z·se)``, ``c = R/(R − z)``,
+    Bonett (2006): σ² lies in ``exp(ln(c·s²) ± z·se)``, ``c = R/(R − z₉₇.₅)``, z widened to the 98.75%
+    quantile (:data:`SPREAD_TAIL`),
     ``se = c·√((γ̂ − (R−3)/R)/(R−1))`` with ``γ̂`` the kurtosis about a trimmed mean, never taken
     below a normal's (3), so the interval is never narrower than the normal-theory one's order.
     It holds its coverage under skew, heavy tails and bad seeds where the chi-square interval
@@ -208,7 +260,7 @@ def std_ci(x, level: float = LEVEL, std_max: float = np.inf, resolution: float |
     n = x.shape[-1]
     if n < MIN_REPLICAS["std"]:
         return _nan2(x.shape[:-1])
-    s2, z = np.asarray(std(x)) ** 2, _z(level)
+    s2, z = np.asarray(std(x)) ** 2, _z_spread(level)
     with np.errstate(divide="ignore", invalid="ignore"):
         kurt = np.maximum(np.where(s2 > 0, n * _fourth(x) / np.where(s2 > 0, _squares(x), 1.0) ** 2, 0.0), NORMAL_KURTOSIS)
     c, se = _log_variance_se(kurt, n, level)
@@ -278,7 +330,8 @@ TOO_ALIKE = ("n/a: replicas too alike to estimate (leaving out any one replica l
              "that differs)")
 
 
-RARE_MINORITY = 40  # below this many minority predictions the disagreement's interval adds the Poisson one
+RARE_MINORITY = 40  # below this many minority predictions (a disagreement) or steps from the median (the mean of a
+# count, rare_steps_ci) an interval is joined with the Poisson one
 
 
 def rare_disagreement_ci(minority, replicas: int, n_test: int, level: float = LEVEL) -> tuple:
@@ -291,11 +344,7 @@ def rare_disagreement_ci(minority, replicas: int, n_test: int, level: float = LE
     ``[0, 2·3.69/(R·n)]`` at 95%), where the jackknife has nothing to work with. Last axis: none
     (``minority`` may be an array of studies).
     """
-    m = np.asarray(minority, dtype=np.float64)
-    a = (1 - level) / 2
-    with np.errstate(invalid="ignore"):
-        lo = np.where(m > 0, sps.chi2.ppf(a, 2 * np.maximum(m, 1)) / 2, 0.0)
-    hi = sps.chi2.ppf(1 - a, 2 * m + 2) / 2
+    lo, hi = _garwood(minority, level)
     scale = 2 / (replicas * n_test)
     return _out(lo * scale), _out(np.minimum(hi * scale, 1.0))
 
@@ -403,12 +452,12 @@ def std_ratio_ci(a, b, level: float = LEVEL, resolution: float | None = None) ->
     shape = np.broadcast_shapes(a.shape[:-1], b.shape[:-1])
     if min(na, nb) < MIN_REPLICAS["ratio"]:
         return _nan2(shape)
-    va, vb, z = np.asarray(std(a)) ** 2, np.asarray(std(b)) ** 2, _z(level)
+    va, vb, z = np.asarray(std(a)) ** 2, np.asarray(std(b)) ** 2, _z_spread(level)
     with np.errstate(divide="ignore", invalid="ignore"):
         kurt = (na + nb) * (_fourth(a) + _fourth(b)) / (_squares(a) + _squares(b)) ** 2
         kurt = np.maximum(np.nan_to_num(kurt, nan=0.0), NORMAL_KURTOSIS)
         se = np.sqrt((kurt - (na - 3) / na) / (na - 1) + (kurt - (nb - 3) / nb) / (nb - 1))
-        c = (na / (na - z)) / (nb / (nb - z))
+        c = (na / (na - _z(level))) / (nb / (nb - _z(level)))  # Bonett's small-sample factor, at the nominal z
         f = np.where(vb > 0, va / np.where(vb > 0, vb, 1.0), np.nan)
         lo, hi = np.sqrt(c * f * np.exp(-z * se)), np.sqrt(c * f * np.exp(z * se))
         if resolution:
@@ -432,7 +481,7 @@ def variance_sum_ratio_ci(arms, reference, level: float = LEVEL, resolution: flo
     ref = np.asarray(reference, np.float64)
     if min(x.shape[-1] for x in (*xs, ref)) < MIN_REPLICAS["ratio"]:
         return _nan2(ref.shape[:-1])
-    z = _z(level)
+    z = _z_spread(level)
     group = [*xs, ref]
     with np.errstate(divide="ignore", invalid="ignore"):
         kurts = [x.shape[-1] * _fourth(x) / _squares(x) ** 2 for x in group]

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from nondet_jax.analysis.compare import RUN_METRICS, compare, format_result
+from nondet_jax.analysis.compare import RUN_METRICS, compare_many, format_many
 from nondet_jax.cli import prog_name
 from nondet_jax.errors import OneLineParser, UsageError
 from nondet_jax.report.compare_figure import plot_result
@@ -25,16 +25,28 @@ def _plot_path(path: str) -> Path:
     return path
 
 
+def _names(value: str | None, option: str) -> list[str] | None:
+    """``--arm``/``--column``: one name or several, comma-separated."""
+    if value is None:
+        return None
+    names = [v.strip() for v in value.split(",")]
+    if not all(names):
+        raise UsageError(f"{option} {value!r} has an empty name; separate names with single commas")
+    return names
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
     prog = prog or prog_name("nondet_jax compare", "nondet-jax-compare")
     p = OneLineParser(prog=prog, description=__doc__.splitlines()[0].replace("``", ""))
     p.add_argument("a", help="method A: a run folder or a CSV file of per-seed scores")
     p.add_argument("b", help="method B: same kind as A")
-    p.add_argument("--arm", default="all", help="arm of each run folder (default: all)")
+    p.add_argument("--arm", default="all", help="arm of each run folder (default: all); several, comma-separated "
+                   "(init,data_order,all): each compared, p-values also Holm-adjusted over them")
     p.add_argument("--arm-b", default=None, help="a different arm for B (default: --arm)")
     p.add_argument("--metric", default="test_accuracy", help=f"run folders: one of {', '.join(RUN_METRICS)}")
-    p.add_argument("--column", default=None, help="CSV files: the score column (default: the only numeric one)")
+    p.add_argument("--column", default=None, help="CSV files: the score column (default: the only numeric one); "
+                   "several, comma-separated: each compared, p-values also Holm-adjusted over them")
     p.add_argument("--lower-is-better", action="store_true", help="scores are losses or errors (CSV files)")
     p.add_argument("--detect", type=float, default=None, metavar="D",
                    help="also give the replicas per method for 80%% power at a difference D (the scores' units)")
@@ -47,8 +59,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = p.parse_args(argv)
     try:
         plot = _plot_path(args.plot) if args.plot else None
-        r = compare(args.a, args.b, args.arm, args.arm_b, args.metric, args.column,
-                    False if args.lower_is_better else None, detect=args.detect, paired=args.paired)
+        arms, columns = _names(args.arm, "--arm"), _names(args.column, "--column")
+        if plot is not None and max(len(arms or []), len(columns or [])) > 1:
+            raise UsageError("--plot draws one comparison; give one --arm or --column with it")
+        results = compare_many(args.a, args.b, arms=arms, columns=columns, arm_b=args.arm_b, metric=args.metric,
+                               higher_is_better=False if args.lower_is_better else None, detect=args.detect,
+                               paired=args.paired)
+        r = results[0]
         if plot is not None:
             import io
 
@@ -63,9 +80,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     if args.json:
         from nondet_jax.store.io import strict_json
 
-        print(json.dumps(strict_json(r), indent=2, allow_nan=False))
+        out = r if len(results) == 1 else {"comparisons": results, "holm_family": len(results)}
+        print(json.dumps(strict_json(out), indent=2, allow_nan=False))
     else:
-        print(format_result(r))
+        print(format_many(results))
     return 0
 
 
