@@ -36,9 +36,11 @@ BOOTSTRAP_SEED = 0
 
 METHODS = {
     "mean": "t interval widened for skew: mean ± t(R−1; 98.25%)·s/√R (98.25%: the 95% holds under skew and bad seeds, "
-            "by simulation); a tied arm: its value ± the largest mean shift that leaves R replicas tied",
+            "by simulation); a tied arm: its value ± the largest mean shift that leaves R replicas tied; counts fewer "
+            "than 40 steps from their median: joined with Garwood's Poisson interval of those steps",
     "std": ("Bonett (2006) robust interval: exp(ln(c·s²) ± z·se)^½, se from the trimmed-mean kurtosis (never below a "
-            "normal's), z at 98.75% (widened: the 95% holds under skew and bad seeds up to R=32, by simulation); a tied arm of counts: [0, the largest std that ties R replicas with probability 2.5%]"),
+            "normal's), z at 98.75% (widened: the 95% holds under skew and bad seeds to R=16, by simulation); a tied "
+            "arm of counts: [0, the largest std that ties R replicas with probability 2.5%]"),
     "pairwise": ("replica jackknife (leave one replica and all its pairs out) of the mean over pairs, ± t(R−1; 98.25%)·se "
                  "(widened as the mean's), on "
                  "a log scale of the distance to the bound near-identical replicas approach; a disagreement with fewer "
@@ -50,8 +52,8 @@ METHODS = {
     "probability_of_improvement": ("P(B > A) + ½P(B = A) over all pairs of runs (as rliable); Newcombe's score interval "
                                    "with the Hanley–McNeil variance (method 5)"),
     "decomposition": ("sum of the one-source arms' variance shares Σ σ²_s/σ²_all: Bonett's log-variance interval "
-                      "extended to a sum (delta method, kurtosis pooled over the arms, z widened as the std's); each share alone: the std "
-                      "ratio's interval, squared"),
+                      "extended to a sum (delta method, kurtosis pooled over the arms, z widened as the std's); each "
+                      "share alone: the std ratio's interval, squared"),
     "paired_difference": ("paired t interval of mean(B_i − A_i) over runs sharing seeds: the mean interval of the "
                           "differences (tied differences of counts: ± the largest mean shift that ties them all)"),
     "paired_probability_of_improvement": ("share of seed pairs where B beats A (a tie counts ½); Wilson's score interval "
@@ -181,7 +183,8 @@ def mean_ci(x, level: float = LEVEL, resolution: float | None = None) -> tuple:
     lo, hi = m - half, m + half
     if resolution:
         tied = _tied(x)
-        lo, hi = np.where(tied, m - tie_rate(n, level) * resolution, lo), np.where(tied, m + tie_rate(n, level) * resolution, hi)
+        shift = tie_rate(n, level) * resolution
+        lo, hi = np.where(tied, m - shift, lo), np.where(tied, m + shift, hi)
         rare_lo, rare_hi, steps = rare_steps_ci(x, resolution, level)
         rare = ~tied & (steps < RARE_MINORITY)
         lo, hi = np.where(rare, np.fmin(lo, rare_lo), lo), np.where(rare, np.fmax(hi, rare_hi), hi)
