@@ -19,3 +19,25 @@ def test_bitwise_identical_arms_and_missing_intervals():
 def test_small_p_values_are_not_printed_as_zero():
     assert fmt_p(0.00016) == "1.6e-04" and fmt_p(0.0123) == "0.012" and fmt_p(None) == "—"
     assert fmt_p(float("nan")) == "—"
+
+
+def test_the_ratio_of_a_bitwise_identical_arm_is_named_not_given_a_zero_width_interval():
+    """The report's comparison table: a control arm whose replicas are bitwise identical has a spread of exactly 0
+    by construction: it reads "0 (bitwise identical)", not "0.00 [0.00, 0.00]"; an estimated ratio keeps its CI."""
+    import numpy as np
+
+    from nondet_jax.analysis import stats
+    from nondet_jax.analysis.task import QUANTITIES
+    from nondet_jax.report.markdown import _comparison_md
+
+    q1, q2 = QUANTITIES["classification"]
+    ref = np.array([330, 335, 338, 342, 344, 339, 333, 341]) / 360
+    tied, spread = np.full(8, 0.95), ref[::-1] + 1 / 360
+    vs = {arm: {q.name: stats.compare_spread(x, ref, resolution=1 / 360) for q in (q1, q2)}
+          for arm, x in (("control", tied), ("init", spread))}
+    summary = {"vs_all": vs, "arms": {"control": {"replicas_bitwise_identical": True}, "init": {}, "all": {}}}
+    rows = {line.split(" | ")[0]: line for line in _comparison_md(summary) if line.startswith("| control")
+            or line.startswith("| init")}
+    assert rows["| control"].count("0 (bitwise identical)") == 2 and "[0.00, 0.00]" not in rows["| control"]
+    lo, hi = vs["init"][q1.name]["ratio_ci"]
+    assert f"[{lo:.2f}, {hi:.2f}]" in rows["| init"]

@@ -39,8 +39,10 @@ def _comparison_md(summary: dict) -> list[str]:
              f"| {q2.label} std ratio [95% CI] | spread p | Holm p | F-test p (normal) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for arm, c in vs.items():
-        cells = [f"{_fmt(a['ratio'], 2)}{_ci(a['ratio_ci'], 2)} | {fmt_p(a.get('spread_p'))} | "
-                 f"{fmt_p(a.get('spread_p_holm'))} | {fmt_p(a['f_test_p'])}" for a in (c[q1.name], c[q2.name])]
+        same = summary["arms"].get(arm, {}).get("replicas_bitwise_identical")  # a spread exactly 0: not estimated
+        cells = [f"{'0 (bitwise identical)' if same else _fmt(a['ratio'], 2) + _ci(a['ratio_ci'], 2)} | "
+                 f"{fmt_p(a.get('spread_p'))} | {fmt_p(a.get('spread_p_holm'))} | {fmt_p(a['f_test_p'])}"
+                 for a in (c[q1.name], c[q2.name])]
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     lines += ["", "Ratio interval: " + METHODS["ratio"] + ". " + _TESTS_LINE]
     needed = next(iter(vs.values()))[q1.name].get("replicas_for_ratio", {})
