@@ -153,6 +153,9 @@ CASES: list[tuple[str, str]] = [
             "augment=lambda key, x: (x + jax.random.normal(key, x.shape))[:-1])"),
     ("API", "memory.check_program_fits(jax.jit(lambda: jnp.zeros((10**5, 10**5))).lower().compile().memory_analysis(), "
             "'4 replicas', 'use fewer', available=16 * 2**30, where='host memory')"),
+    ("compare", "python -m nondet_jax compare <tmp>/a.csv <tmp>/b.csv --column accuracy,accuracy"),
+    ("compare", "python -m nondet_jax compare <tmp>/a.csv <tmp>/b.csv --column accuracy,loss --plot <tmp>/compare.png"),
+    ("compare", "python -m nondet_jax compare <run> <run> --arm init,all --arm-b all"),
 ]
 
 class Linear:  # a user's model without dropout (built lazily: flax is imported by the cases that use it)
