@@ -1,10 +1,16 @@
 """Replica-images/s of each way to train R replicas, on a study-like run, against a real loop and a ceiling.
 
 Each candidate trains R replicas of one model for ``--epochs`` epochs of ``--steps`` steps (batch 128,
-augmentation on, the epoch one rolled ``lax.scan``, random inputs), and is timed per epoch after the
-first (which compiles; its excess over the median is the compile time). Candidates:
+augmentation on, random inputs), and is timed per epoch after the first (which compiles; its excess over
+the median is the compile time). The epoch has the shape a study gives it on this backend
+(``train.unroll`` auto: a ``lax.scan`` fully unrolled on CPU up to 16 steps, rolled elsewhere), unless a
+candidate names another. Candidates:
 
-* ``loop``: the ``sequential`` strategy, R single-replica epochs run one after another (a real loop);
+* ``loop``: the ``sequential`` strategy, R single-replica epochs run one after another: the loop a study
+  really runs (the baseline every ratio is taken against);
+* ``loop:unroll=K``: the same with K steps unrolled per scan iteration (``train.unroll = K``; 1 = rolled);
+* ``loop:step``: the same loop with each epoch driven step by step from Python (one jitted step,
+  asynchronous dispatch, no scan: the epoch shape that does not grow with the steps per epoch);
 * ``ceiling``: one replica at batch R x 128 (the same work as R replicas, the stock kernels for dense
   convolutions): what batching R replicas could reach at best;
 * ``vmap:<per-role>``: the ``vmap`` strategy with the replica-batched convolutions forced per role
@@ -20,8 +26,11 @@ n/a where no peak is given); compile seconds; the process's peak device memory s
 reports it; and whether R replicas with identical keys come out bitwise identical (replica-position
 invariance, which a candidate must pass before ``auto`` may choose it).
 
-Every candidate runs twice, in two child processes: under the control arm's determinism flags (what a
-study runs: the headline) and under XLA's defaults. JSON is written after every row.
+Every candidate runs under the control arm's determinism flags (what a study runs: the headline) and, with
+``--flags determinism,default``, again under XLA's defaults, each set in a child process of its own. The
+JSON is written before the first row (``"status": "running"``) and after every row; a run cut by SIGINT or
+SIGTERM (a time box) keeps its rows and is marked ``"status": "interrupted"``. ``--profile DIR`` traces one
+more epoch of each candidate (or of ``--profile-candidates``) and adds the trace's ten longest kernels.
 
     python benchmarks/replica_speed.py --model resnet14 --replicas 16 --dtype bfloat16 --out r.json
     python benchmarks/replica_speed.py --model mlp --replicas 2 --steps 16 --epochs 2   # the smallest run
@@ -32,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -48,9 +58,79 @@ PEAKS = {  # dense peaks per chip (NVIDIA's datasheet): TFLOP/s by compute dtype
 }
 
 
-def _spec(candidate: str) -> tuple[str, str | None]:
-    kind, _, conv = candidate.partition(":")
-    return kind, conv.replace("=", ":").replace("+", ",") or None
+def _spec(candidate: str) -> tuple[str, str | None, int | str]:
+    """(kind, forced convolution for vmap, epoch shape: 0 = the study's, K = steps unrolled, "step")."""
+    kind, _, rest = candidate.partition(":")
+    if kind == "loop" and rest:
+        if rest == "step":
+            return kind, None, "step"
+        if rest.startswith("unroll=") and rest[7:].isdigit() and int(rest[7:]) > 0:
+            return kind, None, int(rest[7:])
+        raise SystemExit(f"unknown loop variant {candidate!r}: use loop, loop:step or loop:unroll=K (K >= 1)")
+    return kind, rest.replace("=", ":").replace("+", ",") or None, 0
+
+
+def stepwise_strategy(fns):
+    """``sequential`` with each epoch driven step by step from Python: one jitted training step,
+    dispatched asynchronously, instead of one program per epoch (no divergence guard: a speed candidate)."""
+    import jax
+    import jax.numpy as jnp
+
+    from nondet_jax.data.pipeline import epoch_indices
+    from nondet_jax.replicas.local import sequential_strategy
+    from nondet_jax.replicas.loop import Strategy, _stack, _take
+    from nondet_jax.sources import replica_slice
+
+    seq = sequential_strategy(fns)
+    n, b, steps = fns.spec.n_train, fns.batch_size, fns.steps_per_epoch
+    indices = jax.jit(lambda key, e: epoch_indices(key, e, n, b))
+    step = jax.jit(lambda s, x, y, k, p, e, i, idx: fns.train_step(s, x, y, k, p, e, i, idx[i]))
+
+    def epoch_all(state, x, y, keys, perturb, e, progress):
+        states, metrics = [], []
+        for r in range(jax.tree.leaves(keys)[0].shape[0]):
+            s, k = _take(state, r), replica_slice(keys, r)
+            idx, outs = indices(k.data_order, e), []
+            for i in range(steps):
+                s, out = step(s, x, y, k, perturb, e, jnp.int32(i), idx)
+                outs.append(out)
+            states.append(s)
+            metrics.append({"loss": jnp.stack([o[0] for o in outs]), "accuracy": jnp.stack([o[1] for o in outs])})
+            progress(1)
+        return _stack(states), _stack(metrics)
+
+    return Strategy("sequential:step", seq.init, epoch_all, seq.evaluate)
+
+
+def top_kernels(trace_dir, count: int = 10) -> list[dict]:
+    """The ``count`` longest kernels of a ``jax.profiler`` trace (its Chrome-trace JSON): device events
+    where the trace has a device (GPU/TPU), else the host's XLA threads; total ms, calls, share of the total."""
+    import gzip
+    from collections import Counter
+
+    files = sorted(Path(trace_dir).rglob("*.trace.json.gz"))
+    if not files:
+        return []
+    events = json.loads(gzip.open(files[-1]).read())
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    device = {pid for pid, name in procs.items() if "/device:" in name}
+
+    def kept(e):
+        if device:
+            return e["pid"] in device
+        return ("XLA" in threads.get((e["pid"], e.get("tid")), "") and not e["name"].startswith(("$", "ThunkExecutor")))
+
+    total, calls = Counter(), Counter()
+    for e in events:
+        if e.get("ph") == "X" and "dur" in e and kept(e):
+            total[e["name"]] += e["dur"]
+            calls[e["name"]] += 1
+    whole = sum(total.values()) or 1.0
+    return [{"kernel": k[:200], "ms": us / 1e3, "calls": calls[k], "share": us / whole}
+            for k, us in total.most_common(count)]
 
 
 def child(args) -> list[dict]:
@@ -74,10 +154,10 @@ def child(args) -> list[dict]:
     perturb = perturbations(varied)
     rows = []
 
-    def build(batch: int, n: int):
+    def build(batch: int, n: int, unroll: int):
         flat = {"model.name": args.model, "train.batch_size": batch, "train.epochs": args.epochs,
                 "data.augment": "on" if args.model != "mlp" else "off", "model.dtype": args.dtype,
-                "train.unroll": 1}
+                "train.unroll": unroll}
         fns = make_train(from_flat(flat), DataSpec(n, shape, 10, "random"))
         rng = np.random.default_rng(0)  # every candidate trains on the same data (the ceiling on more of it)
         x = jnp.asarray(rng.standard_normal((n, *shape), dtype=np.float32))
@@ -95,22 +175,28 @@ def child(args) -> list[dict]:
             ks = keys
         else:
             ks = replica_slice(keys, 0)
-        cost = jax.jit(fn).lower(state, x, y, ks, perturb, jnp.int32(0), jnp.int32(0), idx).compile().cost_analysis()
-        cost = cost[0] if isinstance(cost, list) else cost
+        lowered = jax.jit(fn).lower(state, x, y, ks, perturb, jnp.int32(0), jnp.int32(0), idx)
+        try:  # the unoptimised program's count: no compile (a GPU compile with autotuning costs seconds)
+            cost = lowered.cost_analysis()
+        except Exception:  # noqa: BLE001 - a backend without it: the compiled program's
+            cost = lowered.compile().cost_analysis()
+        cost = (cost[0] if isinstance(cost, list) else cost) or {}
         return float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
 
+    profiled = set(args.profile_candidates.split(",")) if args.profile_candidates else None
     for cand in args.candidates.split(","):
-        kind_, conv = _spec(cand)
+        kind_, conv, shape_ = _spec(cand)
         batch = BATCH * r_count if kind_ == "ceiling" else BATCH
         width = 1 if kind_ == "ceiling" else r_count
-        fns, x, y = build(batch, steps * batch)
+        fns, x, y = build(batch, steps * batch, shape_ if isinstance(shape_, int) else 0)
         keys = arm_keys(0, varied, width)
         strategy_name = {"loop": "sequential", "ceiling": "sequential"}.get(kind_, kind_)
         row = {"candidate": cand, "strategy": strategy_name, "conv": conv, "replicas": r_count, "steps": steps,
-               "batch": batch, "dtype": args.dtype, "model": args.model}
+               "batch": batch, "dtype": args.dtype, "model": args.model,
+               "epoch_shape": "step" if shape_ == "step" else f"scan, {fns.unroll} of {steps} steps unrolled"}
         try:
             with convs.forced(conv):
-                strategy = make_strategy(fns, strategy_name)
+                strategy = stepwise_strategy(fns) if shape_ == "step" else make_strategy(fns, strategy_name)
                 t0 = time.perf_counter()
                 state = strategy.init(keys, perturb, x[:1])
                 jax.block_until_ready(state)
@@ -121,10 +207,13 @@ def child(args) -> list[dict]:
                     state, m = strategy.epoch(state, x, y, keys, perturb, e, lambda n: None)
                     jax.block_until_ready(state)
                     times.append(time.perf_counter() - t)
-                if args.profile:  # one more epoch, traced (read with TensorBoard's profile plugin or xprof)
-                    with jax.profiler.trace(str(args.profile / cand.replace(":", "_").replace("=", "-"))):
+                if args.profile and (profiled is None or cand in profiled):
+                    # one more epoch, traced (read with TensorBoard's profile plugin or xprof), and its longest kernels
+                    where = args.profile / cand.replace(":", "_").replace("=", "-").replace("+", "_")
+                    with jax.profiler.trace(str(where)):
                         state, m = strategy.epoch(state, x, y, keys, perturb, args.epochs + 1, lambda n: None)
                         jax.block_until_ready(state)
+                    row["top_kernels"] = top_kernels(where)
                 med = statistics.median(times[1:])
                 row.update(epoch_s=times[1:], median_epoch_s=med, compile_s=max(times[0] - med, 0.0),
                            replica_images_per_s=r_count * BATCH * steps / med, init_s=init_s)
@@ -219,6 +308,50 @@ def table_from(path: Path) -> int:
     return 0
 
 
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
+def run_flags(args, argv, record: dict, flags: str) -> None:
+    """One child process under one flag set; its rows land in ``record`` (and the JSON) as they come."""
+    from nondet_jax.machine.determinism import DETERMINISM_ON, with_flags
+
+    env = dict(os.environ)
+    if flags == "determinism":
+        env["XLA_FLAGS"] = with_flags(DETERMINISM_ON)
+    cmd = [sys.executable, __file__, "--child", *[a for a in (argv if argv is not None else sys.argv[1:])
+                                                 if a != "--child"]]
+    rows, error = [], None
+    run = record["runs"][flags] = {"xla_flags": env.get("XLA_FLAGS", ""), "rows": rows, "error": None}
+    err = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+    timer = threading.Timer(args.timeout, proc.kill) if args.timeout else None
+    if timer:
+        timer.start()
+    try:
+        for line in proc.stdout:  # each row as it comes: a child cut short keeps the rows it finished
+            if line.startswith("ROW "):
+                rows.append(json.loads(line[4:]))
+                ratios(rows)
+                args.out.write_text(json.dumps(record, indent=1))
+                print(f"  {flags}: {rows[-1]['candidate']} done", flush=True)
+        if proc.wait() != 0:
+            err.seek(0)
+            error = "timed out" if timer and not timer.is_alive() else (err.read().strip().splitlines() or ["exit"])[-1]
+    except KeyboardInterrupt:
+        error = "interrupted"
+        raise
+    finally:  # interrupted (the device script's time box): the child goes too
+        if proc.poll() is None:
+            proc.kill()
+        if timer:
+            timer.cancel()
+        run["error"] = error
+        ratios(rows)
+        args.out.write_text(json.dumps(record, indent=1))
+        print(table(rows, f"{flags} flags" + (f" (error: {error})" if error else "")), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="resnet14")
@@ -233,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peak-gbs", type=float, help="the chip's memory bandwidth in GB/s (H100/H200 known)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per child process (0: none)")
     p.add_argument("--profile", type=Path, help="also write a jax.profiler trace of one epoch per candidate here")
+    p.add_argument("--profile-candidates", help="trace only these candidates (comma list; default: every one)")
     p.add_argument("--ulps-of", type=Path, metavar="RUN", help="only: per-tensor ulp differences between the "
                    "replicas of RUN's hardware arm (replica 0 against each other)")
     p.add_argument("--table-from", type=Path, metavar="JSON", help="only: print the rows of a written JSON, "
@@ -247,42 +381,22 @@ def main(argv: list[str] | None = None) -> int:
         return ulps_of(args.ulps_of, args.out)
     if args.table_from:
         return table_from(args.table_from)
-    from nondet_jax.machine.determinism import DETERMINISM_ON, with_flags
-
-    record = {"benchmark": "replica_speed", "command": [Path(sys.executable).name, *sys.argv], "runs": {}}
+    record = {"benchmark": "replica_speed", "command": [Path(sys.executable).name, *sys.argv], "status": "running",
+              "runs": {}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    for flags in args.flags.split(","):
-        env = dict(os.environ)
-        if flags == "determinism":
-            env["XLA_FLAGS"] = with_flags(DETERMINISM_ON)
-        cmd = [sys.executable, __file__, "--child", *[a for a in (argv if argv is not None else sys.argv[1:])
-                                                     if a != "--child"]]
-        rows, error = [], None
-        run = record["runs"][flags] = {"xla_flags": env.get("XLA_FLAGS", ""), "rows": rows, "error": None}
-        err = tempfile.TemporaryFile(mode="w+")
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
-        timer = threading.Timer(args.timeout, proc.kill) if args.timeout else None
-        if timer:
-            timer.start()
-        try:
-            for line in proc.stdout:  # each row as it comes: a child cut short keeps the rows it finished
-                if line.startswith("ROW "):
-                    rows.append(json.loads(line[4:]))
-                    ratios(rows)
-                    args.out.write_text(json.dumps(record, indent=1))
-                    print(f"  {flags}: {rows[-1]['candidate']} done", flush=True)
-            if proc.wait() != 0:
-                err.seek(0)
-                error = "timed out" if timer and not timer.is_alive() else (err.read().strip().splitlines() or ["exit"])[-1]
-        finally:  # interrupted (the device script's time box): the child goes too
-            if proc.poll() is None:
-                proc.kill()
-            if timer:
-                timer.cancel()
-        run["error"] = error
-        ratios(rows)
+    args.out.write_text(json.dumps(record, indent=1))  # a run cut before its first row still leaves its mark
+    # a time box's SIGTERM is handled as SIGINT is: the rows so far are kept and the record is marked
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        for flags in args.flags.split(","):
+            run_flags(args, argv, record, flags)
+    except KeyboardInterrupt:
+        record["status"] = "interrupted"
         args.out.write_text(json.dumps(record, indent=1))
-        print(table(rows, f"{flags} flags" + (f" (error: {error})" if error else "")), flush=True)
+        print(f"interrupted; the rows so far are in {args.out}", flush=True)
+        return 130
+    record["status"] = "complete"
+    args.out.write_text(json.dumps(record, indent=1))
     print(f"wrote {args.out}")
     return 0
 
