@@ -179,8 +179,11 @@ def child(args) -> list[dict]:
         try:  # the unoptimised program's count: no compile (a GPU compile with autotuning costs seconds)
             cost = lowered.cost_analysis()
         except Exception:  # noqa: BLE001 - a backend without it: the compiled program's
-            cost = lowered.compile().cost_analysis()
+            cost = None
         cost = (cost[0] if isinstance(cost, list) else cost) or {}
+        if not cost.get("flops"):  # XLA:GPU's lowered count was empty on jax 0.11.2 (an H200): compile
+            cost = lowered.compile().cost_analysis()
+            cost = (cost[0] if isinstance(cost, list) else cost) or {}
         return float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
 
     profiled = set(args.profile_candidates.split(",")) if args.profile_candidates else None

@@ -112,7 +112,7 @@ def test_quick_smallest_block_runs_the_script_and_packs(tmp_path):
     speed = json.loads(files["speed_r18.json"].read_text())
     assert speed["status"] == "complete" and speed["block"]["exit"] == 0
     rows = speed["runs"]["determinism"]["rows"]
-    assert [r["candidate"] for r in rows] == ["loop", "ceiling", "vmap:rhs=bgc"]
+    assert [r["candidate"] for r in rows] == ["loop", "ceiling", "vmap:grouped"]
     assert all(r["replica_images_per_s"] > 0 for r in rows) and rows[0]["vs_loop"] == 1.0
     # the baseline is the loop a study runs on this backend: on CPU its short epoch fully unrolled
     assert rows[0]["epoch_shape"] == "scan, 2 of 2 steps unrolled"

@@ -21,9 +21,9 @@ def resolve_strategy(requested: str, replicas: int, backend: str | None = None) 
     (:func:`nondet_jax.machine.measured.strategy_rule`): ``vmap`` from ``vmap_min_replicas`` replicas on,
     ``sequential`` below it or when it is null (CPU: a vmapped ResNet step cost several times the
     loop, benchmarks/replicas.py and benchmarks/peer_pytorch.py; one GPU: vmap from 16 replicas on,
-    from benchmarks/gpu_bench.py on an H200, where ResNet-14 at batch 128 gave 0.73x the loop's
-    replica-images/s at R=4, 0.99x at R=16, 1.10x at R=64 in float32). A backend without a rule
-    (TPU: not measured here) runs ``vmap``.
+    from benchmarks/replica_speed.py on an H200, where ResNet-14 bfloat16 at batch 128 and R=16 gave
+    2.45x a real loop under the determinism flags, and benchmarks/gpu_bench.py, 0.73x at R=4 in
+    float32). A backend without a rule (TPU: not measured here) runs ``vmap``.
     """
     if requested != "auto":
         return requested, "requested"
