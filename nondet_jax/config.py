@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from nondet_jax import models, sources
+from nondet_jax import arms, models
 from nondet_jax.data import DATASETS, NEEDS_TRAIN_CAP
 from nondet_jax.errors import (
     UsageError,  # re-exported: ``config.UsageError`` stays importable
@@ -362,14 +362,14 @@ def validate(config: Config) -> None:
 
     m, d, o, t, s = config.model, config.data, config.optim, config.train, config.study
     _validate_numbers(config)
-    if m.name not in models.MODELS and ":" not in m.name:
-        raise UsageError(f"unknown model '{m.name}'; choose one of: {', '.join(models.MODELS)}, or your own as "
+    if m.name not in models.MODEL_NAMES and ":" not in m.name:
+        raise UsageError(f"unknown model '{m.name}'; choose one of: {', '.join(models.MODEL_NAMES)}, or your own as "
                          "PACKAGE.MODULE:ATTR")
     if m.width <= 0:
         raise UsageError(f"model width must be > 0, got {m.width}; use e.g. --set model.width=1")
     if not 0 <= m.dropout < 1:
         raise UsageError(f"dropout rate must be in [0, 1), got {m.dropout}; fix --set model.dropout")
-    if m.dtype not in models.PRECISIONS:
+    if m.dtype not in models.PRECISION_NAMES:
         raise UsageError(f"unknown model dtype '{m.dtype}'; use --set model.dtype=float32 or bfloat16")
     ratios = config.metrics.power_ratios
     if not 1 <= len(ratios) <= 4 or any(r <= 0 or r == 1 for r in ratios):
@@ -456,7 +456,7 @@ def validate(config: Config) -> None:
     if len(set(s.arms)) != len(s.arms):
         raise UsageError(f"arm listed twice in {','.join(s.arms)}; list each arm once")
     for arm in s.arms:
-        parsed = sources.parse_arm(arm)  # raises UsageError for unknown names
+        parsed = arms.parse_arm(arm)  # raises UsageError for unknown names
         if parsed.cycles:
             arm_config(config, parsed)  # the variant's schedule must fit, e.g. epochs divisible by K
     _validate_instruments(config)

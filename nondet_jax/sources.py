@@ -36,50 +36,21 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+# The arm grammar lives in nondet_jax.arms (no JAX); these names are part of this module's interface too.
+from nondet_jax.arms import (  # noqa: F401
+    IMPLEMENTED,
+    PERTURBATIONS,
+    RESERVED,
+    SOURCE_ID,
+    SOURCES,
+    Arm,
+    arm_sources,
+    check_own_sources,
+    parse_arm,
+    source_id,
+    split_variant,
+)
 from nondet_jax.errors import UsageError
-
-# Stable small integers: never reorder or reuse, or every stored study changes meaning.
-SOURCE_ID = {
-    "init": 1,
-    "data_order": 2,
-    "augmentation": 3,
-    "dropout": 4,
-    "bitflip": 5,
-    "batch_order": 6,
-    "hardware": 7,
-}
-SOURCES = tuple(SOURCE_ID)
-RESERVED = ("control", "all", "step", "varies")  # names a source of your own cannot take
-
-
-def source_id(name: str) -> int:
-    """The stream index of a source: :data:`SOURCE_ID` for the built-in ones; for a source of your own
-    (:func:`nondet_jax.replicate`'s ``sources=``) ``2**31 + the first 31 bits of
-    sha256("nondet_jax source:" + name)``: stable, the same in every version and process, and never a
-    built-in one's."""
-    if name in SOURCE_ID:
-        return SOURCE_ID[name]
-    import hashlib
-
-    digest = hashlib.sha256(f"nondet_jax source:{name}".encode()).digest()
-    return (1 << 31) + (int.from_bytes(digest[:4], "big") & 0x7FFFFFFF)
-
-
-def check_own_sources(names) -> tuple[str, ...]:
-    """Your own source names as a tuple; UsageError for a name that is not an identifier, repeats, or
-    is a built-in source or reserved."""
-    names = (names,) if isinstance(names, str) else tuple(names)
-    for n in names:
-        if not isinstance(n, str) or not n.isidentifier() or n.startswith("_"):
-            raise UsageError(f"source name {n!r} is not a Python identifier; name your sources like env or policy")
-        if n in SOURCE_ID or n in RESERVED:
-            raise UsageError(f"source name '{n}' is taken ({'a built-in source' if n in SOURCE_ID else 'reserved'}); "
-                             "choose another name for your own source")
-    if len(set(names)) != len(names):
-        raise UsageError(f"source '{next(n for n in names if names.count(n) > 1)}' is named twice in sources")
-    return names
-IMPLEMENTED = ("init", "data_order", "augmentation", "dropout", "bitflip", "batch_order")
-PERTURBATIONS = ("bitflip", "batch_order")
 
 
 class ReplicaKeys(NamedTuple):
@@ -104,65 +75,6 @@ class Perturbations(NamedTuple):
 def perturbations(varied: frozenset[str]) -> Perturbations:
     """The perturbation switches of an arm that varies ``varied``."""
     return Perturbations(*(jnp.asarray(s in varied) for s in PERTURBATIONS))
-
-
-class Arm(NamedTuple):
-    """An arm parsed once: its name as the user wrote it, the sources it varies, and the snapshot
-    cycles of an ``arm@snapshotK`` variant (0 for a plain arm)."""
-
-    name: str
-    varied: frozenset[str]
-    cycles: int = 0
-
-    @property
-    def base(self) -> str:
-        """The plain arm this one is a variant of (itself when plain): ``'init@snapshot3'`` -> ``'init'``."""
-        return self.name.partition("@")[0]
-
-
-def parse_arm(name: str, own: tuple[str, ...] = ()) -> Arm:
-    """Parse an arm name into an :class:`Arm`; UsageError naming the fix for unknown names.
-
-    ``control`` varies nothing, ``all`` every seeded source (not ``hardware``), a source name only
-    that source, and ``a+b`` the union of its parts (``all+hardware`` for everything). A variant
-    suffix ``@snapshotK`` (K >= 2) trains the same arm under the snapshot schedule of K cycles (a
-    mitigation, compared with the plain arm at equal training cost); it changes no source. ``own``:
-    sources of your own (:func:`nondet_jax.replicate`), which arms may name, and ``all`` varies too.
-    """
-    base, _, variant = name.partition("@")
-    cycles = 0
-    if variant:
-        k = variant.removeprefix("snapshot")
-        if not variant.startswith("snapshot") or not (k.isascii() and k.isdigit()) or int(k) < 2:
-            raise UsageError(f"unknown arm variant '@{variant}' in '{name}'; the one variant is @snapshotK with K >= 2 "
-                             "cycles, e.g. init@snapshot3")
-        cycles = int(k)
-    varied: set[str] = set()
-    if base != "control":
-        for p in base.split("+"):
-            if p == "all":
-                varied.update(IMPLEMENTED + tuple(own))
-            elif p in SOURCES or p in own:
-                varied.add(p)
-            else:
-                import difflib
-
-                close = difflib.get_close_matches(p, ["control", "all", *SOURCES, *own], n=1)
-                hint = f"did you mean '{close[0]}'? " if close else ""
-                raise UsageError(f"unknown arm or source '{p}'; {hint}use control, all, one of "
-                                 f"{', '.join((*SOURCES, *own))}, or a '+'-joined combination")
-    return Arm(name, frozenset(varied), cycles)
-
-
-def split_variant(arm: str) -> tuple[str, int]:
-    """``'init@snapshot3'`` -> ``('init', 3)``; plain arms give K = 0 (see :func:`parse_arm`)."""
-    a = parse_arm(arm)
-    return a.base, a.cycles
-
-
-def arm_sources(arm: str) -> frozenset[str]:
-    """The sources an arm varies (see :func:`parse_arm`)."""
-    return parse_arm(arm).varied
 
 
 def stream(seed: int, source: str) -> jax.Array:

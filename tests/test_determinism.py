@@ -92,3 +92,34 @@ def test_environment_records_what_changes_bits():
     for key in ("xla_flags", "prng_impl", "jax_threefry_partitionable", "backend", "device_kind", "versions"):
         assert key in env
     assert env["versions"]["jax"]
+
+
+def test_check_flags_asks_once_per_flag_set_and_jaxlib(tmp_path, monkeypatch):
+    """An accepted flag set is remembered in the process and beside the compilation cache, keyed by the whole
+    XLA_FLAGS string and the installed jaxlib; another flag set or a refusal is asked afresh."""
+    monkeypatch.setenv(D.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv("XLA_FLAGS", "")
+    monkeypatch.setattr(D, "_KNOWN", set())
+    calls = []
+    real_run = D.subprocess.run
+    monkeypatch.setattr(D.subprocess, "run", lambda *a, **k: calls.append(k["env"]["XLA_FLAGS"]) or real_run(*a, **k))
+    D.check_flags(D.DETERMINISM_ON)
+    D.check_flags(D.DETERMINISM_ON)
+    assert len(calls) == 1
+    stored = list((tmp_path / "nondet_jax_xla_flags").glob("*.ok"))
+    assert len(stored) == 1 and stored[0].read_text().strip() == D.with_flags(D.DETERMINISM_ON)
+    monkeypatch.setattr(D, "_KNOWN", set())  # a new process: the file answers
+    D.check_flags(D.DETERMINISM_ON)
+    assert len(calls) == 1
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")  # another XLA_FLAGS string: another key
+    D.check_flags(D.DETERMINISM_ON)
+    assert len(calls) == 2
+    for _ in range(2):  # never remembered as accepted
+        with pytest.raises(UsageError, match="--xla_no_such_flag=1"):
+            D.check_flags(["--xla_no_such_flag=1"])
+    assert len(calls) == 4 and len(list((tmp_path / "nondet_jax_xla_flags").glob("*.ok"))) == 2
+    # the key follows jaxlib: a jaxlib of another version (or another build) is asked again
+    monkeypatch.setattr(D, "_KNOWN", set())
+    monkeypatch.setattr(D, "_version", lambda pkg: "0.0.0-other" if pkg == "jaxlib" else None)
+    D.check_flags(D.DETERMINISM_ON)
+    assert len(calls) == 5

@@ -14,7 +14,7 @@ import nondet_jax
 PKG = Path(nondet_jax.__file__).parent
 
 # Bottom to top: a module may import from its own layer and from the layers before it.
-LAYERS = ("errors", "machine", "models", "sources", "data", "instruments", "config", "store", "train", "analysis",
+LAYERS = ("errors", "machine", "models", "arms", "sources", "data", "instruments", "config", "store", "train", "analysis",
           "replicas", "report", "study", "api", "cli", "entry")
 ENTRY = {"nondet_jax", "nondet_jax.__main__", "nondet_jax.sweep", "nondet_jax.report.__main__"}  # what users run
 
@@ -116,3 +116,20 @@ def test_the_linter_passes():
     assert ruff, "ruff is part of the test extra: pip install -e '.[test]'"
     proc = subprocess.run([ruff, "check", "--no-cache", "."], cwd=PKG.parent, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-1000:]
+
+
+def test_a_refused_argument_never_starts_jax():
+    """Every command checks its arguments and config before it imports JAX, flax or scipy (their start is most
+    of a refusal's cost: benchmarks/cli_startup.py)."""
+    probe = ("import runpy, sys; sys.argv = {argv!r}\n"
+             "try:\n    runpy.run_module({module!r}, run_name='__main__')\nexcept SystemExit as e:\n    code = e.code\n"
+             "print(sorted(m for m in ('jax', 'flax', 'scipy') if m in sys.modules)); sys.exit(code)")
+    cases = [("nondet_jax.sweep", ["--arms", "control,nosuch"]), ("nondet_jax.sweep", ["--set", "train.epochs=0"]),
+             ("nondet_jax", ["report", "/nonexistent/run"]), ("nondet_jax", ["audit", "--steps", "0"]),
+             ("nondet_jax", ["compare", "a.csv", "b.csv", "--plot", "x.txt"])]
+    for module, argv in cases:
+        proc = subprocess.run([sys.executable, "-c", probe.format(argv=[module, *argv], module=module)],
+                              capture_output=True, text=True, cwd=PKG.parent)
+        assert proc.returncode == 2, (argv, proc.stderr[-1000:])
+        assert proc.stdout.strip().splitlines()[-1] == "[]", (argv, proc.stdout)
+        assert "error:" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr

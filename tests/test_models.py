@@ -83,10 +83,12 @@ def test_vgg11_has_eight_convolutions_and_survives_8x8_inputs():
     assert sum(1 for k in traverse_util.flatten_dict(v["params"]) if k[-1] == "kernel") == 9  # 8 conv + classifier
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["vgg11", "resnet29v2", "shufflenetv2", "resnet18_imagenet", "resnet50"])
+@pytest.mark.parametrize("name", ["resnet8", "vgg11", "resnet29v2", "shufflenetv2", "resnet18_imagenet", "resnet50"])
 @pytest.mark.parametrize("strategy", ["sequential", "vmap"])
 def test_every_model_trains_under_every_strategy(small_digits, name, strategy):
+    """The small model trains for real under each strategy (replicas differ, losses finite); the large ones are
+    traced through the same epoch, vmapped over the replica axis for ``vmap`` (jax.eval_shape: every shape and
+    the per-example dropout and augmentation paths, without compiling programs that take seconds each)."""
     from conftest import spec_of, tiny_config
 
     from nondet_jax.replicas.choice import run_replicas
@@ -97,10 +99,28 @@ def test_every_model_trains_under_every_strategy(small_digits, name, strategy):
     config = tiny_config(**{"model.name": name, "model.width": 0.25, "train.epochs": 1, "train.batch_size": 32,
                             "model.dropout": 0.1, "data.augment": "on"})
     varied = arm_sources("all")
-    res = run_replicas(make_train(config, spec_of(data)), arm_keys(0, varied, 2), perturbations(varied), data, 1,
-                       strategy)
-    assert np.isfinite(res.train_loss).all() and res.logits.shape == (2, 100, 10)
-    assert not np.array_equal(res.logits[0], res.logits[1])
+    fns, keys, perturb = make_train(config, spec_of(data)), arm_keys(0, varied, 2), perturbations(varied)
+    if name == "resnet8":
+        res = run_replicas(fns, keys, perturb, data, 1, strategy)
+        assert np.isfinite(res.train_loss).all() and res.logits.shape == (2, 100, 10)
+        assert not np.array_equal(res.logits[0], res.logits[1])
+        return
+    x, y, e = jnp.asarray(data.x_train), jnp.asarray(data.y_train), jnp.int32(0)
+    if strategy == "vmap":
+        state = jax.eval_shape(jax.vmap(fns.init, in_axes=(0, None, None)), keys, perturb, x[:1])
+        new, m = jax.eval_shape(jax.vmap(fns.train_epoch, in_axes=(0, None, None, 0, None, None)),
+                                state, x, y, keys, perturb, e)
+        logits, feats = jax.eval_shape(jax.vmap(fns.evaluate, in_axes=(0, None)), new, jnp.asarray(data.x_test))
+        lead = (2,)
+    else:
+        one = jax.tree.map(lambda k: k[0], keys)
+        state = jax.eval_shape(fns.init, one, perturb, x[:1])
+        new, m = jax.eval_shape(fns.train_epoch, state, x, y, one, perturb, e)
+        logits, feats = jax.eval_shape(fns.evaluate, new, jnp.asarray(data.x_test))
+        lead = ()
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), new) == jax.tree.map(lambda a: (a.shape, a.dtype), state)
+    assert m["loss"].shape == lead + (fns.steps_per_epoch,) and logits.shape == lead + (100, 10)
+    assert feats.ndim == len(lead) + 2 and feats.shape[:-1] == lead + (100,)
 
 
 @pytest.mark.parametrize("k,stride,padding,groups", [(3, 1, "SAME", 1), (3, 2, "SAME", 1), (1, 2, "SAME", 1),
@@ -146,3 +166,12 @@ def test_conv_weight_gradient_reads_its_input_across_a_conditional_on_cpu():
                                                                  dimension_numbers=("NHWC", "HWIO", "NHWC"))))
     hlo = jax.jit(jax.grad(loss, argnums=1)).lower(x, w).compile().as_text()
     assert "conditional(" in hlo
+
+
+def test_model_names_without_flax_match_the_catalogue():
+    """The config checks model names before JAX starts (nondet_jax.models.MODEL_NAMES); they must be the
+    catalogue's, in its order."""
+    from nondet_jax import models
+
+    assert models.MODEL_NAMES == tuple(MODELS)
+    assert models.PRECISION_NAMES == tuple(models.PRECISIONS)

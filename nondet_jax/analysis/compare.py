@@ -10,14 +10,13 @@ import numpy as np
 
 from nondet_jax.analysis import stats as S
 from nondet_jax.errors import UsageError
-from nondet_jax.store.paths import RunPaths
+from nondet_jax.store.paths import RUN_METRICS, RunPaths
 from nondet_jax.store.run import verify_arm_files
 
 INDEX_COLUMNS = ("seed", "replica", "run", "index")
 MISSING = ("", "NA", "N/A", "NAN", "NULL", "NONE")  # what spreadsheets write for a missing score
 
 
-RUN_METRICS = {"test_accuracy": True, "test_loss": False, "train_loss": False, "train_accuracy": True}
 
 
 def _is_run(path: Path) -> bool:

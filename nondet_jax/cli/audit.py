@@ -15,7 +15,6 @@ from nondet_jax.errors import OneLineParser, UsageError
 from nondet_jax.machine.determinism import check_flags, with_flags
 from nondet_jax.machine.signals import PARENT_ENV, die_with_parent
 from nondet_jax.store.io import check_output_file, check_path_name
-from nondet_jax.study.audit import audit_run
 
 
 def audit_in_child(args: list[str], flags) -> dict:
@@ -77,6 +76,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         config = cfg.from_flat({"model.name": args.model, "data.name": args.dataset, "data.data_dir": args.data_dir,
                                 "train.batch_size": args.batch_size, "train.epochs": 1, "study.seed": args.seed,
                                 "study.replicas": 1, "metrics.pairwise": False})
+        from nondet_jax.study.audit import audit_run  # JAX: once the arguments and the config are good
+
         if args.child_json:
             die_with_parent()  # a parent gone (killed, Ctrl-C) takes its child along
             print(json.dumps(audit_run(config, args.steps, args.perturb)))

@@ -6,11 +6,10 @@ import json
 import sys
 from pathlib import Path
 
-from nondet_jax.analysis.compare import RUN_METRICS, compare_many, format_many
 from nondet_jax.cli import prog_name
 from nondet_jax.errors import OneLineParser, UsageError
-from nondet_jax.report.compare_figure import plot_result
 from nondet_jax.store.io import check_output_file, check_path_name
+from nondet_jax.store.paths import RUN_METRICS
 
 
 def _plot_path(path: str) -> Path:
@@ -62,6 +61,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         arms, columns = _names(args.arm, "--arm"), _names(args.column, "--column")
         if plot is not None and max(len(arms or []), len(columns or [])) > 1:
             raise UsageError("--plot draws one comparison; give one --arm or --column with it")
+        from nondet_jax.analysis.compare import compare_many, format_many  # scipy: once the arguments are good
+
         results = compare_many(args.a, args.b, arms=arms, columns=columns, arm_b=args.arm_b, metric=args.metric,
                                higher_is_better=False if args.lower_is_better else None, detect=args.detect,
                                paired=args.paired)
@@ -69,6 +70,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         if plot is not None:
             import io
 
+            from nondet_jax.report.compare_figure import plot_result
             from nondet_jax.store.io import atomic_write_bytes
 
             buf = io.BytesIO()

@@ -7,10 +7,7 @@ from pathlib import Path
 
 from nondet_jax.cli import prog_name
 from nondet_jax.errors import OneLineParser, UsageError
-from nondet_jax.report.markdown import write_report
-from nondet_jax.report.summary import format_table
 from nondet_jax.store.paths import RunPaths
-from nondet_jax.store.run import release_lock, take_lock
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
@@ -28,6 +25,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         run = Path(args.run_dir)
         if not (run / "config.json").is_file():
             raise UsageError(f"{run} is not a nondet_jax run folder (no config.json); pass the --out folder of a sweep")
+        from nondet_jax.report.markdown import write_report  # JAX and scipy: once the folder is a run folder
+        from nondet_jax.store.run import release_lock, take_lock
+
         fd = take_lock(run, "wait for it to finish, then rebuild the report")  # never half a sweep's results
         try:
             summary = write_report(args.run_dir)
@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     except UsageError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
+    from nondet_jax.report.summary import format_table
+
     print(format_table(summary))
     print(f"report: {RunPaths(args.run_dir).report}")
     return 0

@@ -14,17 +14,18 @@ import time
 from importlib import resources
 from pathlib import Path
 
-import jax
-
 from nondet_jax import config as cfg
+from nondet_jax.arms import IMPLEMENTED
 from nondet_jax.cli import prog_name, run_command
 from nondet_jax.config import Config
 from nondet_jax.errors import OneLineParser, UsageError
-from nondet_jax.machine.determinism import DETERMINISM_ON, check_flags, with_flags
-from nondet_jax.report import tensorboard
-from nondet_jax.sources import IMPLEMENTED
+from nondet_jax.machine.determinism import CACHE_ENV, DETERMINISM_ON, check_flags, with_flags
+from nondet_jax.machine.signals import CHILD_ENV
 from nondet_jax.store.paths import RunPaths
-from nondet_jax.study import child, runner
+
+# JAX, flax and scipy (through the study, the report and TensorBoard's export) are imported only once the
+# arguments and the config have passed their checks: a refused argument costs the interpreter and the config,
+# not JAX's start (benchmarks/cli_startup.py).
 
 # CLI flag -> dotted config key
 FLAGS = {
@@ -226,9 +227,6 @@ def check_model_outside(model: str, run: Path) -> None:
                              "(e.g. cd to your project and pass --resume with the run folder's path)")
 
 
-CACHE_ENV = "NONDET_JAX_COMPILE_CACHE"
-
-
 def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nondet_jax" / "jax"
 
@@ -245,6 +243,8 @@ def enable_compile_cache(setting: str | None) -> Path | None:
     except OSError as e:
         raise UsageError(f"cannot create the compilation cache folder {folder}: {e.strerror}; pass "
                          "--compile-cache DIR with a writable folder, or --compile-cache off") from None
+    import jax
+
     jax.config.update("jax_compilation_cache_dir", str(folder))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
@@ -261,21 +261,24 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         from nondet_jax.machine import xla_flags
 
         xla_flags.apply_cpu_defaults()  # this CPU type's measured flags, before JAX starts (environment.json says)
-        enable_compile_cache(args.compile_cache)
         if args.child_arm:
+            enable_compile_cache(args.compile_cache)
+            from nondet_jax.study import child
+
             return child.child_main(args.out, args.child_arm, progress if progress is not None else sys.stderr.isatty())
         if args.resume:
             config = config_for_resume(args)
             args.out = args.resume
         else:
             config = config_from_args(args)
+        enable_compile_cache(args.compile_cache)  # JAX starts here, once the arguments and the config are good
         if config.study.xla_determinism:
             set_determinism_flags()
         command = prog + "".join(f" {os.fsencode(a).decode('utf-8', 'backslashreplace')}"  # as UTF-8 text
                                  for a in (argv if argv is not None else sys.argv[1:]))
         t0 = time.perf_counter()
         recompute = tuple(a.strip() for a in (args.recompute or "").split(",") if a.strip())
-        from nondet_jax.study import multihost
+        from nondet_jax.study import multihost, runner
 
         after_arm = tensorboard_logger() if args.log == "tensorboard" else None
         procs = multihost.initialize(args.coordinator, args.num_processes, args.process_id, args.distributed == "auto")
@@ -305,6 +308,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 def tensorboard_logger():
     """``after_arm`` for ``--log tensorboard``: exports each stored arm; UsageError now (before any training)
     when tensorboardX is missing."""
+    from nondet_jax.report import tensorboard
+
     tensorboard.writer_class()
 
     def after_arm(out, arm: str) -> None:
@@ -323,7 +328,7 @@ def set_determinism_flags() -> None:
 
 def entry() -> int:
     """``python -m nondet_jax.sweep``: in a child training one arm, leave when the parent sweep does."""
-    if os.environ.get(child.CHILD_ENV) == "1":
+    if os.environ.get(CHILD_ENV) == "1":
         from nondet_jax.machine.signals import die_with_parent
 
         die_with_parent()  # a child training an arm leaves when its sweep does

@@ -10,9 +10,23 @@
 * :mod:`.trainer`: the adaptor ``nondet_jax.train`` uses; :mod:`.dashboard`: the figure and tidy rows.
 """
 
-from nondet_jax.instruments.configurations import CONFIGURATIONS, QUANTITIES, resolve
-from nondet_jax.instruments.core import Instruments, InstrumentState, layer_names, make
-from nondet_jax.instruments.schedules import linear, log_over_run, logarithmic
 
-__all__ = ["CONFIGURATIONS", "QUANTITIES", "InstrumentState", "Instruments", "layer_names", "linear", "log_over_run",
-           "logarithmic", "make", "resolve"]
+from __future__ import annotations
+
+import importlib
+
+# Loaded on first use: the config checks instrument names (configurations, no JAX) before a command starts JAX.
+_LAZY = {"CONFIGURATIONS": "configurations", "QUANTITIES": "configurations", "resolve": "configurations",
+         "Instruments": "core", "InstrumentState": "core", "layer_names": "core", "make": "core",
+         "linear": "schedules", "log_over_run": "schedules", "logarithmic": "schedules"}
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"nondet_jax.instruments.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'nondet_jax.instruments' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return __all__

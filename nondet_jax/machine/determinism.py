@@ -1,4 +1,5 @@
 """Everything that changes bits: XLA determinism flags, provenance, and ulp comparisons of pytrees.
+(JAX is imported where it is used: a command sets and checks its flags before JAX starts.)
 
 * :data:`DETERMINISM_ON` / :data:`DETERMINISM_OFF`: the XLA flags that make GPU reductions
   deterministic, or explicitly allow the nondeterministic kernels. Flags are read when the
@@ -12,6 +13,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
+import json
 import os
 import platform
 import subprocess
@@ -19,9 +23,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-import jax
 import numpy as np
-from flax import traverse_util
 
 from nondet_jax.errors import UsageError
 from nondet_jax.machine import xla_flags
@@ -63,12 +65,46 @@ def with_flags(flags, base: str | None = None) -> str:
     return " ".join(kept + list(flags))
 
 
+CACHE_ENV = "NONDET_JAX_COMPILE_CACHE"  # the persistent compilation cache's folder (or "off"): the CLI sets it
+_KNOWN: set[str] = set()  # keys of the XLA_FLAGS strings this process has checked
+
+
+def _flags_key(xla_flags: str) -> str:
+    """Everything whether XLA accepts ``xla_flags`` depends on: the flags themselves and the installed jax and
+    jaxlib, down to the size and modification time of jaxlib's compiled libraries (a rebuilt jaxlib of the same
+    version is another key)."""
+    spec = importlib.util.find_spec("jaxlib")
+    libs = []
+    if spec is not None and spec.origin:
+        for lib in sorted(Path(spec.origin).parent.glob("*.so")):
+            st = lib.stat()
+            libs.append([lib.name, st.st_size, st.st_mtime_ns])
+    record = [xla_flags, _version("jax"), _version("jaxlib"), str(Path(spec.origin).parent) if spec else None, libs]
+    return hashlib.sha256(json.dumps(record).encode()).hexdigest()
+
+
+def _known_file(key: str) -> Path | None:
+    folder = os.environ.get(CACHE_ENV)
+    if not folder or folder.lower() == "off":
+        return None
+    return Path(folder) / "nondet_jax_xla_flags" / f"{key}.ok"
+
+
 def check_flags(flags) -> None:
     """Raise UsageError when the installed jaxlib does not know one of ``flags``.
 
-    XLA aborts the whole process on an unknown flag, so the check runs in a throw-away child.
+    XLA aborts the whole process on an unknown flag, so the check runs in a throw-away child (1.6-2 CPU-s).
+    An accepted ``XLA_FLAGS`` string is remembered in this process and, when the persistent compilation
+    cache is on, as a file beside it, keyed by the whole string and the installed jax/jaxlib (see
+    :func:`_flags_key`): only acceptance is remembered, so a refusal is always asked afresh.
     """
-    env = {**os.environ, "XLA_FLAGS": with_flags(flags), "JAX_PLATFORMS": "cpu"}
+    merged = with_flags(flags)
+    key = _flags_key(merged)
+    known = _known_file(key)
+    if key in _KNOWN or (known is not None and known.is_file()):
+        _KNOWN.add(key)
+        return
+    env = {**os.environ, "XLA_FLAGS": merged, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True,
                           text=True, timeout=120)
     if proc.returncode != 0:
@@ -76,6 +112,15 @@ def check_flags(flags) -> None:
         what = f"XLA flag {bad[0]}" if bad else "XLA_FLAGS"
         raise UsageError(f"{what} is not known to the installed jaxlib {_version('jaxlib')}; remove it from "
                          "XLA_FLAGS, or upgrade jaxlib")
+    _KNOWN.add(key)
+    if known is not None:
+        try:
+            known.parent.mkdir(parents=True, exist_ok=True)
+            tmp = known.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(merged + "\n")
+            os.replace(tmp, known)
+        except OSError:  # a read-only cache: the check is asked again next time, nothing else changes
+            pass
 
 
 def _ordered(x: np.ndarray) -> np.ndarray:
@@ -113,6 +158,9 @@ def ulp_distance(a, b) -> np.ndarray:
 def tree_ulp_diff(a, b) -> dict[str, dict]:
     """Per leaf of two pytrees of float arrays: element count, how many differ, largest ulp distance."""
     out = {}
+    import jax
+    from flax import traverse_util
+
     fa = traverse_util.flatten_dict(a) if isinstance(a, dict) else dict(enumerate(jax.tree.leaves(a)))
     fb = traverse_util.flatten_dict(b) if isinstance(b, dict) else dict(enumerate(jax.tree.leaves(b)))
     if fa.keys() != fb.keys():
@@ -149,6 +197,8 @@ def provenance() -> dict:
     """What an arm was trained under that can change its bits, kept in the arm's own record (the run
     folder's ``environment.json`` is rewritten by each run): XLA flags, matmul precision, x64, jaxlib,
     backend and CPU type."""
+    import jax
+
     return {"xla_flags": os.environ.get("XLA_FLAGS", ""),
             "jax_default_matmul_precision": jax.config.jax_default_matmul_precision,
             "jax_enable_x64": bool(jax.config.jax_enable_x64), "jaxlib": _version("jaxlib"),
@@ -158,6 +208,8 @@ def provenance() -> dict:
 def environment() -> dict:
     """A JSON-ready record of the software and hardware a result was made with (a run folder's
     ``environment.json`` adds the model layer's choices: :func:`nondet_jax.study.provenance.environment`)."""
+    import jax
+
     devices = jax.devices()
     return {
         "python": sys.version.split()[0],

@@ -1,43 +1,31 @@
 """Model registry: every model maps (N, H, W, C) images to logits; ``return_features=True`` adds
 the penultimate features. Call signature: ``apply(variables, x, train, dropout_keys, return_features)``.
+
+The names are here without Flax (:data:`MODEL_NAMES`, :data:`PRECISION_NAMES`), so a command checks its
+config before it starts JAX; the models themselves (``MODELS``, ``make_model``, the classes) load on first use
+from :mod:`nondet_jax.models.catalogue`.
 """
 
 from __future__ import annotations
 
-from functools import partial
+import importlib
 
-import flax.linen as nn
+# The catalogue's names (tests/test_models.py holds them equal to catalogue.MODELS) and model.dtype's values.
+MODEL_NAMES = ("mlp", "resnet8", "resnet14", "resnet20", "resnet32", "resnet56", "resnet18", "resnet18_imagenet",
+               "resnet50", "resnet29v2", "vgg11", "shufflenetv2")
+PRECISION_NAMES = ("float32", "bfloat16")
 
-from nondet_jax.models.common import PRECISIONS, compute_dtype
-from nondet_jax.models.mlp import MLP
-from nondet_jax.models.preact import PreActResNet
-from nondet_jax.models.resnet import ResNet, cifar_resnet, resnet18, resnet50
-from nondet_jax.models.shufflenet import ShuffleNetV2
-from nondet_jax.models.vgg import VGG
-
-MODELS = {
-    "mlp": partial(MLP),
-    "resnet8": partial(cifar_resnet, 8),
-    "resnet14": partial(cifar_resnet, 14),
-    "resnet20": partial(cifar_resnet, 20),
-    "resnet32": partial(cifar_resnet, 32),
-    "resnet56": partial(cifar_resnet, 56),
-    "resnet18": resnet18,
-    "resnet18_imagenet": partial(resnet18, stem="imagenet"),
-    "resnet50": resnet50,
-    "resnet29v2": partial(PreActResNet, depth=29),
-    "vgg11": VGG,
-    "shufflenetv2": ShuffleNetV2,
-}
+_LAZY = {"MODELS": "catalogue", "make_model": "catalogue", "MLP": "mlp", "PreActResNet": "preact", "ResNet": "resnet",
+         "cifar_resnet": "resnet", "resnet18": "resnet", "resnet50": "resnet", "ShuffleNetV2": "shufflenet",
+         "VGG": "vgg", "PRECISIONS": "common", "compute_dtype": "common"}
+__all__ = ["MODEL_NAMES", "PRECISION_NAMES", *_LAZY]
 
 
-def make_model(name: str, num_classes: int, width: float = 1.0, dropout: float = 0.0,
-               dtype: str = "float32") -> nn.Module:
-    """Build a registered model by name; ``dtype`` "bfloat16" computes in bfloat16 with float32
-    parameters (mixed precision), "float32" is the model as it always was."""
-    extra = {} if dtype == "float32" else {"dtype": compute_dtype(dtype)}
-    return MODELS[name](num_classes=num_classes, width=width, dropout=dropout, **extra)
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"nondet_jax.models.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'nondet_jax.models' has no attribute {name!r}")
 
 
-__all__ = ["MODELS", "MLP", "PRECISIONS", "PreActResNet", "ResNet", "ShuffleNetV2", "VGG", "cifar_resnet", "make_model",
-           "resnet18", "resnet50"]
+def __dir__() -> list[str]:
+    return sorted(__all__)

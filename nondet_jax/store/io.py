@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from flax import traverse_util
 
 from nondet_jax.errors import UsageError
 
@@ -119,6 +118,8 @@ def npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
 
 def flatten_tree(tree: Any) -> dict[str, np.ndarray]:
     """A nested dict of arrays as {'a/b/c': array} (the key format of ``weights/<arm>.npz``)."""
+    from flax import traverse_util  # here: the commands' argument checks import this module before JAX starts
+
     return {"/".join(k): np.asarray(v) for k, v in traverse_util.flatten_dict(tree).items()}
 
 

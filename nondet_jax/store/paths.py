@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+# The per-replica scores a run folder holds for `compare`, and whether higher is better for each.
+RUN_METRICS = {"test_accuracy": True, "test_loss": False, "train_loss": False, "train_accuracy": True}
 ARM_FILES = ("arms/{}.json", "logits/{}.npy", "features/{}.npy", "history/{}.npz", "weights/{}.npz", "pairs/{}.npz")
 
 
