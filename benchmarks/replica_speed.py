@@ -3,14 +3,14 @@
 Each candidate trains R replicas of one model for ``--epochs`` epochs of ``--steps`` steps (batch 128,
 augmentation on, random inputs), and is timed per epoch after the first (which compiles; its excess over
 the median is the compile time). The epoch has the shape a study gives it on this backend
-(``train.unroll`` auto: a ``lax.scan`` fully unrolled on CPU up to 16 steps, rolled elsewhere), unless a
-candidate names another. Candidates:
+(``train.epoch_shape`` and ``train.unroll`` auto: on CPU a ``lax.scan`` fully unrolled up to 16 steps and
+stepped from Python beyond, a rolled scan elsewhere), unless a candidate names another. Candidates:
 
 * ``loop``: the ``sequential`` strategy, R single-replica epochs run one after another: the loop a study
   really runs (the baseline every ratio is taken against);
-* ``loop:unroll=K``: the same with K steps unrolled per scan iteration (``train.unroll = K``; 1 = rolled);
-* ``loop:step``: the same loop with each epoch driven step by step from Python (one jitted step,
-  asynchronous dispatch, no scan: the epoch shape that does not grow with the steps per epoch);
+* ``loop:unroll=K``: the same as one scan with K steps unrolled per iteration (``train.unroll = K``; 1 = rolled);
+* ``loop:step``: the same loop with each epoch driven step by step from Python (``train.epoch_shape = step``:
+  one jitted step, asynchronous dispatch, no scan: the epoch shape that does not grow with the steps per epoch);
 * ``ceiling``: one replica at batch R x 128 (the same work as R replicas, the stock kernels for dense
   convolutions): what batching R replicas could reach at best;
 * ``vmap:<per-role>``: the ``vmap`` strategy with the replica-batched convolutions forced per role
@@ -70,38 +70,6 @@ def _spec(candidate: str) -> tuple[str, str | None, int | str]:
     return kind, rest.replace("=", ":").replace("+", ",") or None, 0
 
 
-def stepwise_strategy(fns):
-    """``sequential`` with each epoch driven step by step from Python: one jitted training step,
-    dispatched asynchronously, instead of one program per epoch (no divergence guard: a speed candidate)."""
-    import jax
-    import jax.numpy as jnp
-
-    from nondet_jax.data.pipeline import epoch_indices
-    from nondet_jax.replicas.local import sequential_strategy
-    from nondet_jax.replicas.loop import Strategy, _stack, _take
-    from nondet_jax.sources import replica_slice
-
-    seq = sequential_strategy(fns)
-    n, b, steps = fns.spec.n_train, fns.batch_size, fns.steps_per_epoch
-    indices = jax.jit(lambda key, e: epoch_indices(key, e, n, b))
-    step = jax.jit(lambda s, x, y, k, p, e, i, idx: fns.train_step(s, x, y, k, p, e, i, idx[i]))
-
-    def epoch_all(state, x, y, keys, perturb, e, progress):
-        states, metrics = [], []
-        for r in range(jax.tree.leaves(keys)[0].shape[0]):
-            s, k = _take(state, r), replica_slice(keys, r)
-            idx, outs = indices(k.data_order, e), []
-            for i in range(steps):
-                s, out = step(s, x, y, k, perturb, e, jnp.int32(i), idx)
-                outs.append(out)
-            states.append(s)
-            metrics.append({"loss": jnp.stack([o[0] for o in outs]), "accuracy": jnp.stack([o[1] for o in outs])})
-            progress(1)
-        return _stack(states), _stack(metrics)
-
-    return Strategy("sequential:step", seq.init, epoch_all, seq.evaluate)
-
-
 def top_kernels(trace_dir, count: int = 10) -> list[dict]:
     """The ``count`` longest kernels of a ``jax.profiler`` trace (its Chrome-trace JSON): device events
     where the trace has a device (GPU/TPU), else the host's XLA threads; total ms, calls, share of the total."""
@@ -154,10 +122,12 @@ def child(args) -> list[dict]:
     perturb = perturbations(varied)
     rows = []
 
-    def build(batch: int, n: int, unroll: int):
+    def build(batch: int, n: int, epoch: int | str):
         flat = {"model.name": args.model, "train.batch_size": batch, "train.epochs": args.epochs,
                 "data.augment": "on" if args.model != "mlp" else "off", "model.dtype": args.dtype,
-                "train.unroll": unroll}
+                # 0: the study's own shape on this backend (train.epoch_shape and train.unroll auto)
+                "train.unroll": epoch if isinstance(epoch, int) else 0,
+                "train.epoch_shape": "step" if epoch == "step" else "scan" if epoch else "auto"}
         fns = make_train(from_flat(flat), DataSpec(n, shape, 10, "random"))
         rng = np.random.default_rng(0)  # every candidate trains on the same data (the ceiling on more of it)
         x = jnp.asarray(rng.standard_normal((n, *shape), dtype=np.float32))
@@ -191,15 +161,15 @@ def child(args) -> list[dict]:
         kind_, conv, shape_ = _spec(cand)
         batch = BATCH * r_count if kind_ == "ceiling" else BATCH
         width = 1 if kind_ == "ceiling" else r_count
-        fns, x, y = build(batch, steps * batch, shape_ if isinstance(shape_, int) else 0)
+        fns, x, y = build(batch, steps * batch, shape_)
         keys = arm_keys(0, varied, width)
         strategy_name = {"loop": "sequential", "ceiling": "sequential"}.get(kind_, kind_)
         row = {"candidate": cand, "strategy": strategy_name, "conv": conv, "replicas": r_count, "steps": steps,
                "batch": batch, "dtype": args.dtype, "model": args.model,
-               "epoch_shape": "step" if shape_ == "step" else f"scan, {fns.unroll} of {steps} steps unrolled"}
+               "epoch_shape": "step" if fns.epoch_shape == "step" else f"scan, {fns.unroll} of {steps} steps unrolled"}
         try:
             with convs.forced(conv):
-                strategy = stepwise_strategy(fns) if shape_ == "step" else make_strategy(fns, strategy_name)
+                strategy = make_strategy(fns, strategy_name)
                 t0 = time.perf_counter()
                 state = strategy.init(keys, perturb, x[:1])
                 jax.block_until_ready(state)

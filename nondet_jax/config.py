@@ -70,6 +70,7 @@ class TrainConfig:
     batch_size: int = 128
     eval_batch_size: int = 500
     unroll: int = 0  # training steps unrolled per scan iteration (0 = auto: see train.scan_unroll)
+    epoch_shape: str = "auto"  # scan (one program per epoch) | step (one step program driven from Python) | auto
     checkpoint_every: int = 1  # epochs between orbax checkpoints of an arm in training (0 = none)
     # default (softmax cross-entropy; squared error for regression) | PACKAGE.MODULE:ATTR (per-example (outputs, labels) -> losses)
     loss: str = "default"
@@ -136,6 +137,7 @@ class Config:
 
 
 STRATEGIES = ("auto", "vmap", "sequential", "unrolled", "sharded")
+EPOCH_SHAPES = ("auto", "scan", "step")  # train.epoch_shape (nondet_jax.train.epoch_shape says what each does)
 HARDWARE_PROCESSES = ("replica", "arm")
 CUSTOM = "custom"  # optim.name of a study whose optimiser the user passed (nondet_jax.run_study)
 
@@ -429,6 +431,8 @@ def validate(config: Config) -> None:
         raise UsageError(f"train.checkpoint_every must be >= 0 (0 = no checkpoints), got {t.checkpoint_every}")
     if t.unroll < 0:
         raise UsageError(f"train.unroll must be >= 0 (0 = auto), got {t.unroll}")
+    if t.epoch_shape not in EPOCH_SHAPES:
+        raise UsageError(f"unknown train.epoch_shape '{t.epoch_shape}'; use auto, scan or step")
     if t.batch_size < 1 or t.eval_batch_size < 1:
         raise UsageError(f"batch sizes must be >= 1, got {t.batch_size}; use e.g. --batch-size 128")
     if s.replicas < 1:

@@ -136,6 +136,10 @@ class TrainFns(NamedTuple):
     tx: Any = None  # the optax.GradientTransformation the steps apply
     example_loss: Callable | None = None  # per-example (logits, labels) -> loss
     augment: Callable | None = None  # (key, x_batch) -> x_batch, or None: no augmentation
+    epoch_shape: str = "scan"  # "scan": train_epoch is one program; "step": driven step by step (stepped_epoch)
+    epoch_indices: Callable | None = None  # (keys, epoch) -> (steps, batch) example indices of the epoch
+    epoch_step: Callable | None = None  # (state, x, y, keys, perturb, epoch, i, indices) -> (state, outputs)
+    epoch_finish: Callable | None = None  # (state at the start, state at the end, [outputs per step], epoch)
 
 
 def epoch_metrics(out) -> dict:
@@ -228,6 +232,38 @@ def scan_unroll(setting: int, steps: int, backend: str | None = None) -> int:
     return steps if backend == "cpu" and steps <= CPU_UNROLL_MAX_STEPS else 1
 
 
+def epoch_shape(setting: str, steps: int, backend: str | None = None) -> str:
+    """How an epoch runs: ``"scan"``, one ``lax.scan`` program (unrolled per :func:`scan_unroll`), or ``"step"``,
+    one jitted step dispatched ``steps`` times from Python (:func:`stepped_epoch`). ``auto``: ``step`` on CPU for
+    epochs longer than :data:`CPU_UNROLL_MAX_STEPS` (a rolled scan runs convolutions on XLA:CPU's slow
+    while-loop path and an unrolled one compiles a copy per step), ``scan`` elsewhere (on an H200 the stepped
+    loop ran 0.53x the rolled scan: benchmarks/results/device-h200)."""
+    if setting != "auto":
+        return setting
+    backend = backend or jax.default_backend()
+    return "step" if backend == "cpu" and steps > CPU_UNROLL_MAX_STEPS else "scan"
+
+
+def stepped_epoch(fns: TrainFns, lift: Callable) -> Callable:
+    """An epoch as ``train_epoch`` computes it, driven step by step from Python: the epoch's indices, one
+    jitted training step ``steps_per_epoch`` times (dispatched asynchronously), then the divergence guard and
+    the metrics. ``lift(fn, in_axes)`` jits ``fn`` for the strategy's replica layout (``jax.jit`` for one
+    replica, ``jax.jit(jax.vmap(fn, in_axes))`` for a replica axis). Returns ``epoch(state, x, y, keys, perturb,
+    e) -> (state, metrics)``; every replica runs the same three programs, whatever the steps per epoch."""
+    begin = lift(fns.epoch_indices, (0, None))
+    step = lift(fns.epoch_step, (0, None, None, 0, None, None, None, 0))
+    finish = lift(fns.epoch_finish, (0, 0, 0, None))
+
+    def epoch(state, x, y, keys, perturb, e):
+        idx, new, outs = begin(keys, e), state, []
+        for i in range(fns.steps_per_epoch):
+            new, out = step(new, x, y, keys, perturb, e, np.int32(i), idx)
+            outs.append(out)
+        return finish(state, new, outs, e)
+
+    return epoch
+
+
 def make_train(config: Config, spec: DataSpec, parts: Parts = Parts()) -> TrainFns:
     """Pure single-replica init / train-epoch / evaluate functions.
 
@@ -266,7 +302,8 @@ def _make_train(config: Config, spec: DataSpec, parts: Parts) -> TrainFns:
         do_augment, flip, padding = augmentation_settings(config, spec.name, spec.image_shape[0])
         if do_augment:
             augment_fn = lambda key, x: augment(x, key, padding, flip)  # noqa: E731
-    unroll = scan_unroll(config.train.unroll, steps)
+    shape = epoch_shape(config.train.epoch_shape, steps)
+    unroll = scan_unroll(config.train.unroll, steps)  # train_epoch's (the scan shape, and the unrolled strategy's)
     inst, defer = None, False
     if config.instruments.config != "none":  # Cockpit's quantities, computed only at tracked steps
         from nondet_jax.instruments.layerwise import LazyTape, Tape
@@ -431,6 +468,16 @@ def _make_train(config: Config, spec: DataSpec, parts: Parts) -> TrainFns:
         tracked = jax.vmap(inst.schedule)(epoch * steps + jnp.arange(steps))
         return new._replace(instruments=istate), (losses, accs, values, tracked)
 
+    def indices(keys: ReplicaKeys, epoch):
+        return epoch_indices(keys.data_order, epoch, spec.n_train, b)
+
+    def epoch_step(state: TrainState, x_train, y_train, keys: ReplicaKeys, perturb: Perturbations, epoch, i, idx):
+        return train_step(state, x_train, y_train, keys, perturb, epoch, i, idx[i])
+
+    def epoch_finish(start: TrainState, end: TrainState, outs, epoch):
+        out = jax.tree.map(lambda *a: jnp.stack(a), *outs)
+        return guard(start, end, out[0], epoch * steps), epoch_metrics(out)
+
     eval_b = config.train.eval_batch_size
 
     def evaluate(state: TrainState, x):
@@ -450,4 +497,4 @@ def _make_train(config: Config, spec: DataSpec, parts: Parts) -> TrainFns:
         return model.recompute_batch_stats(variables(params, batch_stats), x)
 
     return TrainFns(init, train_step, train_epoch, evaluate, recompute_batch_stats, b, steps, unroll, inst, spec,
-                    loss_fn, parts, model, tx, example_loss, augment_fn)
+                    loss_fn, parts, model, tx, example_loss, augment_fn, shape, indices, epoch_step, epoch_finish)

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -17,6 +21,36 @@ from nondet_jax.train import DataSpec
 jax.config.update("jax_disable_most_optimizations", True)
 # The sweeps the tests start share one compilation cache, kept out of the user's own.
 os.environ.setdefault("NONDET_JAX_COMPILE_CACHE", os.path.join(tempfile.gettempdir(), "nondet_jax_test_cache"))
+
+
+# The one small study the command-line tests start from; later arguments override (argparse keeps the last):
+# ``[*FAST, "--replicas", "3"]``. tests/test_bad_inputs.py prints it in docs/bad_inputs.md.
+FAST = ["--model", "mlp", "--epochs", "1", "--replicas", "2", "--batch-size", "256", "--no-progress"]
+CLI_ENV = {**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1", "JAX_PLATFORMS": "cpu"}
+
+
+def sweep_cli(*args, env=None, cwd=None, timeout=600) -> subprocess.CompletedProcess:
+    """``python -m nondet_jax.sweep ARGS`` in a fresh process, output captured."""
+    return subprocess.run([sys.executable, "-m", "nondet_jax.sweep", *map(str, args)], capture_output=True, text=True,
+                          env=CLI_ENV if env is None else env, cwd=cwd, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def finished_run_template(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """A finished ``FAST`` run folder with arms control and init, trained once per test process, and the
+    command's output: tests read it as it is or copy it (:func:`finished_run`) before they change it."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    proc = sweep_cli(*FAST, "--arms", "control,init", "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    return out, proc
+
+
+@pytest.fixture
+def finished_run(finished_run_template, tmp_path) -> Path:
+    """A copy of the finished run folder of :func:`finished_run_template`, the test's own to change."""
+    run = tmp_path / "run"
+    shutil.copytree(finished_run_template[0], run)
+    return run
 
 
 @pytest.fixture(scope="session")

@@ -16,11 +16,12 @@ import shlex
 import sys
 from pathlib import Path
 
+import conftest
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "bad_inputs.md"
-FAST = "--model mlp --epochs 1 --replicas 2 --batch-size 256 --no-progress"
+FAST = " ".join(conftest.FAST)  # the suite's one small study (tests/conftest.py)
 
 # (where, input as shown in the docs, setup key or None)
 CASES: list[tuple[str, str]] = [

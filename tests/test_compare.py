@@ -4,24 +4,19 @@ run folder's strict summary.json and arms.csv intervals."""
 import csv
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+from conftest import FAST, sweep_cli
 
 from nondet_jax.analysis import stats
 from nondet_jax.analysis.compare import compare, compare_many, verdict
 from nondet_jax.cli.compare import main
 from nondet_jax.errors import UsageError
 
-FAST = ["--model", "mlp", "--epochs", "1", "--replicas", "3", "--batch-size", "128", "--no-progress"]
-ENV = {**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1", "JAX_PLATFORMS": "cpu"}
-
 
 def sweep(*args):
-    proc = subprocess.run([sys.executable, "-m", "nondet_jax.sweep", *FAST, *args], capture_output=True, text=True,
-                          env=ENV, timeout=600)
+    proc = sweep_cli(*FAST, "--replicas", "3", *args)
     assert proc.returncode == 0, proc.stderr
 
 

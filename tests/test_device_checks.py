@@ -97,7 +97,7 @@ def test_mark_records_how_a_block_ended(tmp_path):
 
 @pytest.mark.slow
 def test_quick_smallest_block_runs_the_script_and_packs(tmp_path):
-    """QUICK's smoke and its smallest speed block (3 candidates of a ResNet-8 on 8x8 images), on the CPU, with
+    """QUICK's smoke and its smallest speed block (3 candidates of an MLP), on the CPU, with
     the limits scaled for a loaded machine: every JSON complete and the returned folder within the limits."""
     out, work = tmp_path / "out", tmp_path / "work"
     env = {**os.environ, "QUICK": "1", "QUICK_SCALE": "5", "ONLY": "smoke,speed_r18", "OUT": str(out),

@@ -188,3 +188,17 @@ def test_optimizer_description_reads_settings_and_schedules():
     assert inj[0]["transform"] == "inject_hyperparams" and inj[0]["inner_factory"] == "adam"
     assert inj[0]["learning_rate"] == 3e-4 and inj[0]["b1"] == 0.9
     assert "clip_by_global_norm(max_norm=1)" in format_optimizer(d)
+
+
+def test_a_folder_from_before_a_key_was_added_is_the_same_study():
+    """train.epoch_shape arrived after run folders existed: a stored config without it is the same study as one
+    with its default, and keeps its digest; another value is another study."""
+    from nondet_jax.config import Config, from_flat, to_dict
+    from nondet_jax.store.run import _config_diff, config_digest
+
+    new = to_dict(Config())
+    old = json.loads(json.dumps(new))
+    del old["train"]["epoch_shape"]
+    assert _config_diff(old, new) == [] and config_digest(old) == config_digest(new)
+    stepped = to_dict(from_flat({"train.epoch_shape": "step"}))
+    assert _config_diff(old, stepped) == ["train.epoch_shape None vs 'step'"]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import FAST
 
 from nondet_jax.errors import UsageError
 from nondet_jax.machine import memory
@@ -21,7 +22,6 @@ from nondet_jax.machine import memory
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_DISABLE_MOST_OPTIMIZATIONS": "1",
        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-FAST = ["--model", "mlp", "--epochs", "1", "--replicas", "2", "--batch-size", "256", "--no-progress"]
 
 
 def sweep(*args, env=ENV, **kw) -> subprocess.CompletedProcess:

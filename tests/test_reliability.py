@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import conftest
 import jax
 import numpy as np
 import pytest
@@ -142,11 +143,18 @@ def marks(out: Path) -> set[str]:
     return {str(p) for pattern in ("arms/*.json", "checkpoints/*/sha256/*.json") for p in out.glob(pattern)}
 
 
-@pytest.mark.slow
-def test_sigkill_at_random_moments_then_resume_gives_bitwise_the_uninterrupted_study(tmp_path):
-    clean = tmp_path / "clean"
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    """STUDY run to the end without interruption: the reference of every kill-and-resume test."""
+    clean = tmp_path_factory.mktemp("uninterrupted") / "clean"
     proc = sweep(*STUDY, "--out", str(clean))
     assert proc.returncode == 0, proc.stderr
+    return clean
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_then_resume_gives_bitwise_the_uninterrupted_study(tmp_path, uninterrupted):
+    clean = uninterrupted
     out = tmp_path / "killed"
     rng = random.Random(7)
     kills = 0
@@ -197,7 +205,7 @@ def test_recompute_repairs_a_corrupt_arm_and_resume_reuses_the_folder(tmp_path, 
     assert sweep.main(["--resume", str(out)]) == 0  # nothing to do: both arms reused
 
 
-FAST = ["--model", "mlp", "--epochs", "2", "--batch-size", "256", "--no-progress"]
+FAST = [*conftest.FAST, "--epochs", "2"]  # each test names its replicas
 
 
 @pytest.fixture
@@ -318,11 +326,10 @@ def test_signal_during_compilation_exits_at_once_with_one_line(sig, status):
 
 
 @pytest.mark.slow
-def test_sigint_and_sigterm_at_any_moment_then_resume_gives_bitwise_the_uninterrupted_study(tmp_path):
+def test_sigint_and_sigterm_at_any_moment_then_resume_gives_bitwise_the_uninterrupted_study(tmp_path, uninterrupted):
     from nondet_jax.machine.signals import MESSAGE
 
-    clean = tmp_path / "clean"
-    assert sweep(*STUDY, "--out", str(clean)).returncode == 0
+    clean = uninterrupted
     out = tmp_path / "interrupted"
     rng = random.Random(11)
     plan = [(signal.SIGINT, 0), (signal.SIGTERM, 1), (signal.SIGINT, 2), (None, 0)]  # (signal, marks before it)

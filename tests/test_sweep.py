@@ -4,12 +4,14 @@ import csv
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import CLI_ENV, FAST, sweep_cli
 
 from nondet_jax.cli import sweep
 from nondet_jax.config import from_flat
@@ -18,13 +20,11 @@ from nondet_jax.store.run import RunStore
 from nondet_jax.study import runner
 from nondet_jax.study.prepare import default_out
 
-FAST = ["--model", "mlp", "--epochs", "1", "--replicas", "2", "--batch-size", "128", "--no-progress"]
-ENV = {**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1", "JAX_PLATFORMS": "cpu"}
+ENV = CLI_ENV
 
 
 def cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "nondet_jax.sweep", *args], capture_output=True, text=True,
-                          env=ENV, cwd=cwd, timeout=600)
+    return sweep_cli(*args, cwd=cwd)
 
 
 def snapshot(folder: Path) -> dict[str, str]:
@@ -37,11 +37,11 @@ def quiet(*_a, **_k):
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
+def run_dir(finished_run_template, tmp_path_factory):
+    """The finished control,init study, copied once for this module's tests (one of them adds an arm)."""
     out = tmp_path_factory.mktemp("study") / "run"
-    proc = cli(*FAST, "--arms", "control,init", "--out", str(out))
-    assert proc.returncode == 0, proc.stderr
-    return out, proc
+    shutil.copytree(finished_run_template[0], out)
+    return out, finished_run_template[1]
 
 
 def test_cli_writes_the_run_folder(run_dir):

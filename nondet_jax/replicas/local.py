@@ -9,12 +9,22 @@ import numpy as np
 
 from nondet_jax.replicas.loop import Strategy, _stack, _take
 from nondet_jax.sources import replica_slice
-from nondet_jax.train import TrainFns
+from nondet_jax.train import TrainFns, stepped_epoch
+
+
+def epoch_program(fns: TrainFns, lift):
+    """The strategy's epoch ``(state, x, y, keys, perturb, e) -> (state, metrics)``: ``train_epoch`` lifted
+    (``lift(fn, in_axes)``: jitted, vmapped where there is a replica axis), or, when ``fns.epoch_shape`` is
+    ``"step"``, the same epoch driven step by step (:func:`nondet_jax.train.stepped_epoch`)."""
+    if fns.epoch_shape == "step":
+        return stepped_epoch(fns, lift)
+    return lift(fns.train_epoch, (0, None, None, 0, None, None))
 
 
 def sequential_strategy(fns: TrainFns) -> Strategy:
     """The single-replica programs, each compiled once, in a Python loop over replicas."""
-    init, epoch_fn, evaluate = jax.jit(fns.init), jax.jit(fns.train_epoch), jax.jit(fns.evaluate)
+    init, evaluate = jax.jit(fns.init), jax.jit(fns.evaluate)
+    epoch_fn = epoch_program(fns, lambda fn, in_axes: jax.jit(fn))
 
     def init_all(keys, perturb, x):
         r_count = jax.tree.leaves(keys)[0].shape[0]
@@ -40,7 +50,7 @@ def sequential_strategy(fns: TrainFns) -> Strategy:
 def vmap_strategy(fns: TrainFns) -> Strategy:
     """One jitted program over the replica axis per epoch."""
     init = jax.jit(jax.vmap(fns.init, in_axes=(0, None, None)))
-    epoch_fn = jax.jit(jax.vmap(fns.train_epoch, in_axes=(0, None, None, 0, None, None)))
+    epoch_fn = epoch_program(fns, lambda fn, in_axes: jax.jit(jax.vmap(fn, in_axes=in_axes)))
     evaluate = jax.jit(jax.vmap(fns.evaluate, in_axes=(0, None)))
 
     def epoch_all(state, x, y, keys, perturb, e, progress):

@@ -36,11 +36,18 @@ LOCK = ".lock"
 RESULT_NEUTRAL = {("study", "arms"), ("train", "checkpoint_every"), ("metrics", "power_ratios")}
 
 
+# Keys added after run folders existed, with the value that means what a folder without them meant: at that
+# value they are left out, so an older folder is the same study (and keeps its digests).
+ADDED_KEYS = {("train", "epoch_shape"): "auto"}
+
+
 def _comparable(config: dict) -> dict:
-    """A config's results-relevant form: :data:`RESULT_NEUTRAL` keys left out, a ``.npz`` path
-    replaced by :data:`nondet_jax.config.NPZ_BY_CONTENT` (its bytes are part of the study's identity)."""
-    kept = {s: {k: v for k, v in sec.items() if (s, k) not in RESULT_NEUTRAL} for s, sec in config.items()
-            if isinstance(sec, dict)}
+    """A config's results-relevant form: :data:`RESULT_NEUTRAL` keys left out, :data:`ADDED_KEYS` left out at
+    their default, a ``.npz`` path replaced by :data:`nondet_jax.config.NPZ_BY_CONTENT` (its bytes are part of
+    the study's identity)."""
+    kept = {s: {k: v for k, v in sec.items() if (s, k) not in RESULT_NEUTRAL
+                and not ((s, k) in ADDED_KEYS and v == ADDED_KEYS[s, k])}
+            for s, sec in config.items() if isinstance(sec, dict)}
     if isinstance(kept.get("data"), dict) and "name" in kept["data"]:
         kept["data"]["name"] = comparable_data_name(kept["data"]["name"])
     return kept

@@ -49,6 +49,9 @@ def write_run_files(store, config: Config, data, fns, command: str | None, model
     env = environment()
     env["strategy"] = {"requested": study.strategy, "chosen": strategy, "reason": reason}
     env["scan_unroll"] = fns.unroll
+    # scan: one program per epoch; step: one step program driven from Python (sequential and vmap; the unrolled
+    # and sharded strategies always scan)
+    env["epoch_shape"] = fns.epoch_shape if strategy in ("sequential", "vmap") else "scan"
     env["processes"] = processes
     note = batch_norm_note(config, data, fns)
     if note:
