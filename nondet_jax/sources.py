@@ -105,7 +105,12 @@ def own_keys(seed: int, names: tuple[str, ...], varied: frozenset[str], replicas
 
 
 def replica_slice(keys: ReplicaKeys, r: int) -> ReplicaKeys:
-    """Keys of replica ``r`` from keys with a leading replica axis."""
+    """Keys of replica ``r`` from keys with a leading replica axis (one compiled program, ``r`` an argument)."""
+    return _replica_slice(keys, r)
+
+
+@jax.jit
+def _replica_slice(keys, r):
     return jax.tree.map(lambda k: k[r], keys)
 
 

@@ -72,7 +72,8 @@ def test_a_quiet_progress_logs_nothing(capsys):
 
 def test_the_arms_of_a_study_share_its_compiled_programs(tmp_path):
     """Arms differ only in keys and perturbation switches passed at call time, so a 4-arm study compiles
-    what a 1-arm study compiles (training, evaluation, metrics, LMC), give or take one trivial program."""
+    what a 1-arm study compiles (training, evaluation, metrics, LMC), give or take one trivial program; and
+    that is few programs."""
     import jax
 
     import nondet_jax as nj
@@ -95,3 +96,6 @@ def test_the_arms_of_a_study_share_its_compiled_programs(tmp_path):
     finally:
         jax.monitoring.unregister_event_duration_listener(count)
     assert counts[0] > 10 and counts[1] <= counts[0] + 1, counts
+    # whole pytrees are stacked, sliced and interpolated in one program or on the host, never leaf by leaf
+    # (71 programs for this 1-arm study before, 43 after, on jax 0.10.2)
+    assert counts[0] <= 48, counts

@@ -82,10 +82,13 @@ def arm_metrics(result, data, fns: TrainFns, cfg: MetricsConfig) -> tuple[dict, 
     pairs = lmc_pairs(r, cfg.lmc_pairs)
     if pairs:
         x_bn = np.asarray(data.x_train[: cfg.bn_examples])
-        bs0 = jax.tree.map(lambda x: x[0], result.state.batch_stats)
+        # on the host: slicing replicas and interpolating weights there compiles nothing (as device arrays, each
+        # leaf shape's slice, add, subtract and multiply was a program of its own: 64 of a default study's 126)
+        host = jax.device_get(result.state)
+        bs0 = jax.tree.map(lambda x: x[0], host.batch_stats)
         error = interpolation_error_fn(fns, bs0, x_bn, np.asarray(data.x_test), labels)
         alphas = np.linspace(0.0, 1.0, cfg.lmc_points)
-        take = lambda i: jax.tree.map(lambda x: x[i], result.state.params)  # noqa: E731
+        take = lambda i: jax.tree.map(lambda x: x[i], host.params)  # noqa: E731
         curves = np.stack([M.interpolation_curve(error, take(a), take(b), alphas) for a, b in pairs])
         barriers = np.array([M.barrier(c) for c in curves])
         arrays.update({"lmc_alphas": alphas, "lmc_curves": curves, "lmc_pairs": np.array(pairs),

@@ -26,7 +26,7 @@ from nondet_jax.errors import UsageError
 from nondet_jax.instruments.dashboard import tidy_rows
 from nondet_jax.machine.determinism import provenance
 from nondet_jax.replicas.choice import make_strategy, resolve_strategy
-from nondet_jax.replicas.loop import EpochState, train_replicas
+from nondet_jax.replicas.loop import EpochState, _take, train_replicas
 from nondet_jax.sources import Arm, arm_keys, perturbations
 from nondet_jax.store.checkpoint import (
     ArmCheckpoints,
@@ -232,5 +232,5 @@ def tta_outputs(config: Config, data, fns, state) -> dict[str, np.ndarray]:
         views = view_grid(name, padding)
         fn = jax.jit(lambda st: tta_logits(fns.evaluate, st, x, views, padding))
         r_count = len(np.asarray(state.health.diverged_at))
-        out[name] = np.stack([np.asarray(fn(jax.tree.map(lambda a: a[r], state))) for r in range(r_count)])
+        out[name] = np.stack([np.asarray(fn(_take(state, r))) for r in range(r_count)])
     return out
