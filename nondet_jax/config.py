@@ -72,6 +72,7 @@ class TrainConfig:
     unroll: int = 0  # training steps unrolled per scan iteration (0 = auto: see train.scan_unroll)
     epoch_shape: str = "auto"  # scan (one program per epoch) | step (one step program driven from Python) | auto
     checkpoint_every: int = 1  # epochs between orbax checkpoints of an arm in training (0 = none)
+    checkpoint_seconds: float = 30.0  # ... and at least this much training since the last one (0 = every due epoch)
     # default (softmax cross-entropy; squared error for regression) | PACKAGE.MODULE:ATTR (per-example (outputs, labels) -> losses)
     loss: str = "default"
 
@@ -429,6 +430,8 @@ def validate(config: Config) -> None:
         raise UsageError(f"epochs must be >= 1, got {t.epochs}; use e.g. --epochs 10")
     if t.checkpoint_every < 0:
         raise UsageError(f"train.checkpoint_every must be >= 0 (0 = no checkpoints), got {t.checkpoint_every}")
+    if not t.checkpoint_seconds >= 0:
+        raise UsageError(f"train.checkpoint_seconds must be >= 0 (0 = every due epoch), got {t.checkpoint_seconds}")
     if t.unroll < 0:
         raise UsageError(f"train.unroll must be >= 0 (0 = auto), got {t.unroll}")
     if t.epoch_shape not in EPOCH_SHAPES:

@@ -441,7 +441,8 @@ def _folder_with_checkpoint(ctx: Context, name: str, extra: list[str]) -> Path:
 
     analysis.arm_metrics = crash
     try:
-        sweep.main([*FAST.split(), "--epochs", "2", "--arms", "init", "--out", str(folder), *extra])
+        sweep.main([*FAST.split(), "--epochs", "2", "--arms", "init", "--set", "train.checkpoint_seconds=0", "--out",
+                    str(folder), *extra])
     finally:
         analysis.arm_metrics = original
     return folder

@@ -155,7 +155,7 @@ def test_a_checkpoint_of_another_config_is_not_resumed(tmp_path):
         analysis.arm_metrics = lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt)
         try:
             sweep.main(["--model", "mlp", "--epochs", "2", "--replicas", "2", "--batch-size", "256", "--arms", "init",
-                        "--no-progress", "--out", str(out), *extra])
+                        "--set", "train.checkpoint_seconds=0", "--no-progress", "--out", str(out), *extra])
         finally:
             analysis.arm_metrics = original
         assert (out / "checkpoints" / "init").is_dir()

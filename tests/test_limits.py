@@ -190,7 +190,8 @@ def small_disk(tmp_path):
 @pytest.mark.slow
 def test_disk_full_during_a_checkpoint_is_one_line_and_resumes_bitwise(small_disk, tmp_path):
     """orbax's threads printed 129-225 lines of tracebacks around the one-line error."""
-    study = [*FAST[:-1], "--epochs", "3", "--arms", "init", "--set", "train.checkpoint_every=1", "--no-progress"]
+    study = [*FAST[:-1], "--epochs", "3", "--arms", "init", "--set", "train.checkpoint_every=1",
+             "train.checkpoint_seconds=0", "--no-progress"]
     proc = sweep(*study, "--out", str(small_disk / "run"))
     assert proc.returncode == 2, proc.stderr[-3000:]
     line, = error_lines(proc.stderr)

@@ -29,7 +29,7 @@ from nondet_jax.train import make_train
 
 ENV = {**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1", "JAX_PLATFORMS": "cpu"}
 STUDY = ["--model", "mlp", "--epochs", "5", "--replicas", "3", "--batch-size", "256", "--arms", "control,init,all",
-         "--no-progress"]
+         "--set", "train.checkpoint_seconds=0", "--no-progress"]  # a checkpoint every epoch: kills land mid-arm
 RESULTS = ("arms/", "logits/", "features/", "history/", "weights/", "pairs/")
 
 
@@ -94,6 +94,27 @@ def test_checkpoint_restores_exactly_the_saved_state_and_resumes_bitwise(arm, sm
     np.testing.assert_array_equal(resumed.logits, full.logits)
     np.testing.assert_array_equal(resumed.train_loss, full.train_loss)
     np.testing.assert_array_equal(resumed.weight_distance, full.weight_distance)
+
+
+def test_checkpoints_wait_for_checkpoint_seconds_and_resume_bitwise(arm, small_digits, tmp_path, monkeypatch):
+    """A due epoch is saved once ``seconds`` have passed since the last save (or the arm's start): with a clock
+    at 4 s per epoch and 10 s, epochs 3 and 6 of 6; resuming from epoch 3 gives the uninterrupted result."""
+    from nondet_jax.store import checkpoint
+
+    fns, keys, perturb, strategy = arm
+    clock = iter(range(0, 1000, 4))
+    monkeypatch.setattr(checkpoint, "_clock", lambda: next(clock))
+    ckpt = ArmCheckpoints(tmp_path / "ck", every=1, keep=5, seconds=10)  # the clock reads 0 at the start
+    full = train_replicas(strategy, keys, perturb, small_digits, 6,
+                          on_epoch=lambda p: ckpt.save(p, {"keys_sha256": key_fingerprint(keys)}))
+    ckpt.close()
+    assert ckpt.steps() == [3, 6]
+    target = jax.eval_shape(strategy.init, keys, perturb, small_digits.x_train[:1])
+    for p in (tmp_path / "ck" / "orbax" / "6", tmp_path / "ck" / "sha256" / "6.json"):
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    restored = ArmCheckpoints(tmp_path / "ck").restore_latest(target, {"keys_sha256": key_fingerprint(keys)})
+    resumed = train_replicas(strategy, keys, perturb, small_digits, 6, start=EpochState(*restored))
+    assert restored[0] == 3 and tree_equal(resumed.state, full.state)
 
 
 def test_corrupt_or_foreign_checkpoint_is_detected_and_half_saved_one_discarded(arm, small_digits, tmp_path):

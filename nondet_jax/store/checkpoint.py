@@ -30,6 +30,7 @@ import shutil
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import jax
@@ -183,14 +184,27 @@ def keep_log(captured: dict, path: Path) -> Path | None:
     return None
 
 
-class ArmCheckpoints:
-    """The checkpoints of one arm: save every ``every`` epochs, restore the latest valid one."""
+def _clock() -> float:
+    """Seconds for the checkpoint cadence (a function of its own, so a test can give it a clock)."""
+    return time.monotonic()
 
-    def __init__(self, directory: str | Path, every: int = 1, keep: int = 2):
+
+class ArmCheckpoints:
+    """The checkpoints of one arm: save every ``every`` epochs, restore the latest valid one.
+
+    ``seconds`` > 0 saves a due epoch only once that much time has passed since the last save (or since the
+    arm started). A save cost about 0.8 s on a 2-core CPU for ResNet-8 replicas (12 saves: 48.8 s against
+    39.2 s without), so a study of short epochs that saved every epoch spent a fifth of its time on
+    checkpoints that would have spared a crash seconds of work. Which epochs are saved never changes a
+    result: a resumed arm is bitwise the uninterrupted one."""
+
+    def __init__(self, directory: str | Path, every: int = 1, keep: int = 2, seconds: float = 0.0):
         import orbax.checkpoint as ocp
 
         self.root = Path(directory).resolve()  # orbax wants absolute paths
         self.every = every
+        self.seconds = seconds
+        self._since = _clock()
         self._ocp = ocp
         self._manager = None
         self._keep = keep
@@ -228,6 +242,8 @@ class ArmCheckpoints:
         """Checkpoint ``progress`` (a replicas.loop.EpochState) if its epoch is due, with JSON ``meta``."""
         if self.every <= 0 or progress.epoch % self.every:
             return
+        if self.seconds > 0 and _clock() - self._since < self.seconds:
+            return
         ocp = self._ocp
         history = {"steps": progress.steps, "weight_distance": progress.weight_distance}
         if progress.snapshots is not None:
@@ -262,6 +278,7 @@ class ArmCheckpoints:
             error = write_error(self.root / "orbax" / str(progress.epoch), refused)
             raise UsageError(f"{error} (orbax's messages: {where})" if where else error) from None
         atomic_write_json(self._sha(progress.epoch), _manifest(self.root / "orbax" / str(progress.epoch)))
+        self._since = _clock()
         for old in self._sha(0).parent.glob("*.json"):  # manifests of steps orbax has pruned
             if not (self.root / "orbax" / old.stem).exists():
                 old.unlink(missing_ok=True)

@@ -87,7 +87,8 @@ def arm_setup(config: Config, fns, arm: Arm):
 
 def fit_arm(config: Config, data, fns, store, arm: Arm, progress, log=print, block: range | None = None):
     """Train replicas ``block`` (default: all) of an arm, continuing from their latest checkpoint and
-    checkpointing every ``train.checkpoint_every`` epochs. Returns (ArmResult, strategy reason)."""
+    checkpointing every ``train.checkpoint_every`` epochs once ``train.checkpoint_seconds`` have passed since the
+    last checkpoint. Returns (ArmResult, strategy reason)."""
     study = config.study
     config, fns = arm_setup(config, fns, arm)
     block = block or range(study.replicas)
@@ -98,7 +99,7 @@ def fit_arm(config: Config, data, fns, store, arm: Arm, progress, log=print, blo
     folder = store.paths.checkpoints(arm.name)
     if len(block) != study.replicas:
         folder = folder / f"replicas{block.start}-{block.stop - 1}"
-    ckpt = ArmCheckpoints(folder, config.train.checkpoint_every)
+    ckpt = ArmCheckpoints(folder, config.train.checkpoint_every, seconds=config.train.checkpoint_seconds)
     # The study that wrote a checkpoint (its config and parts by content): another one is never resumed.
     meta = {"arm": arm.name, "keys_sha256": key_fingerprint(keys), "strategy": strategy_name,
             "config_sha256": config_digest(cfg.to_dict(config)), "identity_sha256": store.identity}
