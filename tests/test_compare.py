@@ -81,6 +81,23 @@ def test_a_family_verdict_says_whether_the_finding_survives_holm(tmp_path):
     assert "Cannot tell A and B apart" in verdict(other)
 
 
+def test_a_verdict_follows_its_printed_test_and_says_when_the_design_cannot_reach_it():
+    """Five seeds all favouring B: the paired interval excludes 0 but the sign-flip p cannot fall below 2/2^5 =
+    0.0625, so no difference is claimed, the sentence says why, and the planned pairs are ones that can reject."""
+    a = np.array([0.80, 0.82, 0.81, 0.83, 0.79])
+    five = stats.compare_paired(a, a + np.array([0.020, 0.022, 0.019, 0.021, 0.020]))
+    assert five["difference_ci"][0] > 0 and five["p"] == pytest.approx(0.0625)
+    said = verdict(five)
+    assert said.startswith("Not decided") and "B is" not in said
+    assert "with 5 seed pairs no sign-flip p can fall below 0.05" in said and "6 pairs are the fewest" in said
+    assert five["pairs_for_80pct_power"] >= stats.sign_flip_min_pairs() == 6
+    six = stats.compare_paired(np.append(a, 0.8), np.append(a + 0.02, 0.821))
+    assert six["p"] < 0.05 and verdict(six).startswith("B is better than A")
+    # Welch: a p below 0.05 with an interval that (widened) still includes 0 is not a finding either
+    r = {**stats.compare_means([0.0, 1.0, 2.0], [2.0, 3.0, 4.0]), "p": 0.04, "difference_ci": [-0.1, 4.1]}
+    assert verdict(r).startswith("Not decided") and "includes 0" in verdict(r)
+
+
 def test_paired_refuses_runs_that_do_not_share_seeds(runs, capsys):
     a, b = runs
     assert main([str(a), str(b), "--paired"]) == 2

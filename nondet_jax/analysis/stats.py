@@ -731,6 +731,16 @@ def sign_flip_p(a, b, resamples: int = 100_000) -> float:
     return float(res.pvalue)
 
 
+def sign_flip_floor(n_pairs: int) -> float:
+    """The smallest two-sided sign-flip p that ``n_pairs`` pairs can give (every difference one way): 2 / 2^n."""
+    return min(1.0, 2.0 / 2.0 ** n_pairs)
+
+
+def sign_flip_min_pairs(alpha: float = 0.05) -> int:
+    """The fewest pairs whose sign-flip test can reach ``p < alpha`` at all (6 at 0.05)."""
+    return next(n for n in range(1, 64) if sign_flip_floor(n) < alpha)
+
+
 def paired_probability_of_improvement(a, b, level: float = LEVEL) -> dict:
     """The share of seed pairs where B beats A, ``(wins + ½ ties) / n``, with Wilson's score interval
     with continuity correction (Newcombe 1998, method 4: inside [0, 1], not degenerate when B wins
@@ -786,9 +796,15 @@ def compare_paired(a, b, level: float = LEVEL, higher_is_better: bool = True, de
             "difference_ci": d["ci"], "std_difference": d["std"], "p": sign_flip_p(a, b),
             "correlation": corr, "probability_of_improvement": poi["probability"],
             "probability_of_improvement_ci": poi["ci"],
-            "pairs_for_80pct_power": pairs_for_difference(d["difference"], d["std"]), "level": level,
+            "pairs_for_80pct_power": _reachable(pairs_for_difference(d["difference"], d["std"])), "level": level,
             "higher_is_better": higher_is_better, "detect": detect,
-            "pairs_for_detect": None if detect is None else pairs_for_difference(abs(detect), d["std"])}
+            "pairs_for_detect": None if detect is None else _reachable(pairs_for_difference(abs(detect), d["std"]))}
+
+
+def _reachable(pairs: int | None) -> int | None:
+    """A planned number of seed pairs, at least the fewest whose sign-flip test (the p a paired comparison
+    prints) can reject at all: the paired t-test's figure alone can be 3, where no sign-flip p falls below 0.05."""
+    return None if pairs is None else max(pairs, sign_flip_min_pairs())
 
 
 def _t_power(ncp: float, df: int, alpha: float) -> float:

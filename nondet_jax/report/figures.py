@@ -127,7 +127,7 @@ def make_figures(run: Path, summary: dict, records: dict[str, dict]) -> list[str
             ax.legend(fontsize=8, loc="lower left", bbox_to_anchor=(0, 1.0), frameon=False)
         ax.set_xticks(x, arms, rotation=30, ha="right")
         ax.set_ylabel(label)
-    fig.suptitle("Spread across replicas, with 95% chi-square CIs")
+    fig.suptitle("Spread across replicas, with 95% CIs (Bonett's robust interval, z at 98.75%)")
     save(fig, "spread")
 
     # 3. pairwise diversity per arm
