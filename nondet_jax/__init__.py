@@ -28,3 +28,8 @@ def __getattr__(name: str):
     if name in ("metrics", "stats"):
         return importlib.import_module(f"nondet_jax.analysis.{name}")
     raise AttributeError(f"module 'nondet_jax' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    # the names imported on first use, so that dir() and tab completion (IPython, Jupyter) show the API
+    return sorted({*globals(), *__all__})

@@ -615,3 +615,14 @@ def test_cabs_and_early_stopping_refused_with_own_optimizer(tmp_path):
     with pytest.raises(UsageError, match="CABS assume plain SGD.*your own optimizer"):
         _instrumented(PlainMLP, tmp_path / "run", **{"instruments.config": "Loss,CABS"})
     assert not (tmp_path / "run").exists()
+
+
+def test_dir_lists_the_api_for_tab_completion():
+    """The API's names load on first use, yet dir(nondet_jax) (what IPython and Jupyter complete from) lists them."""
+    import subprocess
+    import sys
+
+    code = ("import nondet_jax as nj, sys; names = dir(nj); print(sorted(set(nj.__all__) - set(names)), "
+            "'jax' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.split()
+    assert out == ["[]", "False"], out  # every API name listed, and listing them started no JAX
