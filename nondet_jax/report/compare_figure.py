@@ -8,10 +8,19 @@ from nondet_jax.analysis import stats as S
 from nondet_jax.analysis.compare import verdict
 
 
+def method_name(w: dict) -> str:
+    """A method's short name in a figure: its run folder's or CSV file's name, with the arm or column."""
+    from pathlib import Path
+
+    base = Path(str(w.get("source", "?"))).name or str(w.get("source", "?"))
+    return f"{base} ({w['arm']})" if w.get("kind") == "run" else f"{base} ({w.get('column', '?')})"
+
+
 def plot_result(r: dict):
     """The comparison as a figure (returned, not saved): each method's per-seed scores with the mean and
     its t interval; the difference of means with its Welch interval against 0; the probability of
-    improvement with its interval against ½ (no difference)."""
+    improvement with its interval against ½ (no difference). Methods are named (their folder's or file's
+    name), and every title names its interval as a reader would check it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -31,13 +40,15 @@ def plot_result(r: dict):
     if paired:  # one line per seed: A's score to B's
         for ya, yb in zip(r["a"]["scores"], r["b"]["scores"]):
             ax.plot([0, 1], [ya, yb], color="0.6", lw=0.8, zorder=0)
-    ax.set_xticks([0, 1], [f"A (n={r['n_a']})", f"B (n={r['n_b']})"])
+    a_name, b_name = method_name(r["a"]), method_name(r["b"])
+    ax.set_xticks([0, 1], [f"A: {a_name}\nn={r['n_a']}", f"B: {b_name}\nn={r['n_b']}"], fontsize=8)
     ax.set_xlim(-0.5, 1.6)
     ax.set_ylabel(what)
-    ax.set_title("per-seed scores; mean, 95% t CI", fontsize=9)
+    t_level = f"{100 * (1 - S.MEAN_TAIL * (1 - S.LEVEL) / 2):.2f}%"  # the widened t's quantile
+    ax.set_title(f"per-seed scores; mean, 95% CI (t at {t_level})", fontsize=9)
     for axis, value, (lo, hi), null, title in (
             (ad, r["difference"], r["difference_ci"], 0.0,
-             "mean difference B − A over seed pairs\n(paired t 95% CI)" if paired else
+             f"mean difference B − A over seed pairs\n(95% CI: paired t at {t_level})" if paired else
              "difference of means B − A\n(Welch 95% CI)"),
             (ap, r["probability_of_improvement"], r["probability_of_improvement_ci"], 0.5,
              f"share of seeds with B {op} A\n(Wilson 95% CI)" if paired else
