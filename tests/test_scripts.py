@@ -106,3 +106,50 @@ def test_peer_cockpit_values_agree_with_the_real_cockpit(tmp_path):
             elif q != "HessMaxEV":  # approximate in both (Lanczos, power iteration): checked against dense
                 assert row["max_rel_diff"] < 1e-12, (model, q, row["max_rel_diff"])
     assert json.loads(out.read_text())["values"]["mlp"]["rows"]["HessMaxEV"]["ours_within_stated_error"]
+
+
+def test_peer_study_is_the_default_study():
+    """benchmarks/peer_study_pytorch.py writes the sources preset out by hand: a preset change must show here."""
+    import importlib.util
+
+    import yaml
+
+    from nondet_jax.arms import arm_sources
+    from nondet_jax.data import digits
+    from nondet_jax.data.pipeline import default_crop_padding
+
+    spec = importlib.util.spec_from_file_location("peer_study", ROOT / "benchmarks/peer_study_pytorch.py")
+    ps = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ps)  # no torch needed to import it
+    preset = yaml.safe_load((ROOT / "nondet_jax/presets/sources.yaml").read_text())
+    assert preset["model"]["name"] == "resnet8" and preset["data"]["name"] == "digits"
+    assert (preset["data"]["augment"], preset["data"]["flip"]) == ("on", "off")
+    o, t, s = preset["optim"], preset["train"], preset["study"]
+    assert (o["name"], o["schedule"]) == ("sgd", "cosine") and not o.get("nesterov")
+    assert (o["lr"], o["momentum"], o["weight_decay"], o["warmup_epochs"]) == (
+        ps.LR, ps.MOMENTUM, ps.WEIGHT_DECAY, ps.WARMUP_EPOCHS)
+    assert (t["epochs"], t["batch_size"]) == (ps.EPOCHS, ps.BATCH)
+    assert (tuple(s["arms"]), s["replicas"], s["seed"]) == (ps.ARMS, ps.REPLICAS, ps.STUDY_SEED)
+    assert ps.CROP_PADDING == default_crop_padding(8)
+    assert (ps.TEST_SIZE, ps.SPLIT_SEED) == (digits.TEST_SIZE, digits.SPLIT_SEED)
+    for arm in ps.ARMS:  # the arms vary the same sources (the model has no dropout)
+        assert set(ps.VARIES[arm]) == set(arm_sources(arm)) - {"dropout"}, arm
+
+
+@pytest.mark.slow
+def test_peer_study_quick_runs_both_sides(tmp_path):
+    pytest.importorskip("torch")
+    out = tmp_path / "peer_study.json"
+    proc = run("benchmarks/peer_study_pytorch.py", "--quick", "--out", out)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    for side in ("nondet_jax", "pytorch"):
+        assert res[side]["wall_s"] > 0
+        assert list(res[side]["table"]) == ["control", "init"], side
+        assert all(0 < row["accuracy_mean_pct"] <= 100 for row in res[side]["table"].values()), side
+        assert res[side]["table"]["control"]["accuracy_std_pct"] == 0.0, side  # control: identical replicas
+    assert res["pytorch"]["table"]["control"]["bitwise_identical"] is True
+    assert res["nondet_jax"]["persistent_compile_cache_used"] is False
+    assert res["ratio"] == pytest.approx(res["nondet_jax"]["wall_s"] / res["pytorch"]["wall_s"], rel=1e-2)
+    assert res["pytorch"]["threads"] in (1, 2) and set(res["load_average"]) == {"before", "between", "after"}
+    assert "wall clock: nondet_jax" in proc.stdout
