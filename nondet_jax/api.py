@@ -69,10 +69,10 @@ class StudyResult:
         (for ``model.apply(variables, x, train=False)`` of a Linen module), or, given the NNX class or
         factory the study trained (``model=``), that module with the trained state in it (in eval mode).
         Read from ``weights/<arm>.npz``."""
-        path = self._paths.arm_file("weights", arm)
-        if not path.exists():
+        if arm not in self.summary["arms"] or not self._paths.arm_file("weights", arm).exists():  # name checked first
             raise UsageError(f"arm '{arm}' has no stored weights in {self.out} (arms: "
                              f"{', '.join(self.summary['arms'])}); pick one of those")
+        path = self._paths.arm_file("weights", arm)
         count = len(self._record(arm)["rows"])
         if isinstance(replica, bool) or not isinstance(replica, (int, np.integer)) or not 0 <= replica < count:
             raise UsageError(f"arm '{arm}' has replicas 0 .. {count - 1}; got replica={replica!r}")
