@@ -15,7 +15,10 @@ import ast
 import hashlib
 import json
 import os
+import random
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -107,7 +110,8 @@ def test_an_arm_name_from_the_folder_never_deletes_outside_it(template, tmp_path
     before, outside = state(run), state(tmp_path, skip=run)
     capsys.readouterr()
     for argv in ([*FAST, "--arms", "control,init", "--out", str(run)],
-                 [*FAST, "--arms", "control,init", "--out", str(run), "--recompute", "init"]):
+                 [*FAST, "--arms", "control,init", "--out", str(run), "--recompute", "init"],
+                 ["--resume", str(run)]):
         assert sweep.main(argv) == 2
         assert "study.arms names arm" in one_line(capsys)
     assert report.main([str(run), "--tensorboard"]) == 2
@@ -192,3 +196,153 @@ def test_a_record_naming_a_file_elsewhere_is_refused(template, tmp_path, capsys)
         assert sweep.main([*FAST, "--arms", "control,init", "--out", str(run)]) == 2
         assert "which is not one of arm 'init''s files; rerun with --recompute init" in one_line(capsys)
         assert state(run) == before
+
+
+# --- defect 2: --resume imported code the folder names through keys other than model.name ----------------------
+
+REFERENCE_FLAGS = {"model.name": "--model", "optim.name": "--optimizer", "train.loss": "--loss",
+                   "data.augment": "--augment"}
+
+
+def planted_folder(tmp_path: Path, key: str, where: str) -> tuple[Path, Path, Path]:
+    """(run folder, current directory, marker): the run folder's config names ``planted_mod:thing`` for
+    ``key``; ``planted_mod.py`` (it writes the marker when imported) lies in the run folder or in the
+    current directory."""
+    from nondet_jax.config import from_flat, to_dict
+
+    run, here, marker = tmp_path / "shared", tmp_path / "here", tmp_path / "ran"
+    run.mkdir()
+    here.mkdir()
+    section, name = key.split(".")
+    config = to_dict(from_flat({"model.name": "mlp"}))
+    config[section][name] = "planted_mod:thing"
+    (run / "config.json").write_text(json.dumps(config))
+    folder = run if where == "run folder" else here
+    (folder / "planted_mod.py").write_text(f"open({str(marker)!r}, 'w').write('imported')\nthing = None\n")
+    return run, here, marker
+
+
+@pytest.mark.parametrize("where", ["run folder", "current directory"])
+@pytest.mark.parametrize("key", list(REFERENCE_FLAGS))
+def test_resume_imports_no_code_the_folder_names(tmp_path, key, where):
+    """The turn-3 fix checked model.name only: a module named by optim.name, train.loss or data.augment,
+    planted in the folder (or in the current directory), was imported and ran. Now refused in one line
+    naming the key and how to vouch for it, before any import."""
+    run, here, marker = planted_folder(tmp_path, key, where)
+    proc = subprocess.run([sys.executable, "-m", "nondet_jax.sweep", "--resume", str(run)],  # cd run: on sys.path
+                          cwd=run if where == "run folder" else here, env=ENV, capture_output=True, text=True,
+                          timeout=120)
+    err = proc.stderr.strip()
+    assert proc.returncode == 2 and len(err.splitlines()) == 1, err
+    assert f"names {key} planted_mod:thing" in err and f"add {REFERENCE_FLAGS[key]} planted_mod:thing" in err
+    assert ("inside the run folder" if where == "run folder" else "from the current directory") in err
+    assert not marker.exists()
+
+
+def test_resume_imports_a_reference_the_user_gives_and_says_so(tmp_path):
+    run, here, marker = planted_folder(tmp_path, "optim.name", "current directory")
+    proc = subprocess.run([sys.executable, "-m", "nondet_jax.sweep", "--resume", str(run), "--optimizer",
+                           "planted_mod:thing"], cwd=here, env=ENV, capture_output=True, text=True, timeout=300)
+    assert "optim.name planted_mod:thing is imported because you gave --optimizer planted_mod:thing" in proc.stdout
+    assert marker.exists()  # vouched for: imported (and then refused, `thing` being no optimiser)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_resume_refuses_a_reference_that_differs_from_the_folders(tmp_path):
+    run, here, marker = planted_folder(tmp_path, "train.loss", "run folder")
+    proc = subprocess.run([sys.executable, "-m", "nondet_jax.sweep", "--resume", str(run), "--loss", "other:fn"],
+                          cwd=here, env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--loss other:fn differs from the run folder's train.loss" in proc.stderr
+    assert not marker.exists()
+
+
+def test_resume_says_an_installed_package_is_imported_from_where(tmp_path, monkeypatch):
+    from nondet_jax.cli.sweep import check_references
+    from nondet_jax.config import from_flat
+
+    monkeypatch.chdir(tmp_path)
+    lines = check_references(from_flat({"model.name": "mlp", "train.loss": "json:loads"}), tmp_path / "run", {})
+    assert len(lines) == 1 and "train.loss json:loads is imported from" in lines[0] and "installed" in lines[0]
+
+
+# --- the property: hostile folders leave everything outside them alone and import nothing ----------------------
+
+def _hostile(rng: random.Random, run: Path, sandbox: Path, marker: Path) -> list[str]:
+    """Make ``run`` hostile with 1-3 of: names outside (absolute, '..') in study.arms with planted records and
+    checkpoints, a record listing files elsewhere, links out of the folder, planted modules named by the
+    config. Returns what was done (for the failure message)."""
+    victim = sandbox / "victim"
+    kinds = rng.sample(["arm", "record", "link", "module", "junk"], k=rng.randint(1, 3))
+    done = []
+    for kind in kinds:
+        if kind == "arm":
+            name = rng.choice([str(victim), "../../victim", "../victim", "init/../../../victim", str(sandbox / "here")])
+            add_arm(run, name)
+            plant_record(run, name)
+            done.append(f"arm {name}")
+        elif kind == "record":
+            listed = rng.choice(["../../victim/precious.txt", str(victim / "precious.txt"), "logits/../../x"])
+            record = json.loads((run / "arms" / "init.json").read_text())
+            record["files"][listed] = hashlib.sha256(b"x").hexdigest()
+            record["record_sha256"] = record_digest(record)
+            (run / "arms" / "init.json").write_text(json.dumps(record))
+            done.append(f"record lists {listed}")
+        elif kind == "link":
+            where = rng.choice(["checkpoints", "parts", "tensorboard", "figures", "arms/bitflip.json"])
+            target = run / where
+            if target.is_dir():
+                shutil.rmtree(target)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.symlink_to(victim if not where.endswith(".json") else victim / "precious.txt")
+            done.append(f"link {where}")
+        elif kind == "module":
+            key = rng.choice(list(REFERENCE_FLAGS))
+            section, name = key.split(".")
+            config = json.loads((run / "config.json").read_text())
+            config[section][name] = "planted_mod:thing"
+            (run / "config.json").write_text(json.dumps(config))
+            for folder in (run, sandbox / "here"):
+                (folder / "planted_mod.py").write_text(f"open({str(marker)!r}, 'w').write('x')\nthing = None\n")
+            done.append(f"module via {key}")
+        else:
+            config = json.loads((run / "config.json").read_text())
+            config["study"]["arms"].append(rng.choice([7, None, {"a": 1}, "", "init\0", "x" * 300]))
+            (run / "config.json").write_text(json.dumps(config))
+            done.append("junk arm")
+    return done
+
+
+def test_hostile_run_folders_touch_nothing_outside_and_import_nothing(template, tmp_path, capsys, monkeypatch):
+    """Seeded random hostile folders; each is rerun, resumed (from outside and from inside), recomputed and
+    reported. Every command ends in 0 or a one-line refusal (exit 2); nothing outside the run folder
+    changes; no planted module is imported."""
+    from nondet_jax.cli import report, sweep
+
+    rng = random.Random(41)
+    for trial in range(10):
+        sandbox = tmp_path / f"t{trial}"
+        run, here, marker = sandbox / "run", sandbox / "here", sandbox / "ran"
+        shutil.copytree(template, run)
+        here.mkdir()
+        (sandbox / "victim").mkdir()
+        (sandbox / "victim" / "precious.txt").write_text("not yours\n")
+        done = _hostile(rng, run, sandbox, marker)
+        outside = state(sandbox, skip=run)
+        monkeypatch.chdir(here)
+        monkeypatch.syspath_prepend(str(here))  # python -m puts the current directory first on sys.path
+        commands = [("sweep", [*FAST, "--arms", "control,init", "--out", str(run)]),
+                    ("sweep", ["--resume", str(run)]),
+                    ("sweep", [*FAST, "--arms", "control,init", "--out", str(run), "--recompute", "init"]),
+                    ("report", [str(run), "--tensorboard"])]
+        for command, argv in commands:
+            capsys.readouterr()
+            status = (sweep if command == "sweep" else report).main(argv)
+            err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip() and not ln.startswith("WARNING:")]
+            assert status in (0, 2) and (status == 0 or len(err) == 1), (done, argv, status, err)
+            assert state(sandbox, skip=run) == outside, (done, argv)
+            assert not marker.exists() and "planted_mod" not in sys.modules, (done, argv)
+        monkeypatch.chdir(run)  # resumed from inside the shared folder
+        monkeypatch.syspath_prepend(str(run))
+        capsys.readouterr()
+        assert sweep.main(["--resume", "."]) in (0, 2)
+        assert state(sandbox, skip=run) == outside and not marker.exists(), done
