@@ -280,3 +280,34 @@ def test_ctrl_c_during_a_hardware_arm_is_one_line_from_the_sweep_alone(tmp_path)
     _, err = p.communicate(timeout=60)
     assert p.returncode == 130, err[-2000:]
     assert "Traceback" not in err and error_lines(err) == [MESSAGE], err[-2000:]
+
+
+@pytest.mark.parametrize("module", ["yaml", "jax"])
+def test_ctrl_c_while_the_command_is_still_importing_is_one_line(tmp_path, module):
+    """Ctrl-C while ``python -m nondet_jax.sweep`` imported its command module (numpy, PyYAML; 16 s of
+    imports under load) printed a KeyboardInterrupt traceback: the handlers went in only once
+    ``nondet_jax.cli.sweep`` was imported. A stand-in for ``module`` on PYTHONPATH says when the import has
+    begun, waits, then loads the real one; the signal lands inside that import."""
+    from nondet_jax.machine.signals import MESSAGE
+
+    shim, started = tmp_path / "shim", tmp_path / "started"
+    (shim / module).mkdir(parents=True)
+    (shim / module / "__init__.py").write_text(textwrap.dedent(f"""
+        import importlib, sys, time
+        open({str(started)!r}, "w").close()
+        time.sleep(30)
+        sys.path.remove({str(shim)!r})
+        del sys.modules[{module!r}]
+        sys.modules[{module!r}] = importlib.import_module({module!r})
+    """))
+    env = {**ENV, "PYTHONPATH": f"{shim}{os.pathsep}{ENV['PYTHONPATH']}"}
+    p = subprocess.Popen([sys.executable, "-m", "nondet_jax.sweep", *FAST, "--arms", "control",
+                          "--out", str(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                         text=True, start_new_session=True)
+    deadline = time.time() + 60
+    while not started.exists() and time.time() < deadline and p.poll() is None:
+        time.sleep(0.02)
+    assert started.exists(), p.communicate()[1][-2000:]
+    os.killpg(p.pid, signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and "Traceback" not in err and error_lines(err) == [MESSAGE], err[-2000:]

@@ -15,11 +15,10 @@ from pathlib import Path
 
 from nondet_jax import config as cfg
 from nondet_jax.arms import IMPLEMENTED
-from nondet_jax.cli import prog_name, run_command
+from nondet_jax.cli import prog_name, sweep_entry
 from nondet_jax.config import Config
 from nondet_jax.errors import OneLineParser, UsageError
 from nondet_jax.machine.determinism import CACHE_ENV, DETERMINISM_ON, check_flags, with_flags
-from nondet_jax.machine.signals import CHILD_ENV
 from nondet_jax.store.paths import RunPaths, arm_name
 
 # JAX, flax and scipy (through the study, the report and TensorBoard's export) are imported only once the
@@ -369,12 +368,8 @@ def set_determinism_flags() -> None:
 
 
 def entry() -> int:
-    """``python -m nondet_jax.sweep``: in a child training one arm, leave when the parent sweep does."""
-    if os.environ.get(CHILD_ENV) == "1":
-        from nondet_jax.machine.signals import die_with_parent
-
-        die_with_parent()  # a child training an arm leaves when its sweep does
-    return run_command("sweep")
+    """``python -m nondet_jax.sweep`` (see :func:`nondet_jax.cli.sweep_entry`)."""
+    return sweep_entry()
 
 
 if __name__ == "__main__":
