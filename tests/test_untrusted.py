@@ -346,3 +346,19 @@ def test_hostile_run_folders_touch_nothing_outside_and_import_nothing(template, 
         capsys.readouterr()
         assert sweep.main(["--resume", "."]) in (0, 2)
         assert state(sandbox, skip=run) == outside and not marker.exists(), done
+
+
+# --- defect 5: --init-from PATH.npz without @R --------------------------------------------------------------
+
+def test_init_from_a_params_file_without_a_replica(tmp_path):
+    """The documented form --init-from PARAMS.npz crashed in rpartition (int('params.npz'))."""
+    import numpy as np
+
+    from nondet_jax.config import from_flat
+    from nondet_jax.study.prepare import resolve_parts
+
+    np.savez(tmp_path / "params.npz", **{"params/dense1/bias": np.ones(3, np.float32)})
+    parts = resolve_parts(from_flat({"model.name": "mlp", "model.init_from": str(tmp_path / "params.npz")}))
+    assert parts.init_params["dense1"]["bias"].tolist() == [1.0, 1.0, 1.0]
+    with pytest.raises(UsageError, match="after @ comes a replica number"):
+        resolve_parts(from_flat({"model.name": "mlp", "model.init_from": f"{tmp_path / 'params.npz'}@x"}))

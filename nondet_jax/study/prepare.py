@@ -154,9 +154,9 @@ def resolve_parts(config: Config, parts: Parts = Parts()) -> Parts:
         parts = parts._replace(features=config.model.features)
     if parts.init_params is None and config.model.init_from:
         path, at, r = config.model.init_from.rpartition("@")
-        if not at:
-            path = config.model.init_from
-        elif not r.isdigit():
+        if not at:  # PATH.npz alone (the documented form): no replica axis to pick from
+            path, r = config.model.init_from, ""
+        elif not (r.isascii() and r.isdigit()):
             raise UsageError(f"--init-from {config.model.init_from}: after @ comes a replica number, e.g. "
                              "runs/pretrain/weights/control.npz@0")
         parts = parts._replace(init_params=pretrained.load_params(path, int(r) if r else None))
