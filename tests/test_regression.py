@@ -42,7 +42,8 @@ def test_float_targets_are_a_regression_whole_numbers_included():
     labels = from_arrays("c", np.zeros((4, 3)), np.array([0.0, 1, 2, 1]), np.zeros((2, 3)), np.array([0.0, 2]),
                          task="classification")
     assert labels.task == "classification" and labels.num_classes == 3
-    with pytest.raises(UsageError, match="y_train must hold finite real numbers for a regression"):
+    with pytest.raises(UsageError, match=r"y_train holds 1 NaN or infinite value\(s\) \(the first in example 1\), but "
+                                         "must hold finite numbers for a regression"):
         from_arrays("n", np.zeros((2, 3)), np.array([0.0, np.nan]), np.zeros((1, 3)), np.array([0.0]))
     with pytest.raises(UsageError, match="task 'ranking' is unknown"):
         from_arrays("n", np.zeros((2, 3)), np.zeros(2), np.zeros((1, 3)), np.zeros(1), task="ranking")
