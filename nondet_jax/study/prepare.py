@@ -252,11 +252,20 @@ def stored_model(paths) -> dict | None:
     return old
 
 
+def holds_results(paths) -> bool:
+    """Whether a run folder holds a finished arm (its record): results a changed model must not join."""
+    arms = paths.root / "arms"
+    return arms.is_dir() and any(p.is_file() for p in arms.glob("*.json"))
+
+
 def check_model(paths, record: dict) -> None:
     """Refuse to continue a study whose stored ``model.json`` names another model or parameter
-    shapes, or whose parts differ by content (each changed part named)."""
+    shapes, or whose parts differ by content (each changed part named). A folder without a finished
+    arm holds no results to protect (a study that stopped before storing one, say with a model whose
+    outputs CKA could not take): the corrected model may take it over; an arm's checkpoints of the
+    other model are still refused by their own identity, naming ``--recompute ARM``."""
     old = stored_model(paths)
-    if old is None:
+    if old is None or not holds_results(paths):
         return
     if old.get("fingerprint") != record["fingerprint"] or old.get("model") != record["model"]:
         diff = fingerprint_diff(old, record)
