@@ -180,6 +180,14 @@ CASES: list[tuple[str, str]] = [
     ("run folder", "--out <run>  (.lock a folder)"),
     ("run folder", "--out <tmp>/dangling  (a symbolic link to a folder that does not exist)"),
     ("report", "python -m nondet_jax.report <run>  (figures/accuracy.png a folder)"),
+    # issue 41, defect 10: misuse of the API named before it fails deep in JAX
+    ("API", "run_study(Linear, TWO_CLASSES, batch_size=4, optimizer='adam')"),
+    ("API", "run_study(Pair, TWO_CLASSES, batch_size=4)"),
+    ("API", "run_study(Linear, TWO_CLASSES, batch_size=4, loss=lambda out, y: jnp.stack([out[:, 0]] * 3, 1))"),
+    ("API", "replicate(lambda keys: {'w': jnp.zeros(3)}, lambda s, b, keys: {'w': s['w'], 'extra': 1.0}, steps=2)"),
+    ("API", "replicate(lambda keys: {'w': jnp.zeros(3)}, lambda s, b, keys: {'w': s['w'].astype(jnp.int32)}, steps=2)"),
+    ("API", "replicate(lambda keys: {'w': jnp.zeros(3)}, lambda s, b, keys: {'w': jnp.zeros(4)}, steps=2)"),
+    ("CLI", "--arms control,augmentation --augment os:system"),
 ]
 
 class Linear:  # a user's model without dropout (built lazily: flax is imported by the cases that use it)
@@ -194,6 +202,21 @@ class Linear:  # a user's model without dropout (built lazily: flax is imported 
                 return nn.Dense(self.num_classes)(x)
 
         return Dense(num_classes)
+
+
+class Pair:  # a user's model returning a tuple (built lazily, as Linear)
+    def __new__(cls, num_classes: int = 2):
+        import flax.linen as nn
+
+        class Two(nn.Module):
+            num_classes: int = 2
+
+            @nn.compact
+            def __call__(self, x, train: bool):
+                h = nn.Dense(self.num_classes)(x)
+                return h, h
+
+        return Two(num_classes)
 
 
 ALIAS_BOMB = "".join(f"{b}: &{b} [{','.join([f'*{a}'] * 9) if a else ','.join(['x'] * 9)}]\n"
@@ -288,7 +311,7 @@ def run_case(where: str, text: str, ctx: Context, capsys) -> tuple[str, int, boo
 
             eval(text, {"jax": jax, "jnp": jnp, "config": config, "sources": sources, "data": data, "train": train,  # noqa: S307
                         "from_flat": from_flat, "digits_spec": spec, "np": np, "metrics": metrics, "memory": memory,
-                        "replicate": replicate, "run_study": run_study, "Linear": Linear,
+                        "replicate": replicate, "run_study": run_study, "Linear": Linear, "Pair": Pair,
                         "TWO_CLASSES": (np.zeros((8, 3), np.float32), np.arange(8) % 2, np.zeros((4, 3), np.float32),
                                         np.arange(4) % 2)})
         except UsageError as e:
