@@ -348,6 +348,21 @@ def test_hostile_run_folders_touch_nothing_outside_and_import_nothing(template, 
         assert state(sandbox, skip=run) == outside and not marker.exists(), done
 
 
+@pytest.mark.parametrize("name", ["model.json", "logits/init.npy"])
+def test_a_fifo_in_a_run_folder_is_refused_not_read(template, tmp_path, name):
+    """Reading a FIFO waits for a writer forever: model.json is read before the folder is opened, an arm's
+    files when its checksums are verified. Every special file in a run folder is refused by name."""
+    run = tmp_path / "run"
+    shutil.copytree(template, run)
+    (run / name).unlink()
+    os.mkfifo(run / name)
+    proc = subprocess.run([sys.executable, "-m", "nondet_jax.sweep", *FAST, "--arms", "control,init", "--out",
+                           str(run)], env=ENV, capture_output=True, text=True, timeout=120)
+    err = proc.stderr.strip()
+    assert proc.returncode == 2 and len(err.splitlines()) == 1, err
+    assert f"{run / name} is a FIFO, which a run folder never holds" in err
+
+
 # --- defect 5: --init-from PATH.npz without @R --------------------------------------------------------------
 
 def test_init_from_a_params_file_without_a_replica(tmp_path):

@@ -191,8 +191,9 @@ def flatten_tree(tree: Any) -> dict[str, np.ndarray]:
 
 
 def check_no_links(root: Path) -> None:
-    """Refuse a run folder holding a symbolic link anywhere: nondet_jax writes only plain files and
-    folders there, and following a link would read or overwrite files outside the folder."""
+    """Refuse a run folder holding a symbolic link, FIFO, device or socket anywhere: nondet_jax writes
+    only plain files and folders there; following a link would read or overwrite files outside the
+    folder, and reading a FIFO would wait forever."""
     root = Path(root)
     if not root.is_dir():
         return
@@ -202,6 +203,10 @@ def check_no_links(root: Path) -> None:
             if path.is_symlink():
                 raise UsageError(f"{path} is a symbolic link, which nondet_jax never follows in a run folder; "
                                  "remove it (or put a copy of its target in its place)")
+            what = _not_a_file(path)
+            if what is not None and what != "a folder":
+                raise UsageError(f"{path} is {what}, which a run folder never holds (nondet_jax writes only plain files "
+                                 "and folders there, and reading one could wait forever); remove it")
 
 
 def _finite(x):

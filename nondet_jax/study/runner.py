@@ -21,7 +21,7 @@ from nondet_jax.replicas.choice import make_strategy, resolve_strategy
 from nondet_jax.report.markdown import write_report
 from nondet_jax.report.summary import format_table, replica_rows
 from nondet_jax.sources import Arm, arm_keys, perturbations
-from nondet_jax.store.io import atomic_write_bytes, check_path_name, guarded, npy_bytes
+from nondet_jax.store.io import atomic_write_bytes, check_no_links, check_path_name, guarded, npy_bytes
 from nondet_jax.store.paths import RunPaths
 from nondet_jax.store.run import RunStore
 from nondet_jax.study import multihost as mh
@@ -135,6 +135,7 @@ def run(config: Config, out: str | Path | None = None, progress: bool | None = N
         check_flags(DETERMINISM_OFF)
     model = model_record(config, data, fns)
     out = Path(out) if out is not None else default_out(config, model["identity_sha256"])
+    check_no_links(out)  # no link or FIFO in the folder: model.json is read before the folder is opened
     check_model(RunPaths(out), model)
     if progress is None:
         progress = sys.stderr.isatty()
@@ -200,6 +201,7 @@ def run_distributed(config: Config, out: str | Path | None, procs, progress: boo
                          f"{procs.count} or more")
     model = model_record(config, data, fns)
     out = Path(out) if out is not None else default_out(config, model["identity_sha256"])
+    check_no_links(out)  # no link or FIFO in the folder: model.json is read before the folder is opened
     check_model(RunPaths(out), model)
     log = log if procs.leader else (lambda *a, **k: None)
     store = RunStore(out, config, locked_by_parent=not procs.leader, identity=model["identity_sha256"])
