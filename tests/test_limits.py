@@ -208,13 +208,11 @@ def test_disk_full_during_a_checkpoint_is_one_line_and_resumes_bitwise(small_dis
 def test_a_file_size_limit_during_a_checkpoint_is_one_line_and_resumes_bitwise(tmp_path):
     """EFBIG (a file-size limit, ulimit -f) from orbax's writer printed about 40 lines of traceback: it was
     not counted among the write refusals. The checkpoint (~150 KB) is the first file over 100 KB."""
-    import resource
-
-    def limit():
-        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
-
     study = [*FAST, "--epochs", "2", "--arms", "init", "--set", "train.checkpoint_every=1"]
-    proc = sweep(*study, "--out", str(tmp_path / "run"), "--compile-cache", "off", preexec_fn=limit)
+    limited = ("import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000)); "
+               "sys.argv[0] = 'nondet_jax.sweep'; runpy.run_module('nondet_jax.sweep', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", limited, *study, "--out", str(tmp_path / "run"), "--compile-cache",
+                           "off"], capture_output=True, text=True, env=ENV)  # no preexec_fn: no fork in a JAX process
     assert proc.returncode == 2, proc.stderr[-3000:]
     line, = error_lines(proc.stderr)
     assert "File too large; raise the file-size limit (ulimit -f), then rerun the same command" in line, line
