@@ -69,10 +69,10 @@ class StudyResult:
         (for ``model.apply(variables, x, train=False)`` of a Linen module), or, given the NNX class or
         factory the study trained (``model=``), that module with the trained state in it (in eval mode).
         Read from ``weights/<arm>.npz``."""
-        path = self._paths.arm_file("weights", arm)
-        if not path.exists():
+        if arm not in self.summary["arms"] or not self._paths.arm_file("weights", arm).exists():  # name checked first
             raise UsageError(f"arm '{arm}' has no stored weights in {self.out} (arms: "
                              f"{', '.join(self.summary['arms'])}); pick one of those")
+        path = self._paths.arm_file("weights", arm)
         count = len(self._record(arm)["rows"])
         if isinstance(replica, bool) or not isinstance(replica, (int, np.integer)) or not 0 <= replica < count:
             raise UsageError(f"arm '{arm}' has replicas 0 .. {count - 1}; got replica={replica!r}")
@@ -238,6 +238,7 @@ def run_study(model=None, data=None, optimizer=None, loss: Callable | None = Non
         result = nj.run_study(model=MyCNN, data=(x_tr, y_tr, x_te, y_te), optimizer=optax.adam(1e-3),
                               epochs=3, batch_size=64, arms="control,init,all", replicas=3, out="runs/mine")
     """
+    _check_parts(optimizer, loss, augment)
     dataset, data_name = _dataset(data, task)
     config = study_config(model=model, data_name=data_name, optimizer=optimizer, epochs=epochs,
                           batch_size=batch_size, arms=arms, replicas=replicas, seed=seed, strategy=strategy,
@@ -250,6 +251,35 @@ def run_study(model=None, data=None, optimizer=None, loss: Callable | None = Non
     finally:  # a notebook running study after study must not pile up compiled programs
         release_compiled()
     return StudyResult(Path(summary.pop("out")), summary)
+
+
+def _check_parts(optimizer, loss, augment) -> None:
+    """run_study's parts of the right kind before anything is traced: ``optimizer='adam'`` (a string)
+    failed deep in optax with "'str' object has no attribute 'init'"."""
+    if optimizer is not None and not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+        hint = (f"; for the config's own optimiser leave optimizer out and pass settings={{'optim.name': "
+                f"'{optimizer}'}}" if optimizer in cfg.OPTIMIZERS else "") if isinstance(optimizer, str) else ""
+        raise UsageError(f"optimizer={optimizer!r} is a {type(optimizer).__name__}, not an optax.GradientTransformation; "
+                         f"pass one, e.g. optimizer=optax.adam(1e-3){hint}")
+    for name, fn, signature in (("loss", loss, "(outputs, labels) -> per-example losses"),
+                                ("augment", augment, "(key, x_batch) -> x_batch")):
+        if fn is not None and not callable(fn):
+            raise UsageError(f"{name}={fn!r} is a {type(fn).__name__}, not a function; pass a function {signature}")
+
+
+def _check_carry(before, after) -> None:
+    """Refuse a ``replicate`` step whose state differs from the one it got in structure, or a leaf in
+    shape or dtype: ``lax.scan`` said so deep in JAX, in its own words."""
+    if jax.tree.structure(after) != jax.tree.structure(before):
+        raise UsageError(f"step(state, batch, keys) returns a state shaped {jax.tree.structure(after)} for a state "
+                         f"shaped {jax.tree.structure(before)} (from init); return the state with the same keys and "
+                         "nesting (lax.scan carries it from step to step)")
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(before), jax.tree.leaves(after)):
+        was, now = (np.shape(a), jnp.result_type(a)), (np.shape(b), jnp.result_type(b))
+        if was != now:
+            raise UsageError(f"step(state, batch, keys) turns state{jax.tree_util.keystr(path)} from {was[1]}{was[0]} "
+                             f"into {now[1]}{now[0]}; return every leaf with the shape and dtype init gave it (cast "
+                             "with .astype, keep shapes fixed: lax.scan carries the state from step to step)")
 
 
 def decompose(run: "str | Path | StudyResult") -> dict:
@@ -338,7 +368,9 @@ def replicate(init: Callable, step: Callable, batches=None, *, steps: int | None
         def body(state, xs):
             t, batch = xs
             step_keys = StepKeys(keys, on, t, reads, own_k, own_on)
-            state = step(state, batch, step_keys)
+            new = step(state, batch, step_keys)
+            _check_carry(state, new)
+            state = new
             return state, (None if collect is None else collect(state, step_keys))
 
         xs = (jnp.arange(steps), batches if batches is not None else jnp.zeros(steps))

@@ -11,6 +11,9 @@ import dataclasses
 import difflib
 import json
 import math
+import os
+import re
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -191,6 +194,9 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
                 raise ValueError
             return bool(value)
         if isinstance(default, int):
+            if isinstance(value, bool):  # YAML reads yes/no/on/off/true/false as booleans: seed: yes was seed 1
+                raise UsageError(f"config key '{key}' got {value!r} (YAML reads yes, no, on, off, true and false as "
+                                 "booleans), which is not an integer; write a number")
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError
             return int(value)
@@ -245,12 +251,89 @@ def from_flat(flat: dict[str, Any], base: Config | None = None) -> Config:
     return config
 
 
+class _Duplicate(Exception):
+    """A key given twice in one mapping of a config file: (key, line of the first, line of the second)."""
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """:class:`yaml.SafeLoader` that refuses a key given twice in one mapping (PyYAML keeps the last, so
+    ``train: {epochs: 3}`` followed by another ``train:`` section lost the epochs without a word)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # <<: *anchor, whose keys the mapping may override
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = (key_node.start_mark.line + 1, key_node.start_mark.column + 1)
+                try:
+                    if key in seen:
+                        raise _Duplicate(key, seen[key], line)
+                    seen[key] = line
+                except TypeError:  # an unhashable key: construct_mapping names it
+                    continue
+        return super().construct_mapping(node, deep)
+
+
+def _json_pairs(pairs):
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise _Duplicate(k, None, None)
+        out[k] = v
+    return out
+
+
+def _duplicate_message(path, text: str, e: _Duplicate, json_: bool) -> str:
+    """Both places a key is given: (line, column) pairs from YAML's marks; for JSON, whose hook knows no
+    positions, the first two places the key is written as a key."""
+    key, first, second = e.args
+    if json_:
+        places = [(text.count("\n", 0, m.start()) + 1, m.start() - text.rfind("\n", 0, m.start()))
+                  for m in re.finditer(re.escape(json.dumps(key)) + r"\s*:", text)]
+        first, second = (places + [None, None])[:2]
+    if first and second and first[0] != second[0]:
+        where = f" (lines {first[0]} and {second[0]})"
+    elif first and second:
+        where = f" (line {first[0]}, columns {first[1]} and {second[1]})"
+    else:
+        where = ""
+    return f"{path} gives key {str(key)!r} twice in one mapping{where}, and only one can hold; keep one"
+
+
+def loads_json(text: str, path) -> Any:
+    """``json.loads`` refusing a key given twice in one object (a UsageError naming both places); a
+    document nested deeper than Python can read is a UsageError too."""
+    try:
+        return json.loads(text, object_pairs_hook=_json_pairs)
+    except _Duplicate as e:
+        raise UsageError(_duplicate_message(path, text, e, True)) from None
+    except RecursionError:
+        raise UsageError(f"{path} nests deeper than Python reads; fix the file") from None
+
+
+def read_regular(path: Path, limit: int) -> bytes:
+    """Up to ``limit + 1`` bytes of the regular file ``path``: a FIFO, device or folder is refused before
+    it is read (opening a FIFO for reading waits for a writer forever); OSError when it cannot be opened."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            what = "a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
+            raise UsageError(f"config file {path} is {what}, not a regular file; pass a YAML or JSON file")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(limit + 1)
+    finally:
+        os.close(fd)
+
+
 def load_file(path: str | Path) -> dict[str, Any]:
-    """Read a YAML or JSON config file into dotted keys (nested sections are flattened)."""
+    """Read a YAML or JSON config file into dotted keys (nested sections are flattened). A key given
+    twice (in one mapping, or both dotted and nested) is refused, naming both places."""
     path = Path(path)
     try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_CONFIG_BYTES + 1)
+        raw = read_regular(path, MAX_CONFIG_BYTES)
     except OSError as e:
         raise UsageError(f"cannot read config file {path}: {e.strerror}; check the path") from None
     if len(raw) > MAX_CONFIG_BYTES:
@@ -263,15 +346,19 @@ def load_file(path: str | Path) -> dict[str, Any]:
                          "save it as UTF-8") from None
     try:
         if path.suffix == ".json":
-            data = json.loads(text)
+            data = loads_json(text, f"config file {path}")
         else:
             _check_yaml_size(path, text)
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader)
     except (json.JSONDecodeError, yaml.YAMLError) as e:
         raise UsageError(f"config file {path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: "
                          f"{str(e).splitlines()[0]}; fix the file") from None
+    except _Duplicate as e:
+        raise UsageError(_duplicate_message(f"config file {path}", text, e, False)) from None
     except UsageError:
         raise
+    except RecursionError:
+        raise UsageError(f"config file {path} nests deeper than Python reads; fix the file") from None
     except ValueError as e:  # an integer of more than sys.get_int_max_str_digits() digits
         raise UsageError(f"config file {path} holds a number Python will not read ({str(e).split(';')[0]}); "
                          "no config value needs that many digits: fix the file") from None
@@ -279,13 +366,26 @@ def load_file(path: str | Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise UsageError(f"config file {path} must hold a mapping of sections or dotted keys; fix the file")
+    sections = set(_sections())
     flat: dict[str, Any] = {}
+    written: dict[str, str] = {}  # key -> how the file wrote it (for a key given twice)
+
+    def put(key: str, value, how: str) -> None:
+        if key in flat:
+            raise UsageError(f"config file {path} sets {key} twice, as {written[key]} and as {how}, and only one can "
+                             "hold; keep one")
+        flat[key], written[key] = value, how
+
     for k, v in data.items():
         if isinstance(v, dict):
             for k2, v2 in v.items():
-                flat[f"{k}.{k2}"] = v2
+                put(f"{k}.{k2}", v2, f"'{k2}' under section '{k}'")
+        elif str(k) in sections:
+            shown = "nothing (null)" if v is None else repr(v) if len(repr(v)) <= 40 else repr(v)[:37] + "..."
+            raise UsageError(f"config file {path}: section '{k}' holds {shown}, not a mapping of keys; write e.g. "
+                             f"{k}: {{KEY: VALUE}}, or remove the line")
         else:
-            flat[str(k)] = v
+            put(str(k), v, f"'{k}'")
     return flat
 
 
@@ -436,8 +536,11 @@ def validate(config: Config) -> None:
         raise UsageError(f"train.unroll must be >= 0 (0 = auto), got {t.unroll}")
     if t.epoch_shape not in EPOCH_SHAPES:
         raise UsageError(f"unknown train.epoch_shape '{t.epoch_shape}'; use auto, scan or step")
-    if t.batch_size < 1 or t.eval_batch_size < 1:
+    if t.batch_size < 1:
         raise UsageError(f"batch sizes must be >= 1, got {t.batch_size}; use e.g. --batch-size 128")
+    if t.eval_batch_size < 1:  # it used to say "got <train.batch_size>; use --batch-size"
+        raise UsageError(f"train.eval_batch_size must be >= 1, got {t.eval_batch_size}; use e.g. "
+                         "--set train.eval_batch_size=500")
     if s.replicas < 1:
         raise UsageError(f"replicas must be >= 1, got {s.replicas}; use e.g. --replicas 8")
     if not SEED_RANGE[0] <= s.seed <= SEED_RANGE[1]:
@@ -453,6 +556,9 @@ def validate(config: Config) -> None:
         raise UsageError(f"study.hardware_processes must be one of {', '.join(HARDWARE_PROCESSES)}, got "
                          f"'{s.hardware_processes}'; use --set study.hardware_processes=replica")
     mc = config.metrics
+    if len(set(mc.tta)) != len(mc.tta):  # as duplicate arms are refused: the report would list it twice
+        twice = next(v for v in mc.tta if mc.tta.count(v) > 1)
+        raise UsageError(f"metrics.tta lists '{twice}' twice in {','.join(mc.tta)}; list each view set once")
     if mc.pairwise and s.replicas < 2:
         raise UsageError(f"pairwise metrics need at least 2 replicas, got {s.replicas}; use --replicas 2 or more "
                          "or --set metrics.pairwise=false")

@@ -490,7 +490,10 @@ def _make_train(config: Config, spec: DataSpec, parts: Parts) -> TrainFns:
             logits, feats = jax.tree.map(lambda a: a[None], f(xp[0]))
         else:
             _, (logits, feats) = jax.lax.scan(lambda c, xb: (c, f(xb)), None, xp, unroll=scan_unroll(0, nb))
-        return logits.reshape((nb * chunk,) + logits.shape[2:])[:n], feats.reshape((nb * chunk,) + feats.shape[2:])[:n]
+        feats = feats.reshape((nb * chunk,) + feats.shape[2:])[:n]
+        if feats.ndim == 1:  # a regression model's (N,) outputs as its features: one feature each, as CKA takes
+            feats = feats[:, None]
+        return logits.reshape((nb * chunk,) + logits.shape[2:])[:n], feats
 
     def recompute_batch_stats(params, batch_stats, x):
         """BatchNorm statistics of given weights, recomputed on data (for interpolated weights)."""

@@ -295,10 +295,16 @@ def test_cli_takes_model_and_dataset(tmp_path):
     assert all(np.array_equal(control[0], c) for c in control) and not np.array_equal(init[0], init[1])
     assert (tmp_path / "run" / "report.md").exists()
     assert '"model": "mynets:Net"' in (tmp_path / "run" / "model.json").read_text()
-    # The module changes under the same name: the resume is refused with the diff, exit 2.
+    # The module changes under the same name: the resume is refused with the diff, exit 2. The module lies in
+    # the current directory, so --resume imports it only when the user names it again (issue 41).
     (tmp_path / "mynets.py").write_text(NET_MODULE.replace("Dense(16)", "Dense(8)"))
     proc = subprocess.run([sys.executable, "-m", "nondet_jax", "sweep", "--resume", str(tmp_path / "run"),
                            "--no-progress"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert proc.returncode == 2 and "add --model mynets:Net if you trust it" in proc.stderr, proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "nondet_jax", "sweep", "--resume", str(tmp_path / "run"),
+                           "--model", "mynets:Net", "--no-progress"], capture_output=True, text=True, env=env,
+                          cwd=tmp_path)
+    assert "model.name mynets:Net is imported because you gave --model mynets:Net" in proc.stdout
     assert proc.returncode == 2 and "another model (" in proc.stderr and "(6, 16) float32 -> (6, 8) float32" in proc.stderr
 
 

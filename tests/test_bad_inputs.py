@@ -157,6 +157,38 @@ CASES: list[tuple[str, str]] = [
     ("compare", "python -m nondet_jax compare <tmp>/a.csv <tmp>/b.csv --column accuracy,accuracy"),
     ("compare", "python -m nondet_jax compare <tmp>/a.csv <tmp>/b.csv --column accuracy,loss --plot <tmp>/compare.png"),
     ("compare", "python -m nondet_jax compare <run> <run> --arm init,all --arm-b all"),
+    # issue 41: a run folder is untrusted input; duplicate keys; files and FIFOs where outputs go
+    ("config file", "--config <tmp>/twice.yaml  (section train given twice: epochs, then batch_size)"),
+    ("config file", "--config <tmp>/c.json  (contains `{\"train\": {\"epochs\": 3}, \"train\": {\"batch_size\": 8}}`)"),
+    ("config file", "--config <tmp>/c.json  (contains `{\"train\": {\"epochs\": 3}, \"train.epochs\": 5}`)"),
+    ("config file", "--config <tmp>/c.yaml  (contains `study: {seed: yes}`)"),
+    ("config file", "--config <tmp>/c.yaml  (contains `train: null`)"),
+    ("config file", "--config <tmp>/fifo.yaml  (a FIFO)"),
+    ("config file", "--config <tmp>/deep.json  (arrays nested 100,000 deep)"),
+    ("CLI", "--features nosuch"),
+    ("CLI", "--set metrics.tta=crop3,crop3"),
+    ("CLI", "--set train.eval_batch_size=0"),
+    ("CLI", "--coordinator node0:12345 --num-processes 0 --process-id 0"),
+    ("CLI", "--arms control,data_order --init-from <tmp>/trunc.npz  (a truncated zip)"),
+    ("CLI", "--dataset <tmp>/array.npz  (a .npy file named .npz)"),
+    ("CLI", "--dataset <tmp>/unseen.npz  (a test label no training example has)"),
+    ("run folder", "--out <run>  (config.json's study.arms given the path <tmp>/outside, a record planted for it)"),
+    ("run folder", "--out <run>  (a planted arms/init.json listing ../outside/precious.txt, its checksum redone)"),
+    ("run folder", "--resume <run>  (config.json names optim.name planted_mod:tx, a module installed nowhere)"),
+    ("run folder", "--out <run>  (replicas.csv a folder)"),
+    ("run folder", "--out <run>  (summary.json a FIFO)"),
+    ("run folder", "--out <run>  (arms a file)"),
+    ("run folder", "--out <run>  (.lock a folder)"),
+    ("run folder", "--out <tmp>/dangling  (a symbolic link to a folder that does not exist)"),
+    ("report", "python -m nondet_jax.report <run>  (figures/accuracy.png a folder)"),
+    # issue 41, defect 10: misuse of the API named before it fails deep in JAX
+    ("API", "run_study(Linear, TWO_CLASSES, batch_size=4, optimizer='adam')"),
+    ("API", "run_study(Pair, TWO_CLASSES, batch_size=4)"),
+    ("API", "run_study(Linear, TWO_CLASSES, batch_size=4, loss=lambda out, y: jnp.stack([out[:, 0]] * 3, 1))"),
+    ("API", "replicate(lambda keys: {'w': jnp.zeros(3)}, lambda s, b, keys: {'w': s['w'], 'extra': 1.0}, steps=2)"),
+    ("API", "replicate(lambda keys: {'w': jnp.zeros(3)}, lambda s, b, keys: {'w': s['w'].astype(jnp.int32)}, steps=2)"),
+    ("API", "replicate(lambda keys: {'w': jnp.zeros(3)}, lambda s, b, keys: {'w': jnp.zeros(4)}, steps=2)"),
+    ("CLI", "--arms control,augmentation --augment os:system"),
 ]
 
 class Linear:  # a user's model without dropout (built lazily: flax is imported by the cases that use it)
@@ -171,6 +203,21 @@ class Linear:  # a user's model without dropout (built lazily: flax is imported 
                 return nn.Dense(self.num_classes)(x)
 
         return Dense(num_classes)
+
+
+class Pair:  # a user's model returning a tuple (built lazily, as Linear)
+    def __new__(cls, num_classes: int = 2):
+        import flax.linen as nn
+
+        class Two(nn.Module):
+            num_classes: int = 2
+
+            @nn.compact
+            def __call__(self, x, train: bool):
+                h = nn.Dense(self.num_classes)(x)
+                return h, h
+
+        return Two(num_classes)
 
 
 ALIAS_BOMB = "".join(f"{b}: &{b} [{','.join([f'*{a}'] * 9) if a else ','.join(['x'] * 9)}]\n"
@@ -193,6 +240,7 @@ def _npz_arrays(name: str) -> dict:
             "length.npz": {**good, "y_train": y[:19]},
             "features.npz": {**good, "x_train": x.reshape(20, 64), "x_test": x[:10].reshape(10, 64)},
             "ids.npz": {**good, "y_train": np.where(np.arange(20) == 3, 10**8, y % 2), "y_test": y[:10] % 2},
+            "unseen.npz": {**good, "y_test": np.where(np.arange(10) == 0, 3, y[:10])},
             "good.npz": good}[name]
 
 
@@ -264,7 +312,7 @@ def run_case(where: str, text: str, ctx: Context, capsys) -> tuple[str, int, boo
 
             eval(text, {"jax": jax, "jnp": jnp, "config": config, "sources": sources, "data": data, "train": train,  # noqa: S307
                         "from_flat": from_flat, "digits_spec": spec, "np": np, "metrics": metrics, "memory": memory,
-                        "replicate": replicate, "run_study": run_study, "Linear": Linear,
+                        "replicate": replicate, "run_study": run_study, "Linear": Linear, "Pair": Pair,
                         "TWO_CLASSES": (np.zeros((8, 3), np.float32), np.arange(8) % 2, np.zeros((4, 3), np.float32),
                                         np.arange(4) % 2)})
         except UsageError as e:
@@ -288,7 +336,15 @@ def run_case(where: str, text: str, ctx: Context, capsys) -> tuple[str, int, boo
         path = Path(args[args.index("--config") + 1])
         if content:
             path.write_text(content.group(1))
-    if "--dataset" in args and Path(args[args.index("--dataset") + 1]).name != "missing.npz" and \
+    if note.startswith(("a truncated zip", "a .npy file named")):
+        import io
+
+        buf = io.BytesIO()
+        np.savez(buf, **_npz_arrays("good.npz")) if note.startswith("a truncated") else np.save(buf, np.zeros(3))
+        data = buf.getvalue()
+        flag = "--init-from" if "--init-from" in args else "--dataset"
+        Path(args[args.index(flag) + 1]).write_bytes(data[:len(data) // 2] if note.startswith("a truncated") else data)
+    elif "--dataset" in args and Path(args[args.index("--dataset") + 1]).name != "missing.npz" and \
             args[args.index("--dataset") + 1].endswith(".npz"):
         import numpy as np
 
@@ -345,6 +401,7 @@ def run_case(where: str, text: str, ctx: Context, capsys) -> tuple[str, int, boo
         (folder / "config.json").write_text(json.dumps(saved, indent=2) + "\n")
     if note.startswith("test_labels.npy replaced"):
         np.save(folder / "test_labels.npy", np.array([{"x": 1}, None], dtype=object), allow_pickle=True)
+    _untrusted_setup(note, args, folder, tmp, outside)
     refuse = {"disk full": 28, "read-only": 30}.get(note.split(":")[0]) if note else None
     lock_fd = None
     if note.startswith("while another process"):
@@ -412,6 +469,45 @@ def run_case(where: str, text: str, ctx: Context, capsys) -> tuple[str, int, boo
     message = re.sub(r"^python -m nondet_jax[. ](sweep|report|audit|compare): error: ", "", err[0])
     untouched = (_snapshot(folder) == before if folder else True) and _snapshot(outside) == outside_before
     return _normalize(message, tmp), status, untouched
+
+
+def _untrusted_setup(note: str, args: list[str], folder: Path | None, tmp: Path, outside: Path) -> None:
+    """The setups of issue 41's rows: hostile run folders, duplicate keys, FIFOs and folders where files go."""
+    import shutil
+
+    note = note.removesuffix(")")
+    if note.startswith("section train given twice"):
+        Path(args[args.index("--config") + 1]).write_text("train: {epochs: 3}\nstudy: {seed: 1}\ntrain: {batch_size: 8}\n")
+    if note == "a FIFO":
+        os.mkfifo(args[args.index("--config") + 1])
+    if note.startswith("arrays nested"):
+        Path(args[args.index("--config") + 1]).write_text("[" * 100_000 + "]" * 100_000)
+    if note.startswith("config.json's study.arms given the path"):
+        config = json.loads((folder / "config.json").read_text())
+        config["study"]["arms"].append(str(outside))
+        (folder / "config.json").write_text(json.dumps(config, indent=2))
+        planted = folder / f"arms/{outside}.json"  # arms//abs/path.json: inside the folder, and a valid record
+        planted.parent.mkdir(parents=True)
+        shutil.copy(folder / "arms" / "init.json", planted)
+    if note.startswith("a planted arms/init.json listing"):
+        from nondet_jax.store.run import record_digest
+
+        record = json.loads((folder / "arms" / "init.json").read_text())
+        record["files"]["../outside/precious.txt"] = hashlib.sha256(b"not yours\n").hexdigest()
+        record["record_sha256"] = record_digest(record)  # anyone can redo it
+        (folder / "arms" / "init.json").write_text(json.dumps(record, indent=2))
+    if note.startswith("config.json names optim.name"):
+        config = json.loads((folder / "config.json").read_text())
+        config["optim"]["name"] = "planted_mod:tx"
+        (folder / "config.json").write_text(json.dumps(config, indent=2))
+    for name, what in (("replicas.csv", "a folder"), ("summary.json", "a FIFO"), ("arms", "a file"),
+                       (".lock", "a folder"), ("figures/accuracy.png", "a folder")):
+        if note == f"{name} {what}":
+            shutil.rmtree(folder / name) if (folder / name).is_dir() else (folder / name).unlink()
+            (folder / name).mkdir() if what == "a folder" else os.mkfifo(folder / name) if what == "a FIFO" else \
+                (folder / name).write_text("x")
+    if note.startswith("a symbolic link to a folder that does not exist"):
+        Path(args[args.index("--out") + 1]).symlink_to(tmp / "nowhere")
 
 
 def _folder_with_corrupt_checkpoint(ctx: Context) -> Path:

@@ -162,7 +162,11 @@ def test_resize_center_crop_by_hand():
 
 @pytest.mark.parametrize("change,message", [
     (lambda x, y: (x * 1e300, y), "beyond float32's"),
-    (lambda x, y: (x + 1j, y), "must be finite real numbers"),
+    (lambda x, y: (x + 1j, y), "x_train has dtype complex128, but must hold real numbers"),
+    (lambda x, y: (np.where(np.arange(10)[:, None] == 3, np.nan, x), y),
+     r"x_train holds 4 NaN or infinite value\(s\) \(the first in example 3\), but must hold finite numbers"),
+    (lambda x, y: (x, np.where(np.arange(10) == 5, np.inf, y)), r"y_train holds 1 NaN .* example 5\), but must hold "
+                                                                  "finite numbers for a regression"),
     (lambda x, y: ((x * 1e10).astype(np.int64), y), "beyond int32"),
     (lambda x, y: (x, y * 1e300), r"y_train holds values up to 1e\+300"),
 ])
@@ -176,3 +180,27 @@ def test_values_training_cannot_represent_are_refused(change, message):
     x, y = change(x, y)
     with pytest.raises(UsageError, match=message):
         from_arrays("t", x, y, x, y)
+
+
+@pytest.mark.parametrize("y_train,y_test,message", [
+    # uint64 labels beyond int64 wrapped to -1 in the message, with numpy's warnings
+    (np.where(np.arange(20) == 3, 2**64 - 1, np.arange(20) % 3).astype(np.uint64), np.arange(5) % 3,
+     "labels run up to 18446744073709551615, which makes 18446744073709551616 classes, but only 4 distinct"),
+    # a test label no training example has was accepted without a word
+    (np.arange(20) % 3, np.array([0, 1, 2, 7, 1]), "y_test holds label(s) 7 that no training example has"),
+    # one test example: CKA divided 0 by 0 (numpy's warning) over the centred features
+    (np.arange(20) % 3, np.array([1]), "x_test holds 1 example, but the diversity metrics compare replicas over "
+                                       "at least 2"),
+])
+def test_labels_and_test_splits_the_metrics_cannot_use_are_refused(y_train, y_test, message):
+    import warnings
+
+    from nondet_jax.data import from_arrays
+    from nondet_jax.errors import UsageError
+
+    x = np.zeros((20, 4), np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # and no numpy warning on the way
+        with pytest.raises(UsageError) as e:
+            from_arrays("t", x, y_train, x[:len(y_test)], y_test)
+    assert message in str(e.value)

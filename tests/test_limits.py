@@ -205,6 +205,24 @@ def test_disk_full_during_a_checkpoint_is_one_line_and_resumes_bitwise(small_dis
         assert (small_disk / "run" / name).read_bytes() == (tmp_path / "clean" / name).read_bytes(), name
 
 
+@pytest.mark.slow
+def test_a_file_size_limit_during_a_checkpoint_is_one_line_and_resumes_bitwise(tmp_path):
+    """EFBIG (a file-size limit, ulimit -f) from orbax's writer printed about 40 lines of traceback: it was
+    not counted among the write refusals. The checkpoint (~150 KB) is the first file over 100 KB."""
+    study = [*FAST, "--epochs", "2", "--arms", "init", "--set", "train.checkpoint_every=1"]
+    limited = ("import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000)); "
+               "sys.argv[0] = 'nondet_jax.sweep'; runpy.run_module('nondet_jax.sweep', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", limited, *study, "--out", str(tmp_path / "run"), "--compile-cache",
+                           "off"], capture_output=True, text=True, env=ENV)  # no preexec_fn: no fork in a JAX process
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    line, = error_lines(proc.stderr)
+    assert "File too large; raise the file-size limit (ulimit -f), then rerun the same command" in line, line
+    assert sweep(*study, "--out", str(tmp_path / "run")).returncode == 0
+    assert sweep(*study, "--out", str(tmp_path / "clean")).returncode == 0
+    for name in ("logits/init.npy", "weights/init.npz"):
+        assert (tmp_path / "run" / name).read_bytes() == (tmp_path / "clean" / name).read_bytes(), name
+
+
 # --- children ---------------------------------------------------------------------------------
 
 def _children(pid: int) -> list[int]:
@@ -261,3 +279,34 @@ def test_ctrl_c_during_a_hardware_arm_is_one_line_from_the_sweep_alone(tmp_path)
     _, err = p.communicate(timeout=60)
     assert p.returncode == 130, err[-2000:]
     assert "Traceback" not in err and error_lines(err) == [MESSAGE], err[-2000:]
+
+
+@pytest.mark.parametrize("module", ["yaml", "jax"])
+def test_ctrl_c_while_the_command_is_still_importing_is_one_line(tmp_path, module):
+    """Ctrl-C while ``python -m nondet_jax.sweep`` imported its command module (numpy, PyYAML; 16 s of
+    imports under load) printed a KeyboardInterrupt traceback: the handlers went in only once
+    ``nondet_jax.cli.sweep`` was imported. A stand-in for ``module`` on PYTHONPATH says when the import has
+    begun, waits, then loads the real one; the signal lands inside that import."""
+    from nondet_jax.machine.signals import MESSAGE
+
+    shim, started = tmp_path / "shim", tmp_path / "started"
+    (shim / module).mkdir(parents=True)
+    (shim / module / "__init__.py").write_text(textwrap.dedent(f"""
+        import importlib, sys, time
+        open({str(started)!r}, "w").close()
+        time.sleep(30)
+        sys.path.remove({str(shim)!r})
+        del sys.modules[{module!r}]
+        sys.modules[{module!r}] = importlib.import_module({module!r})
+    """))
+    env = {**ENV, "PYTHONPATH": f"{shim}{os.pathsep}{ENV['PYTHONPATH']}"}
+    p = subprocess.Popen([sys.executable, "-m", "nondet_jax.sweep", *FAST, "--arms", "control",
+                          "--out", str(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                         text=True, start_new_session=True)
+    deadline = time.time() + 60
+    while not started.exists() and time.time() < deadline and p.poll() is None:
+        time.sleep(0.02)
+    assert started.exists(), p.communicate()[1][-2000:]
+    os.killpg(p.pid, signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and "Traceback" not in err and error_lines(err) == [MESSAGE], err[-2000:]

@@ -42,7 +42,8 @@ def test_float_targets_are_a_regression_whole_numbers_included():
     labels = from_arrays("c", np.zeros((4, 3)), np.array([0.0, 1, 2, 1]), np.zeros((2, 3)), np.array([0.0, 2]),
                          task="classification")
     assert labels.task == "classification" and labels.num_classes == 3
-    with pytest.raises(UsageError, match="y_train must hold finite real numbers for a regression"):
+    with pytest.raises(UsageError, match=r"y_train holds 1 NaN or infinite value\(s\) \(the first in example 1\), but "
+                                         "must hold finite numbers for a regression"):
         from_arrays("n", np.zeros((2, 3)), np.array([0.0, np.nan]), np.zeros((1, 3)), np.array([0.0]))
     with pytest.raises(UsageError, match="task 'ranking' is unknown"):
         from_arrays("n", np.zeros((2, 3)), np.zeros(2), np.zeros((1, 3)), np.zeros(1), task="ranking")
@@ -98,3 +99,59 @@ def test_instruments_on_a_regression_with_its_own_loss(tmp_path):
     for k in ("Alpha", "Loss", "NormTest", "HessTrace", "TICTrace"):
         assert np.isfinite(values[k]).all(), k
     assert "lr" not in values.files  # the config's schedule is not your optimiser's
+
+
+class FlatOutputs(nn.Module):
+    """A regression model returning (N,) for (N,) targets, as docs/api.md presents regression."""
+    num_classes: int = 1
+    width: int = 16
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        return nn.Dense(self.num_classes)(nn.relu(nn.Dense(self.width)(x)))[:, 0]
+
+
+def _small_regression():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 5)).astype(np.float32)
+    y = (x @ rng.normal(size=5)).astype(np.float32)
+    return x[:48], y[:48], x[48:], y[48:]
+
+
+def test_a_regression_model_may_return_one_output_per_example_unshaped(tmp_path):
+    """(N,) outputs trained the first arm and then died in CKA (numpy: "einstein sum subscripts string
+    contains too many subscripts"): its features are now (N, 1)."""
+    result = nj.run_study(model=FlatOutputs, data=_small_regression(), arms="control,init", replicas=2, epochs=1,
+                          batch_size=16, out=tmp_path / "run", **QUIET)
+    assert np.load(tmp_path / "run" / "features" / "init.npy").shape == (2, 16, 1)
+    assert result.logits["init"].shape == (2, 16)
+    assert np.isfinite({r["arm"]: r for r in result.table}["init"]["cka"])
+
+
+def test_a_folder_without_a_finished_arm_takes_the_corrected_model(tmp_path, monkeypatch):
+    """A study that stopped before storing any arm left model.json behind, and the folder then refused the
+    corrected model ("holds results of another model"): the user needed a new folder. With no finished
+    arm there is nothing to protect; the stopped arm's checkpoint (of the other model) is refused by its
+    identity, naming --recompute, which then trains the corrected model."""
+    from nondet_jax.analysis import arm as analysis
+    from nondet_jax.config import from_flat
+    from nondet_jax.models.parts import Parts
+    from nondet_jax.study import runner
+
+    data = from_arrays("arrays-test", *_small_regression())
+    config = from_flat({"study.arms": "init", "study.replicas": 2, "train.epochs": 1, "train.batch_size": 16,
+                        "model.name": "own:FlatOutputs", "data.name": "arrays-test", "data.augment": "off"})
+
+    def crash(*a, **k):
+        raise RuntimeError("stopped before the arm was stored")
+
+    monkeypatch.setattr(analysis, "arm_metrics", crash)
+    with pytest.raises(RuntimeError):
+        runner.run(config, tmp_path / "run", parts=Parts(model=FlatOutputs(width=16)), data=data, **QUIET)
+    monkeypatch.undo()
+    assert (tmp_path / "run" / "model.json").exists() and not list((tmp_path / "run" / "arms").glob("*.json"))
+    corrected = Parts(model=FlatOutputs(width=8))
+    with pytest.raises(UsageError, match="rerun with --recompute init"):
+        runner.run(config, tmp_path / "run", parts=corrected, data=data, **QUIET)
+    summary = runner.run(config, tmp_path / "run", parts=corrected, data=data, recompute=("init",), **QUIET)
+    assert "init" in summary["arms"]

@@ -53,6 +53,14 @@ INTERRUPTED = {"sweep": None,  # signals.MESSAGE: finished arms are kept, rerun 
                "compare": "interrupted: nothing was written; rerun the same command"}
 
 
+def sweep_entry() -> int:
+    """``python -m nondet_jax.sweep``: in a child training one arm, leave when the parent sweep does. Nothing
+    heavier than this package's ``cli`` is imported before :func:`run_command` installs the signal handlers."""
+    if os.environ.get(signals.CHILD_ENV) == "1":
+        signals.die_with_parent()  # a child training an arm leaves when its sweep does
+    return run_command("sweep")
+
+
 def run_command(command: str, argv: list[str] | None = None, prog: str | None = None) -> int:
     """Run a command's ``main`` with SIGINT/SIGTERM handled (one line, exit 130/143, even while XLA
     compiles; see :mod:`nondet_jax.machine.signals`)."""

@@ -7,7 +7,6 @@ one-line error naming the problem and the fix; nothing already written is touche
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -16,12 +15,11 @@ from pathlib import Path
 
 from nondet_jax import config as cfg
 from nondet_jax.arms import IMPLEMENTED
-from nondet_jax.cli import prog_name, run_command
+from nondet_jax.cli import prog_name, sweep_entry
 from nondet_jax.config import Config
 from nondet_jax.errors import OneLineParser, UsageError
 from nondet_jax.machine.determinism import CACHE_ENV, DETERMINISM_ON, check_flags, with_flags
-from nondet_jax.machine.signals import CHILD_ENV
-from nondet_jax.store.paths import RunPaths
+from nondet_jax.store.paths import RunPaths, arm_name
 
 # JAX, flax and scipy (through the study, the report and TensorBoard's export) are imported only once the
 # arguments and the config have passed their checks: a refused argument costs the interpreter and the config,
@@ -180,15 +178,24 @@ def config_from_args(args: argparse.Namespace) -> Config:
     return cfg.from_flat(flat)
 
 
-def config_for_resume(args: argparse.Namespace) -> Config:
-    """The config stored in ``--resume RUN_DIR``; settings given with it would change the study."""
-    given = [f"--{f.replace('_', '-')}" for f in (*FLAGS, "preset", "config", "out") if getattr(args, f) is not None]
+# Config keys whose PACKAGE.MODULE:ATTR value is imported (and run), by the flag that sets each.
+REFERENCES = {"model": "model.name", "optimizer": "optim.name", "loss": "train.loss", "augment": "data.augment"}
+
+
+def config_for_resume(args: argparse.Namespace, log=print) -> Config:
+    """The config stored in ``--resume RUN_DIR``; settings given with it would change the study. The
+    flags naming code (``--model``, ``--optimizer``, ``--loss``, ``--augment``) may repeat the folder's
+    own value: that is how a user vouches for code the folder names (see :func:`check_references`)."""
+    given = [f"--{f.replace('_', '-')}" for f in (*FLAGS, "preset", "config", "out")
+             if getattr(args, f) is not None and f not in REFERENCES]
     if given or args.set:
         raise UsageError(f"--resume takes its settings from the run folder, so {(given or ['--set'])[0]} cannot be "
                          "combined with it; drop it, or start a new study with --out")
     path = RunPaths(args.resume).config
     try:
-        stored = json.loads(path.read_text())
+        if path.exists() and not path.is_file():  # a FIFO would block the read; a folder is no config
+            raise ValueError("not a file")
+        stored = cfg.loads_json(path.read_text(), path)
     except FileNotFoundError:
         raise UsageError(f"--resume {args.resume} is not a nondet_jax run folder (no config.json); pass the --out "
                          "folder of an earlier sweep") from None
@@ -197,34 +204,68 @@ def config_for_resume(args: argparse.Namespace) -> Config:
     if not isinstance(stored, dict):
         raise UsageError(f"{path} holds a JSON {type(stored).__name__}, not a study's config; start a new study "
                          "with --out")
+    arms = stored.get("study", {}).get("arms") if isinstance(stored.get("study"), dict) else None
+    if isinstance(arms, list):  # named by the folder: checked as the folder's, before the config's own checks
+        for arm in arms:
+            arm_name(arm, f"{path} study.arms")
     config = cfg.from_dict(stored)
-    check_model_outside(config.model.name, Path(args.resume))
+    for line in check_references(config, Path(args.resume), {f: getattr(args, f) for f in REFERENCES}):
+        log(line)
     return config
 
 
-def check_model_outside(model: str, run: Path) -> None:
-    """A ``module:Attr`` model of a resumed study must not come from inside the run folder: resumed from
-    inside a shared folder, the current directory is on ``sys.path`` and a ``module.py`` placed there
-    would be imported and run. Located without importing (``importlib.util.find_spec`` of the top-level
-    package)."""
+def _module_places(top: str) -> list[Path]:
+    """Where ``import top`` would load from (its file, or a package's folders), located without importing
+    it (``importlib.util.find_spec`` of a top-level name runs no code); [] when it is not importable."""
     import importlib.util
 
-    top = model.partition(":")[0].split(".")[0]
-    if ":" not in model or not top.isidentifier():
-        return
     try:
         spec = importlib.util.find_spec(top)
     except (ImportError, ValueError):
-        return
-    places = [spec.origin] if spec and spec.origin else []
-    places += list(spec.submodule_search_locations or []) if spec else []
-    root = run.resolve()
-    for place in places:
-        p = Path(place).resolve()
-        if p == root or root in p.parents:
-            raise UsageError(f"config.json names model {model}, whose module '{top}' would be imported from inside "
-                             f"the run folder ({p}); resume from the folder that holds your own '{top}' "
-                             "(e.g. cd to your project and pass --resume with the run folder's path)")
+        return []
+    if spec is None:
+        return []
+    places = [spec.origin] if spec.origin and spec.origin not in ("built-in", "frozen") else []
+    places += list(spec.submodule_search_locations or [])
+    return [Path(p).resolve() for p in places]
+
+
+def check_references(config: Config, run: Path, given: dict[str, str | None]) -> list[str]:
+    """``--resume`` imports nothing the folder's config names (``PACKAGE.MODULE:ATTR`` in
+    :data:`REFERENCES`) unless the user gave the same reference on the command line, or its module is
+    importable from an installed package outside the run folder and the current directory (resumed
+    from inside a shared folder, the current directory is on ``sys.path``, and a ``module.py`` planted
+    there would be imported and run). Located without importing. Returns one line per reference saying
+    which of the two let it be imported; UsageError for any other."""
+    lines = []
+    root, here = run.resolve(), Path.cwd().resolve()
+    for flag, key in REFERENCES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(config, section), name)
+        option = f"--{flag}"
+        if given.get(flag) is not None and given[flag] != value:
+            raise UsageError(f"{option} {given[flag]} differs from the run folder's {key} {value}; --resume takes "
+                             f"its settings from the folder: drop {option}, or start a new study with --out")
+        if not cfg.imported(value):
+            continue
+        if given.get(flag) == value:
+            lines.append(f"--resume: {key} {value} is imported because you gave {option} {value}")
+            continue
+        top = value.partition(":")[0].split(".")[0]
+        places = _module_places(top) if top.isidentifier() else []
+        inside = next((p for p in places if p == root or root in p.parents), None)
+        local = next((p for p in places if p.parent == here), None)  # here/top.py or the package here/top/
+        if inside is not None or local is not None or not places:
+            where = (f"would be imported from inside the run folder ({inside})" if inside is not None else
+                     f"would be imported from the current directory ({local})" if local is not None else
+                     "is not an installed package")
+            raise UsageError(f"{run / 'config.json'} names {key} {value}, whose module '{top}' {where}; --resume "
+                             "imports code a run folder names only from an installed package outside the folder and "
+                             f"the current directory, or when you give the same reference: add {option} {value} "
+                             "if you trust it")
+        lines.append(f"--resume: {key} {value} is imported from {places[0]} (installed outside the run folder and "
+                     "the current directory)")
+    return lines
 
 
 def default_cache_dir() -> Path:
@@ -327,12 +368,8 @@ def set_determinism_flags() -> None:
 
 
 def entry() -> int:
-    """``python -m nondet_jax.sweep``: in a child training one arm, leave when the parent sweep does."""
-    if os.environ.get(CHILD_ENV) == "1":
-        from nondet_jax.machine.signals import die_with_parent
-
-        die_with_parent()  # a child training an arm leaves when its sweep does
-    return run_command("sweep")
+    """``python -m nondet_jax.sweep`` (see :func:`nondet_jax.cli.sweep_entry`)."""
+    return sweep_entry()
 
 
 if __name__ == "__main__":

@@ -48,6 +48,19 @@ def standardize(x_train: np.ndarray, x_test: np.ndarray) -> tuple[np.ndarray, np
 ARRAY_NAMES = ("x_train", "y_train", "x_test", "y_test")
 
 
+def _check_real(name: str, what: str, a: np.ndarray, purpose: str = "") -> None:
+    """UsageError unless ``a`` holds finite real numbers, saying which is wrong: the dtype, or where the
+    first NaN or infinite value is (the message used to say "dtype or NaN/inf", leaving the user to guess)."""
+    if not np.issubdtype(a.dtype, np.number) or np.iscomplexobj(a):
+        raise UsageError(f"{name}: {what} has dtype {a.dtype}, but must hold real numbers{' ' + purpose if purpose else ''}; "
+                         "convert it, e.g. with .astype(np.float32)")
+    bad = ~np.isfinite(a)
+    if bad.any():
+        first = int(np.argwhere(bad)[0][0])
+        raise UsageError(f"{name}: {what} holds {int(bad.sum())} NaN or infinite value(s) (the first in example "
+                         f"{first}), but must hold finite numbers{' ' + purpose if purpose else ''}; remove or replace them")
+
+
 def from_arrays(name: str, x_train, y_train, x_test, y_test, num_classes: int | None = None,
                 task: str | None = None) -> Dataset:
     """A :class:`Dataset` of the user's own arrays, checked: images (N, H, W, C) or any (N, features)
@@ -68,20 +81,20 @@ def from_arrays(name: str, x_train, y_train, x_test, y_test, num_classes: int | 
         if x.ndim < 2 or len(x) == 0:
             raise UsageError(f"{name}: x_{split} has shape {x.shape}; it must be (N, features) or (N, H, W, C) images "
                              "with N >= 1")
+        if split == "test" and len(x) < 2:  # CKA centres features over the test examples: 0/0 with one
+            raise UsageError(f"{name}: x_test holds 1 example, but the diversity metrics compare replicas over at least "
+                             "2 (CKA centres features over them); give the test split 2 or more examples")
         want = "(N,) or (N, outputs) regression targets" if task == "regression" else f"({len(x)},) integer class labels"
         if y.ndim not in ((1, 2) if task == "regression" else (1,)) or len(y) != len(x):
             raise UsageError(f"{name}: y_{split} has shape {y.shape} for {len(x)} examples in x_{split}; it must be "
                              f"{want}")
-        if task == "regression" and (not np.issubdtype(y.dtype, np.number) or np.iscomplexobj(y)
-                                     or not np.all(np.isfinite(y))):
-            raise UsageError(f"{name}: y_{split} must hold finite real numbers for a regression; got dtype {y.dtype} "
-                             "or NaN/inf values")
+        if task == "regression":
+            _check_real(name, f"y_{split}", y, "for a regression")
         if task == "classification" and not (np.issubdtype(y.dtype, np.integer) or (
                 np.issubdtype(y.dtype, np.floating) and np.all(np.isfinite(y)) and np.all(y == np.round(y)))):
             raise UsageError(f"{name}: y_{split} holds {y.dtype} values that are not whole numbers; labels must be "
                              "integer class indices 0 .. classes-1")
-        if not np.issubdtype(x.dtype, np.number) or np.iscomplexobj(x) or not np.all(np.isfinite(x)):
-            raise UsageError(f"{name}: x_{split} must be finite real numbers; got dtype {x.dtype} or NaN/inf values")
+        _check_real(name, f"x_{split}", x)
         for arr, what in ((x, f"x_{split}"), (y, f"y_{split}") if task == "regression" else (x[:0], "")):
             if np.issubdtype(arr.dtype, np.floating) and arr.size and np.abs(arr).max() > np.finfo(np.float32).max:
                 raise UsageError(f"{name}: {what} holds values up to {float(np.abs(arr).max()):.3g}, beyond float32's "
@@ -102,16 +115,26 @@ def from_arrays(name: str, x_train, y_train, x_test, y_test, num_classes: int | 
         outputs = int(np.prod(arrays["y_train"].shape[1:]))
         return Dataset(name, arrays["x_train"].astype(x_dtype), arrays["y_train"].astype(np.float32),
                        arrays["x_test"].astype(x_dtype), arrays["y_test"].astype(np.float32), outputs, "regression")
-    labels = np.concatenate([arrays["y_train"], arrays["y_test"]]).astype(np.int64)
-    classes = int(labels.max()) + 1 if num_classes is None else num_classes
-    used = len(np.unique(labels))
+    ys = (arrays["y_train"], arrays["y_test"])
+    # Python ints, each split in its own dtype: uint64 labels beyond int64 used to wrap to negative numbers
+    # in the message (with numpy's warnings); concatenating uint64 with int64 gives floats.
+    lo, hi = min(int(y.min()) for y in ys), max(int(y.max()) for y in ys)
+    classes = hi + 1 if num_classes is None else num_classes
+    seen = [set(np.unique(y).tolist()) for y in ys]
+    used = len(seen[0] | seen[1])
     if num_classes is None and classes - used > max(1000, used):  # e.g. raw ids up to 1e8: a logit for each
-        raise UsageError(f"{name}: labels run up to {labels.max()}, which makes {classes} classes, but only {used} "
+        raise UsageError(f"{name}: labels run up to {hi}, which makes {classes} classes, but only {used} "
                          "distinct labels occur; labels must be class indices 0 .. classes-1: relabel them, e.g. "
                          "np.unique(y, return_inverse=True)[1]")
-    if labels.min() < 0 or labels.max() >= classes or classes < 2:
-        raise UsageError(f"{name}: labels range over {labels.min()} .. {labels.max()}, but must be class indices "
+    if lo < 0 or hi >= classes or classes < 2:
+        raise UsageError(f"{name}: labels range over {lo} .. {hi}, but must be class indices "
                          f"0 .. {classes - 1} with at least 2 classes; relabel them 0 .. classes-1")
+    unseen = sorted(seen[1] - seen[0])
+    if num_classes is None and unseen:  # accepted without a word: the model can never predict such a class
+        shown = ", ".join(map(str, unseen[:5])) + (", ..." if len(unseen) > 5 else "")
+        raise UsageError(f"{name}: y_test holds label(s) {shown} that no training example has, so no replica can "
+                         "learn them; move examples of those classes into the training split, or drop them from "
+                         "the test split")
     return Dataset(name, arrays["x_train"].astype(x_dtype), arrays["y_train"].astype(np.int32),
                    arrays["x_test"].astype(x_dtype), arrays["y_test"].astype(np.int32), classes)
 
@@ -156,7 +179,12 @@ def load_npz(path: str) -> Dataset:
     headers are checked first (:func:`check_npz_sizes`)."""
     check_npz_sizes(path)
     try:
-        with np.load(path, allow_pickle=False) as f:
+        f = np.load(path, allow_pickle=False)
+        if not isinstance(f, np.lib.npyio.NpzFile):  # a .npy (one array) named .npz: no context manager
+            raise UsageError(f"--dataset {path} holds one array (a .npy file), not the arrays x_train, y_train, "
+                             "x_test, y_test; save them with np.savez(path, x_train=..., y_train=..., x_test=..., "
+                             "y_test=...)")
+        with f:
             missing = [k for k in ARRAY_NAMES if k not in f.files]
             if missing:
                 raise UsageError(f"--dataset {path} lacks array(s) {', '.join(missing)} (it has {', '.join(f.files)}); "
@@ -164,9 +192,10 @@ def load_npz(path: str) -> Dataset:
             arrays = [f[k] for k in ARRAY_NAMES]
     except UsageError:
         raise
-    except (OSError, ValueError) as e:
-        raise UsageError(f"--dataset {path} cannot be read as a .npz file ({str(e).splitlines()[0]}); pass a file "
-                         "written by np.savez") from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:  # a truncated zip is a BadZipFile
+        said = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UsageError(f"--dataset {path} cannot be read as a .npz file ({said}); pass a file written by np.savez") \
+            from None
     return from_arrays(str(path), *arrays)
 
 

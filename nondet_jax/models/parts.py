@@ -133,6 +133,9 @@ def linen_model_fns(module, features: str | None = None) -> ModelFns:
     call = type(module).__call__
     per_example = _accepts(call, "dropout_keys")
     exposes = _accepts(call, "return_features")
+    if exposes and features:  # it used to be ignored without a word, CKA computed on the model's own features
+        raise UsageError(f"features={features!r} (--features, model.features) does not apply: the model returns its "
+                         "own features for CKA (its __call__ takes return_features); drop it")
     dropout_rate = getattr(module, "dropout", None)
     uses_keys = per_example and isinstance(dropout_rate, (int, float)) and dropout_rate > 0
 
@@ -280,6 +283,10 @@ def nnx_model_fns(factory, num_classes: int, features: str | None = None) -> Mod
     mode is NNX's own (``model.train()`` / ``model.eval()``); ``__call__(x)`` returns logits.
     CKA's features are the logits (NNX modules have no ``capture_intermediates``)."""
     from flax import nnx
+
+    if features:
+        raise UsageError(f"features={features!r} (--features, model.features) does not apply: an NNX model's CKA "
+                         "features are its logits (NNX has no capture_intermediates); drop it")
 
     def build(key):
         return _build_nnx(factory, num_classes, key)

@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import hashlib
+import zipfile
 from pathlib import Path
 
 import jax
@@ -84,10 +85,14 @@ def load_collection(path: Path, collection: str, replica: int | None = None) -> 
     holds none); keys without a collection prefix count as ``params`` when no key has the prefix. With
     ``replica``: that index of every array's leading axis (a run folder's weights file)."""
     try:
-        with np.load(path, allow_pickle=False) as z:
+        z = np.load(path, allow_pickle=False)
+        if not isinstance(z, np.lib.npyio.NpzFile):  # one array (a .npy named .npz): no names, no context manager
+            raise ValueError("it holds one unnamed array (a .npy file), not named parameters")
+        with z:
             arrays = {k: z[k] for k in z.files}
-    except (OSError, ValueError) as e:
-        raise UsageError(f"cannot read parameters from {path}: {e}; pass a .npz of '/'-joined parameter names") from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:  # a truncated zip is a BadZipFile
+        raise UsageError(f"cannot read parameters from {path}: {e or type(e).__name__}; pass a .npz of '/'-joined "
+                         "parameter names") from None
     prefix = collection + "/"
     if any(k.startswith(prefix) for k in arrays):
         tree = {k.removeprefix(prefix): a for k, a in arrays.items() if k.startswith(prefix)}

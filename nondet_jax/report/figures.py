@@ -63,7 +63,7 @@ def make_figures(run: Path, summary: dict, records: dict[str, dict]) -> list[str
                 fig.tight_layout()
         fig.savefig(buf, format="png", dpi=110)
         plt.close(fig)
-        atomic_write_bytes(figdir / f"{name}.png", buf.getvalue())
+        atomic_write_bytes(figdir / f"{name}.png", buf.getvalue(), root=run)
         made.append(f"figures/{name}.png")
 
     q1, q2 = QUANTITIES[task_of(summary)]

@@ -25,6 +25,7 @@ from nondet_jax.report.summary import (
 )
 from nondet_jax.store.io import atomic_write_bytes, atomic_write_json, strict_json
 from nondet_jax.store.paths import RunPaths
+from nondet_jax.store.run import check_layout
 
 _TESTS_LINE = ("Spread p: " + TESTS["spread_p"] + "; Holm p: " + TESTS["spread_p_holm"] + " (read this one); F-test p: "
                + TESTS["f_test_p"] + ".")
@@ -179,7 +180,7 @@ def _over_training_md(records: dict[str, dict]) -> list[str]:
 
 def _model_json(paths) -> dict:
     try:
-        model = json.loads(paths.model.read_text())
+        model = json.loads(paths.model.read_text()) if paths.model.is_file() else {}  # a FIFO never opened
         return model if isinstance(model, dict) else {}
     except (OSError, ValueError):
         return {}
@@ -221,11 +222,12 @@ def write_report(run: str | Path, command: str | None = None) -> dict:
     if paths.figures.exists() and not paths.figures.is_dir():
         raise UsageError(f"{paths.figures} is a file, but the report writes its figures into a folder of that name; "
                          "move the file away and rebuild the report")
-    atomic_write_json(paths.summary, strict_json(summary))
-    _write_csv(paths.arms_csv, [strict_json(row) for row in arm_rows(summary)])
+    check_layout(run, list(records))  # nothing written before every output is known to be writable
+    atomic_write_json(paths.summary, strict_json(summary), root=paths.root)
+    _write_csv(paths.arms_csv, [strict_json(row) for row in arm_rows(summary)], root=paths.root)
     figures = make_figures(run, summary, records)
     model = _model_json(paths)
-    if command is None and paths.command.exists():
+    if command is None and paths.command.is_file():
         command = paths.command.read_text().strip()
     md = [f"# Variability study: {summary['model']} on {summary['dataset']}", ""]
     if command:
@@ -263,7 +265,7 @@ def write_report(run: str | Path, command: str | None = None) -> dict:
                "baseline and the LMC barrier (each needs classes or a test error).",
                "- Ratio vs all: std(arm)/std(all) of the test MSE (and MAE); 95% CI: " + METHODS["ratio"]
                + "; n/a below 5 replicas per arm. " + _TESTS_LINE, *_provenance_md(summary), ""]
-        atomic_write_bytes(paths.report, "\n".join(md).encode())
+        atomic_write_bytes(paths.report, "\n".join(md).encode(), root=paths.root)
         return summary
     md += ["", "## Definitions", "",
            "- std: sample standard deviation over replicas (ddof=1); 95% CI: " + METHODS["std"] + "; mean: "
@@ -278,5 +280,5 @@ def write_report(run: str | Path, command: str | None = None) -> dict:
            "variance unbiased).",
            "- Ratio vs all: std(arm)/std(all); 95% CI: " + METHODS["ratio"] + "; n/a below 5 replicas per arm. "
            + _TESTS_LINE, *_provenance_md(summary), ""]
-    atomic_write_bytes(paths.report, "\n".join(md).encode())
+    atomic_write_bytes(paths.report, "\n".join(md).encode(), root=paths.root)
     return summary

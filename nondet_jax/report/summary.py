@@ -17,7 +17,7 @@ from nondet_jax.analysis.task import PAIRWISE, QUANTITIES, task_of
 from nondet_jax.errors import UsageError
 from nondet_jax.sources import split_variant
 from nondet_jax.store.io import _finite, atomic_write_bytes, check_no_links
-from nondet_jax.store.paths import RunPaths
+from nondet_jax.store.paths import RunPaths, arm_name
 from nondet_jax.store.run import read_arm_record, verify_arm_files
 
 
@@ -45,9 +45,12 @@ def load_records(run: Path) -> tuple[dict, dict[str, dict]]:
     try:
         config = json.loads(cfg_path.read_text())
         arms = config["study"]["arms"]
+        if not isinstance(arms, list):
+            raise TypeError("study.arms is not a list")
     except (OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
         raise UsageError(f"{cfg_path} is unreadable or corrupt ({type(e).__name__}); rerun the sweep into a new "
                          "--out") from None
+    arms = [arm_name(a, f"{cfg_path} study.arms") for a in arms]  # before any file is named after one
     records = {a: verify_arm_files(run, a, read_arm_record(run, a)) for a in arms
                if paths.arm_file("arms", a).exists()}
     if not records:
@@ -190,13 +193,13 @@ def replica_rows(rows: list[dict]) -> list[dict]:
             for row in rows]
 
 
-def _write_csv(path: Path, rows: list[dict]) -> None:
+def _write_csv(path: Path, rows: list[dict], root: Path | None = None) -> None:
 
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
     w.writeheader()
     w.writerows(rows)
-    atomic_write_bytes(path, buf.getvalue().encode())
+    atomic_write_bytes(path, buf.getvalue().encode(), root=root)
 
 
 def _std_cell(st: dict, a: dict, scale: float = 100.0, digits: int = 2) -> str:

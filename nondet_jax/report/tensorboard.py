@@ -15,13 +15,13 @@ are rewritten from the stored results each time and are not part of the run's ch
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import numpy as np
 
 from nondet_jax.analysis.metrics import accuracy, cross_entropy, regression_errors
 from nondet_jax.errors import UsageError
+from nondet_jax.store.io import guarded
 from nondet_jax.store.paths import RunPaths
 
 FOLDER = "tensorboard"
@@ -83,8 +83,8 @@ def export_arm(run: str | Path, arm: str) -> Path:
     """Write (anew) the event files of one finished arm; returns its folder."""
     writer_cls = writer_class()
     run = Path(run)
-    folder = run / FOLDER / arm
-    shutil.rmtree(folder, ignore_errors=True)
+    folder = RunPaths(run).tensorboard(arm)  # the arm's name checked: it may come from the folder
+    guarded("rmtree", run, folder)
     for r, tags in enumerate(arm_scalars(run, arm)):
         with writer_cls(str(folder / f"replica{r}")) as w:
             for tag, points in tags.items():
@@ -97,4 +97,4 @@ def export_run(run: str | Path, arms: list[str]) -> Path:
     """Event files for every arm in ``arms``; returns ``RUN/tensorboard``."""
     for arm in arms:
         export_arm(run, arm)
-    return Path(run) / FOLDER
+    return RunPaths(run).tensorboard()

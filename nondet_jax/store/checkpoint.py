@@ -26,7 +26,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import sys
 import tempfile
 import threading
@@ -37,7 +36,7 @@ import jax
 import numpy as np
 
 from nondet_jax.errors import UsageError
-from nondet_jax.store.io import DENIED, FULL, atomic_write_json, write_error
+from nondet_jax.store.io import DENIED, FULL, atomic_write_json, guarded, write_error
 
 logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every save at INFO
 
@@ -233,7 +232,7 @@ class ArmCheckpoints:
             if self._sha(step).exists():
                 out.append(step)
             else:
-                shutil.rmtree(self.root / "orbax" / str(step), ignore_errors=True)
+                guarded("rmtree", self.root, self.root / "orbax" / str(step))
         if len(out) != len(self._mgr().all_steps()):
             self._mgr().reload()
         return out
@@ -277,11 +276,12 @@ class ArmCheckpoints:
                 raise failed
             error = write_error(self.root / "orbax" / str(progress.epoch), refused)
             raise UsageError(f"{error} (orbax's messages: {where})" if where else error) from None
-        atomic_write_json(self._sha(progress.epoch), _manifest(self.root / "orbax" / str(progress.epoch)))
+        atomic_write_json(self._sha(progress.epoch), _manifest(self.root / "orbax" / str(progress.epoch)),
+                          root=self.root)
         self._since = _clock()
         for old in self._sha(0).parent.glob("*.json"):  # manifests of steps orbax has pruned
             if not (self.root / "orbax" / old.stem).exists():
-                old.unlink(missing_ok=True)
+                guarded("unlink", self.root, old)
 
     def restore_latest(self, state_target, meta_check: dict):
         """The latest checkpoint as (epoch, state, steps, weight_distance, snapshots), or None.

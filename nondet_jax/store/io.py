@@ -6,6 +6,8 @@ import errno
 import io
 import json
 import os
+import shutil
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -13,8 +15,9 @@ from typing import Any
 import numpy as np
 
 from nondet_jax.errors import UsageError
+from nondet_jax.store.paths import contained
 
-FULL = (errno.ENOSPC, errno.EDQUOT)
+FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # EFBIG: a file-size limit (ulimit -f, RLIMIT_FSIZE)
 
 
 DENIED = (errno.EROFS, errno.EACCES, errno.EPERM)
@@ -23,7 +26,10 @@ DENIED = (errno.EROFS, errno.EACCES, errno.EPERM)
 def write_error(path: Path, e: OSError, option: str = "--out") -> UsageError:
     """The one-line error for a write the file system refused (disk full, read-only, immutable);
     ``option`` names what the user passed the path with (a run folder's ``--out``, or ``--json`` ...)."""
-    if option != "--out":
+    if e.errno == errno.EFBIG:
+        fix = ("raise the file-size limit (ulimit -f), then rerun the same command: finished arms and checkpoints "
+               "are kept" if option == "--out" else f"raise the file-size limit (ulimit -f), or pass another {option}")
+    elif option != "--out":
         fix = f"{'free some space' if e.errno in FULL else 'make the folder writable'}, or pass another {option}"
     elif e.errno in FULL:
         fix = "free some space, then rerun the same command: finished arms and checkpoints are kept"
@@ -75,10 +81,71 @@ def check_output_file(path: Path, option: str) -> None:
         raise UsageError(f"{option} {path} is {what}, which would be replaced; pass the path of a regular file")
 
 
-def atomic_write_bytes(path: Path, data: bytes, option: str = "--out") -> None:
+GUARDED = ("unlink", "rmtree", "rmdir", "replace")
+
+
+def guarded(op: str, root: str | Path, target: str | Path, source: str | Path | None = None) -> None:
+    """The one way nondet_jax deletes or replaces anything: ``op`` is ``unlink`` (a file; missing is
+    fine), ``rmtree`` (a folder and what it holds; missing is fine), ``rmdir`` (an empty folder) or
+    ``replace`` (``source`` renamed onto ``target``). ``target`` (and ``source``) must lie inside the
+    folder ``root`` (:func:`nondet_jax.store.paths.contained`: no absolute name, no ``..``, no symbolic
+    link on the way, resolved inside), else a UsageError and nothing is touched: a name read from a run
+    folder can never make a sweep delete or overwrite anything outside it."""
+    if op not in GUARDED:
+        raise ValueError(f"unknown operation {op!r}; one of {', '.join(GUARDED)}")
+    target = contained(root, target)
+    if op == "unlink":
+        target.unlink(missing_ok=True)
+    elif op == "rmtree":
+        if target.is_symlink():  # rmtree refuses a link itself; say so rather than skip it
+            raise UsageError(f"{target} is a symbolic link, which nondet_jax never follows in a run folder; remove it")
+        shutil.rmtree(target, ignore_errors=True)
+    elif op == "rmdir":
+        target.rmdir()
+    else:
+        os.replace(contained(root, source), target)
+
+
+def _not_a_file(path: Path) -> str | None:
+    """What stands at ``path`` when it is neither absent nor a regular file (a file is written there)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError:  # a parent that is a file (ENOTDIR): the folder check names that
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    return ("a symbolic link" if stat.S_ISLNK(mode) else "a folder" if stat.S_ISDIR(mode) else
+            "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device")
+
+
+def check_writable_file(path: Path, option: str = "--out") -> None:
+    """Refuse a folder, FIFO, device, socket or link where a file is written (it would be replaced, or
+    the rename fails with a traceback), and a file where its folder should be: one line naming it."""
+    path = Path(path)
+    what = _not_a_file(path)
+    if what is not None:
+        fix = "move it away and rerun the same command" if option == "--out" else f"pass another {option}"
+        raise UsageError(f"{path} is {what}, where nondet_jax writes a file; {fix}")
+    for parent in (path.parent, *path.parent.parents):
+        if parent.exists() or parent.is_symlink():
+            if not parent.is_dir():
+                raise UsageError(f"{parent} is a file, where nondet_jax keeps a folder; move it away and rerun the "
+                                 "same command")
+            break
+
+
+def atomic_write_bytes(path: Path, data: bytes, option: str = "--out", root: str | Path | None = None) -> None:
     """Write ``data`` to ``path`` through a temporary file and a rename: never half a file. The file
     gets the permissions a plain ``open`` would (0644 under umask 022), not mkstemp's 0600; a write the
-    file system refuses is a :class:`UsageError` naming the file and the fix."""
+    file system refuses, or a folder or FIFO where the file goes, is a :class:`UsageError` naming the
+    file and the fix. ``root``: the run folder the file must stay inside (the rename goes through
+    :func:`guarded`); None for a file the user named (``--json``, ``--plot``): its own folder."""
+    path = Path(path)
+    root = path.parent if root is None else root
+    contained(root, path)
+    check_writable_file(path, option)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # TEMP_GLOB
@@ -92,16 +159,16 @@ def atomic_write_bytes(path: Path, data: bytes, option: str = "--out") -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        guarded("replace", root, path, tmp)
     except BaseException as e:
-        Path(tmp).unlink(missing_ok=True)
+        guarded("unlink", root, tmp)
         if isinstance(e, OSError) and e.errno in FULL + DENIED:
             raise write_error(path, e, option) from None
         raise
 
 
-def atomic_write_json(path: Path, obj: Any, option: str = "--out") -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode(), option)
+def atomic_write_json(path: Path, obj: Any, option: str = "--out", root: str | Path | None = None) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode(), option, root)
 
 
 def npy_bytes(array: np.ndarray) -> bytes:
@@ -124,8 +191,9 @@ def flatten_tree(tree: Any) -> dict[str, np.ndarray]:
 
 
 def check_no_links(root: Path) -> None:
-    """Refuse a run folder holding a symbolic link anywhere: nondet_jax writes only plain files and
-    folders there, and following a link would read or overwrite files outside the folder."""
+    """Refuse a run folder holding a symbolic link, FIFO, device or socket anywhere: nondet_jax writes
+    only plain files and folders there; following a link would read or overwrite files outside the
+    folder, and reading a FIFO would wait forever."""
     root = Path(root)
     if not root.is_dir():
         return
@@ -135,6 +203,10 @@ def check_no_links(root: Path) -> None:
             if path.is_symlink():
                 raise UsageError(f"{path} is a symbolic link, which nondet_jax never follows in a run folder; "
                                  "remove it (or put a copy of its target in its place)")
+            what = _not_a_file(path)
+            if what is not None and what != "a folder":
+                raise UsageError(f"{path} is {what}, which a run folder never holds (nondet_jax writes only plain files "
+                                 "and folders there, and reading one could wait forever); remove it")
 
 
 def _finite(x):

@@ -1,12 +1,79 @@
-"""Where each file of a run folder lives: the one place these paths are spelled."""
+"""Where each file of a run folder lives: the one place these paths are spelled.
+
+A run folder is untrusted input (a shared disk, an archive, a colleague's results): every name read from
+one (an arm in ``config.json``'s ``study.arms``, a file an arm record lists) passes the same grammar as the
+command line here before it becomes part of a path (:func:`arm_name`, :meth:`RunPaths.record_file`), and
+every path that deletes or replaces something is checked to stay inside the folder (:func:`contained`,
+used by :func:`nondet_jax.store.io.guarded`, the one helper through which anything is deleted or replaced).
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+from nondet_jax.arms import parse_arm
+from nondet_jax.errors import UsageError
 
 # The per-replica scores a run folder holds for `compare`, and whether higher is better for each.
 RUN_METRICS = {"test_accuracy": True, "test_loss": False, "train_loss": False, "train_accuracy": True}
 ARM_FILES = ("arms/{}.json", "logits/{}.npy", "features/{}.npy", "history/{}.npz", "weights/{}.npz", "pairs/{}.npz")
+
+
+MAX_ARM_NAME = 200  # bytes: an arm name is a file name (arms/<arm>.json), within every file system's 255
+
+
+def arm_name(arm: object, where: str = "") -> str:
+    """``arm`` checked against the arm grammar (:func:`nondet_jax.arms.parse_arm`, what ``--arms`` takes):
+    the one gate every arm name passes before it is part of a path. Such a name holds only source names,
+    ``+`` and ``@snapshotK``: never a ``/``, ``..`` or an absolute path. ``where`` names where a name read
+    from a run folder came from (``<run>/config.json study.arms``); UsageError otherwise."""
+    if isinstance(arm, str) and len(arm.encode()) <= MAX_ARM_NAME:
+        try:
+            parse_arm(arm)
+            return arm
+        except UsageError:
+            if not where:
+                raise
+    elif not where:
+        raise UsageError(f"arm name {str(arm)[:60]!r} is not an arm (control, all, a source or a '+'-joined "
+                         "combination, at most 200 characters); name one of those")
+    shown = repr(arm) if len(repr(arm)) <= 80 else repr(arm)[:77] + "..."
+    raise UsageError(f"{where} names arm {shown}, which is not an arm name (control, all, a source, a '+'-joined "
+                     "combination, @snapshotK): the folder was edited or was not written by nondet_jax, and nothing "
+                     "in it was touched; restore it, or start a new study with another --out")
+
+
+def contained(root: str | Path, target: str | Path) -> Path:
+    """``target``, checked to lie strictly inside the run folder ``root``: it is ``root`` joined with a
+    relative path without ``..`` (an absolute name drops the prefix when joined), no folder on the way
+    from ``root`` to it is a symbolic link, and its folder, resolved, is inside ``root`` resolved.
+    UsageError naming both otherwise. Returns ``target`` as a Path."""
+    root, target = Path(root), Path(target)
+    base, full = Path(os.path.abspath(root)), Path(os.path.abspath(target))  # lexical: '..' is refused below
+    try:
+        rel = full.relative_to(base) if ".." not in target.parts else None
+    except ValueError:
+        rel = None
+    why = None
+    if rel is None or not rel.parts:
+        why = "it is not a path below the folder"
+    else:
+        step = base
+        for part in rel.parts[:-1]:
+            step = step / part
+            if step.is_symlink():
+                why = f"{step} on the way is a symbolic link"
+                break
+        if why is None:
+            real_root, real_parent = base.resolve(), full.parent.resolve()
+            if real_parent != real_root and real_root not in real_parent.parents:
+                why = f"its folder resolves to {real_parent}"
+    if why is not None:
+        raise UsageError(f"refusing to delete or replace {target}: {why}, outside the run folder {root}; nondet_jax "
+                         "deletes and replaces files only inside the run folder (was it edited?), and nothing was "
+                         "touched: restore the folder, or start a new study with another --out")
+    return target
 
 
 class RunPaths:
@@ -28,22 +95,47 @@ class RunPaths:
 
     @staticmethod
     def rel(kind: str, arm: str, ext: str | None = None) -> str:
-        """``'logits', 'init'`` -> ``'logits/init.npy'``: the path of an arm's file inside the folder."""
-        return f"{kind}/{arm}{ext or ARM_EXT[kind]}"
+        """``'logits', 'init'`` -> ``'logits/init.npy'``: the path of an arm's file inside the folder (the
+        arm name checked by :func:`arm_name`)."""
+        return f"{kind}/{arm_name(arm)}{ext or ARM_EXT[kind]}"
 
     def arm_file(self, kind: str, arm: str, ext: str | None = None) -> Path:
         """An arm's file of ``kind`` (``arms``, ``logits``, ``pairs``, ``tta``, ...; see :data:`ARM_EXT`)."""
         return self.root / self.rel(kind, arm, ext)
 
     def checkpoints(self, arm: str) -> Path:
-        return self.root / "checkpoints" / arm
+        return self.root / "checkpoints" / arm_name(arm)
 
     def parts(self, arm: str | None = None) -> Path:
         """Per-process results of a multi-process run, before process 0 merges them."""
-        return self.root / "parts" if arm is None else self.root / "parts" / arm
+        return self.root / "parts" if arm is None else self.root / "parts" / arm_name(arm)
+
+    def tensorboard(self, arm: str | None = None) -> Path:
+        """TensorBoard event files (derived, rebuilt from the stored results): ``tensorboard/<arm>``."""
+        return self.root / "tensorboard" if arm is None else self.root / "tensorboard" / arm_name(arm)
+
+    def record_file(self, arm: str, rel: object, record: Path) -> Path:
+        """A file that arm ``arm``'s record (``record``) lists, checked to be one the store writes for that
+        arm (:func:`record_files`), so a planted record cannot point outside the folder, or anywhere else
+        in it; UsageError naming the record and ``--recompute ARM`` otherwise."""
+        if not isinstance(rel, str) or rel not in record_files(arm):
+            shown = repr(rel) if len(repr(rel)) <= 80 else repr(rel)[:77] + "..."
+            raise UsageError(f"result file {record} lists {shown}, which is not one of arm '{arm}''s files; rerun "
+                             f"with --recompute {arm} to train arm '{arm}' again")
+        return self.root / rel
 
 
 # The extension of each kind of per-arm file.
 ARM_EXT = {"arms": ".json", "logits": ".npy", "features": ".npy", "history": ".npz", "weights": ".npz",
            "pairs": ".npz", "dynamics": ".npz", "environments": ".json", "instruments": ".npz", "tta": ".npz",
            "snapshots": ".npy"}
+
+
+TEST_LABELS = "test_labels.npy"  # listed by every arm record, as its files are
+
+
+def record_files(arm: str) -> set[str]:
+    """Every file name an arm record may list: the arm's own files (:data:`ARM_EXT`, and the instruments'
+    CSV) and the test labels."""
+    arm = arm_name(arm)
+    return {TEST_LABELS, RunPaths.rel("instruments", arm, ".csv"), *(RunPaths.rel(k, arm) for k in ARM_EXT)}

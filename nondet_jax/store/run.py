@@ -9,7 +9,7 @@ import hashlib
 import io
 import json
 import os
-import shutil
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +23,12 @@ from nondet_jax.store.io import (
     atomic_write_json,
     check_no_links,
     check_path_name,
+    check_writable_file,
+    guarded,
     npy_bytes,
     npz_bytes,
 )
-from nondet_jax.store.paths import ARM_FILES, RunPaths
+from nondet_jax.store.paths import ARM_EXT, TEST_LABELS, RunPaths, arm_name, record_files
 
 LOCK = ".lock"
 
@@ -81,7 +83,7 @@ def record_digest(record: dict) -> str:
 def read_arm_record(root: Path, arm: str) -> dict:
     """``arms/<arm>.json``, parsed and checked to be an arm record that nobody edited (its own
     sha256 matches). UsageError naming the file and ``--recompute ARM`` otherwise."""
-    path = Path(root) / f"arms/{arm}.json"
+    path = RunPaths(root).arm_file("arms", arm)
     fix = f"rerun with --recompute {arm} to train arm '{arm}' again"
     try:
         record = json.loads(path.read_text())
@@ -103,18 +105,26 @@ def verify_arm_files(root: Path, arm: str, record: dict, identity: str = "") -> 
     this study; UsageError naming the file and the fix when one is missing, truncated or altered.
     Returns the record."""
     root = Path(root)
+    paths = RunPaths(root)
     if identity and record.get("identity_sha256") != identity:
         raise UsageError(f"arm '{arm}' in {root} was trained by another study (its parts' fingerprints differ from "
                          f"this one's); rerun with --recompute {arm} to train it again here, or choose another --out")
-    for rel, digest in record.get("files", {}).items():
+    listed = record.get("files", {})
+    for rel in listed:  # every name checked before any file is opened: a planted record names no other file
+        paths.record_file(arm, rel, paths.arm_file("arms", arm))
+    for rel, digest in listed.items():
         path = root / rel
         try:
-            ok = hashlib.sha256(path.read_bytes()).hexdigest() == digest
+            if not path.is_file():  # a folder or FIFO where the file was: never opened (a FIFO would block)
+                os.lstat(path)  # FileNotFoundError when absent
+                ok = False
+            else:
+                ok = hashlib.sha256(path.read_bytes()).hexdigest() == digest
         except FileNotFoundError:
-            ok = rel == "test_labels.npy"  # rewritten from the data set by the next sweep; the report skips it
+            ok = rel == TEST_LABELS  # rewritten from the data set by the next sweep; the report skips it
         except OSError:
             ok = False
-        if not ok and rel == "test_labels.npy":
+        if not ok and rel == TEST_LABELS:
             raise UsageError(f"{path} is not the labels arm '{arm}' was evaluated on (sha256 mismatch); delete it "
                              "and rerun the same sweep command, which writes it again from the data set")
         if not ok:
@@ -135,13 +145,20 @@ def take_lock(root: Path, fix: str = "wait for it to finish or choose another --
     descriptor; a :class:`UsageError` naming the holder when another process has it. ``flock`` dies with
     its process, so a killed sweep leaves no stale lock. Sweeps and ``report`` take it, so a report is
     never built from a folder a sweep is still writing."""
-    try:
-        fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)  # less the umask, as any file
+    try:  # less the umask, as any file; O_NONBLOCK: a FIFO there must not block the open
+        fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise UsageError(f"{root / LOCK} is a symbolic link, which nondet_jax never follows in a run folder; "
                              "remove it") from None
+        if e.errno == errno.EISDIR:
+            raise UsageError(f"{root / LOCK} is a folder, where nondet_jax keeps the run folder's lock file; remove "
+                             "it and rerun the same command") from None
         raise UsageError(f"cannot write to {root}: {e.strerror}; choose a writable folder") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UsageError(f"{root / LOCK} is a FIFO, device or socket, where nondet_jax keeps the run folder's lock "
+                         "file; remove it and rerun the same command")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -156,6 +173,49 @@ def take_lock(root: Path, fix: str = "wait for it to finish or choose another --
 def release_lock(fd: int) -> None:
     fcntl.flock(fd, fcntl.LOCK_UN)
     os.close(fd)
+
+
+def read_config(cfg_path: Path) -> dict:
+    """A run folder's ``config.json`` as a dict whose ``study.arms`` is a list; UsageError otherwise (a
+    FIFO or folder in its place is refused, never opened)."""
+    try:
+        if not cfg_path.is_file():
+            raise ValueError("not a file")
+        old = json.loads(cfg_path.read_text())
+        if not isinstance(old, dict) or not isinstance(old.get("study", {}).get("arms"), list):
+            raise ValueError("not a config")
+    except (OSError, ValueError, AttributeError):  # JSONDecodeError, UnicodeDecodeError are ValueErrors
+        raise UsageError(f"{cfg_path} is unreadable or corrupt; delete the folder {cfg_path.parent} "
+                         "or choose another --out") from None
+    return old
+
+
+# The folders a study writes into (a file in place of one used to end in a traceback after other writes).
+FOLDERS = (*ARM_EXT, "figures", "checkpoints", "parts", "tensorboard")
+
+
+def check_layout(root: Path, arms: list[str]) -> None:
+    """Before anything in a run folder is written: every file a study or its report replaces is absent
+    or a regular file (not a folder, FIFO, device or link), every folder it writes into is absent or a
+    folder, and nothing named like a temporary file is anything but a file. A folder where
+    ``replicas.csv`` goes used to end in a traceback after ``command.txt`` and ``environment.json`` had
+    been rewritten; ``arms`` as a file, in retraining every arm. ``arms``: checked names."""
+    paths = RunPaths(root)
+    for kind in FOLDERS:
+        folder = root / kind
+        if (folder.exists() or folder.is_symlink()) and not folder.is_dir():
+            raise UsageError(f"{folder} is a file, where nondet_jax keeps a folder; move it away and rerun the same "
+                             "command")
+    files = [paths.config, paths.environment, paths.model, paths.test_labels, paths.command, paths.replicas_csv,
+             paths.summary, paths.arms_csv, paths.report]
+    for arm in arms:
+        files += [root / rel for rel in sorted(record_files(arm) - {TEST_LABELS})]
+        files.append(root / RunPaths.rel("environments", arm, ".processes.json"))
+    if paths.figures.is_dir():
+        files += sorted(p for p in paths.figures.iterdir() if p.suffix == ".png")
+    files += sorted(root.rglob(TEMP_GLOB))
+    for path in files:
+        check_writable_file(path)
 
 
 def _leftover(path: Path) -> bool:
@@ -191,6 +251,9 @@ class RunStore:
         if self.locked_by_parent:
             return
         check_path_name(root, "--out")
+        if root.is_symlink() and not root.exists():  # mkdir used to say "File exists"
+            raise UsageError(f"--out {root} is a symbolic link to {os.readlink(root)}, which does not exist; create "
+                             "that folder, or choose another --out")
         if root.exists() and not root.is_dir():
             raise UsageError(f"--out {root} is a file, not a folder; choose another --out")
         cfg_path = root / "config.json"
@@ -202,44 +265,41 @@ class RunStore:
         except OSError as e:
             raise UsageError(f"cannot write to --out {root}: {e.strerror}; choose a writable folder") from None
         self._lock_fd = take_lock(root)
-        for tmp in root.rglob(TEMP_GLOB):  # left by a process killed mid-write; never a result
-            tmp.unlink(missing_ok=True)
         try:
             new = to_dict(self.config)
-            if cfg_path.exists():
-                try:
-                    old = json.loads(cfg_path.read_text())
-                    if not isinstance(old, dict) or not isinstance(old.get("study", {}).get("arms"), list):
-                        raise ValueError("not a config")
-                except (OSError, ValueError, AttributeError):  # JSONDecodeError, UnicodeDecodeError are ValueErrors
-                    raise UsageError(f"{cfg_path} is unreadable or corrupt; delete the folder {root} "
-                                     "or choose another --out") from None
+            old = read_config(cfg_path) if cfg_path.exists() else None
+            # Every name the folder gives is checked before anything in it is deleted or written.
+            old_arms = [arm_name(a, f"{cfg_path} study.arms") for a in old["study"]["arms"]] if old else []
+            check_layout(root, list(dict.fromkeys(old_arms + list(new["study"]["arms"]))))
+            for tmp in root.rglob(TEMP_GLOB):  # left by a process killed mid-write; never a result
+                guarded("unlink", root, tmp)
+            if old is not None:
                 diff = _config_diff(old, new)
                 if diff:
                     raise UsageError(f"--out {root} holds results of a different config ({'; '.join(diff[:3])}); "
                                      "choose another --out or rerun with the same settings")
-                new["study"]["arms"] = list(dict.fromkeys(old["study"]["arms"] + new["study"]["arms"]))
+                new["study"]["arms"] = list(dict.fromkeys(old_arms + new["study"]["arms"]))
                 self.arms = new["study"]["arms"]
                 finished = []
-                for arm in old["study"]["arms"]:  # damaged results stop the run before anything is written
+                for arm in old_arms:  # damaged results stop the run before anything is written
                     if self.arm_done(arm) and arm not in self.recompute:
                         self.verify_arm(arm)
                         finished.append(arm)
-                    elif arm not in self.recompute and (root / "checkpoints" / arm).is_dir():
+                    elif arm not in self.recompute and self.paths.checkpoints(arm).is_dir():
                         from nondet_jax.store.checkpoint import (
                             CorruptCheckpoint,
                             verify_latest,
                         )
 
                         try:
-                            verify_latest(root / "checkpoints" / arm,
+                            verify_latest(self.paths.checkpoints(arm),
                                           {"identity_sha256": self.identity} if self.identity else None)
                         except CorruptCheckpoint as e:
                             raise UsageError(f"{e}; rerun with --recompute {arm} to train arm '{arm}' again from "
                                              "scratch") from None
             else:
                 finished = []
-            atomic_write_json(cfg_path, new)
+            atomic_write_json(cfg_path, new, root=root)
             for arm in finished:  # left behind by a kill between an arm's record and their deletion
                 self.remove_checkpoints(arm)
         except BaseException:
@@ -266,17 +326,16 @@ class RunStore:
 
     def remove_arm(self, arm: str) -> None:
         """Delete an arm's results and checkpoints (its record first, so it never looks finished)."""
-        (self.root / f"arms/{arm}.json").unlink(missing_ok=True)
-        for pattern in ARM_FILES[1:] + ("dynamics/{}.npz", "environments/{}.json", "environments/{}.processes.json",
-                                        "instruments/{}.npz", "instruments/{}.csv", "tta/{}.npz", "snapshots/{}.npy"):
-            (self.root / pattern.format(arm)).unlink(missing_ok=True)
+        guarded("unlink", self.root, self.paths.arm_file("arms", arm))
+        for rel in sorted(record_files(arm) - {TEST_LABELS, RunPaths.rel("arms", arm)}) + \
+                [RunPaths.rel("environments", arm, ".processes.json")]:
+            guarded("unlink", self.root, self.root / rel)
         self.remove_checkpoints(arm)
-
-        shutil.rmtree(self.paths.parts(arm), ignore_errors=True)  # per-process parts of an interrupted arm
+        guarded("rmtree", self.root, self.paths.parts(arm))  # per-process parts of an interrupted arm
 
     def remove_checkpoints(self, arm: str) -> None:
         """Delete an arm's checkpoints (once its results are stored, or to retrain it)."""
-        shutil.rmtree(self.root / "checkpoints" / arm, ignore_errors=True)
+        guarded("rmtree", self.root, self.paths.checkpoints(arm))
 
     def save_arm(self, arm: str, record: dict, logits: np.ndarray, features: np.ndarray,
                  history: dict[str, np.ndarray], weights: dict[str, np.ndarray], pairs: dict[str, np.ndarray],
@@ -289,7 +348,7 @@ class RunStore:
         if dynamics is not None:
             files[f"dynamics/{arm}.npz"] = npz_bytes(dynamics)
         for rel, data in files.items():
-            atomic_write_bytes(self.root / rel, data)
+            atomic_write_bytes(self.paths.record_file(arm, rel, self.paths.arm_file("arms", arm)), data, root=self.root)
         digests = {rel: hashlib.sha256(data).hexdigest() for rel, data in files.items()}
         labels = self.root / "test_labels.npy"  # the report reads it: covered like the arm's own files
         if labels.is_file():
@@ -297,10 +356,10 @@ class RunStore:
         record = json.loads(json.dumps({**record, "files": digests, "config_sha256": config_digest(to_dict(self.config)),
                                         "identity_sha256": self.identity}))
         record["record_sha256"] = record_digest(record)  # over the JSON form, as read back
-        atomic_write_json(self.root / f"arms/{arm}.json", record)
+        atomic_write_json(self.paths.arm_file("arms", arm), record, root=self.root)
 
     def write_json(self, name: str, obj: Any) -> None:
-        atomic_write_json(self.root / name, obj)
+        atomic_write_json(self.root / name, obj, root=self.root)
 
     def write_rows(self, rows: list[dict]) -> None:
         """Write ``replicas.csv`` (one row per arm and replica) atomically."""
@@ -310,4 +369,4 @@ class RunStore:
         w = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
         w.writeheader()
         w.writerows(rows)
-        atomic_write_bytes(self.root / "replicas.csv", buf.getvalue().encode())
+        atomic_write_bytes(self.paths.replicas_csv, buf.getvalue().encode(), root=self.root)

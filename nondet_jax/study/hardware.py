@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -30,7 +29,8 @@ from nondet_jax.machine.determinism import with_flags
 from nondet_jax.machine.signals import PARENT_ENV, die_with_parent
 from nondet_jax.replicas.choice import make_strategy, resolve_strategy
 from nondet_jax.sources import arm_keys, parse_arm, perturbations
-from nondet_jax.store.io import atomic_write_bytes, atomic_write_json
+from nondet_jax.store.io import atomic_write_bytes, atomic_write_json, guarded
+from nondet_jax.store.paths import RunPaths
 from nondet_jax.store.run import RunStore
 from nondet_jax.study.arm import arm_setup, finish_arm, fit_arm
 from nondet_jax.study.multihost import merge_parts, part_bytes
@@ -49,7 +49,7 @@ def child_env(flags) -> dict[str, str]:
 
 
 def _parts(out: Path, arm: str) -> Path:
-    return Path(out) / "parts" / arm
+    return RunPaths(out).parts(arm)
 
 
 def train_arm_per_process(config, data, fns, store, arm, flags, log=print) -> dict:
@@ -83,9 +83,9 @@ def train_arm_per_process(config, data, fns, store, arm, flags, log=print) -> di
     store.write_json(f"environments/{arm.name}.processes.json",
                      {"mode": "one process per replica", "parent_pid": os.getpid(), "processes": processes})
     record = finish_arm(config, data, fns, store, arm, merged, "one fresh process per replica", log)
-    shutil.rmtree(folder, ignore_errors=True)
-    if (store.root / "parts").is_dir() and not any((store.root / "parts").iterdir()):
-        (store.root / "parts").rmdir()
+    guarded("rmtree", store.root, folder)
+    if store.paths.parts().is_dir() and not any(store.paths.parts().iterdir()):
+        guarded("rmdir", store.root, store.paths.parts())
     return record
 
 
@@ -102,13 +102,14 @@ def child_main(out: str, arm: str, replica: int) -> int:
         result, _ = fit_arm(config, data, fns, store, parse_arm(arm), lambda n: None, lambda *a, **k: None,
                             block=range(replica, replica + 1))
         folder = _parts(store.root, arm)
-        atomic_write_bytes(folder / f"{replica}.npz", part_bytes(result))
+        atomic_write_bytes(folder / f"{replica}.npz", part_bytes(result), root=store.root)
         env = environment()
         atomic_write_json(folder / f"{replica}.json", {
             "replica": replica, "pid": os.getpid(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "compilation_cache": bool(jax.config.jax_enable_compilation_cache),
             "backend": env.get("backend"), "device_kind": env.get("device_kind"),
-            "test_logits_sha256": hashlib.sha256(np.ascontiguousarray(result.logits).tobytes()).hexdigest()})
+            "test_logits_sha256": hashlib.sha256(np.ascontiguousarray(result.logits).tobytes()).hexdigest()},
+            root=store.root)
     return 0
 
 

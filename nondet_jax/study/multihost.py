@@ -51,6 +51,8 @@ def initialize(coordinator: str | None, num_processes: int | None, process_id: i
     if not auto and not all(given):
         raise UsageError("multi-process runs need --coordinator HOST:PORT, --num-processes N and --process-id I "
                          "together (or --distributed auto where JAX detects the cluster)")
+    if not auto and num_processes < 1:  # it used to blame --process-id
+        raise UsageError(f"--num-processes must be >= 1, got {num_processes}; use e.g. --num-processes 2")
     if not auto and not 0 <= process_id < num_processes:
         raise UsageError(f"--process-id must be in [0, {num_processes}), got {process_id}")
     if not auto:

@@ -116,6 +116,11 @@ def check_outputs(fns) -> None:
     spec, b = fns.spec, fns.batch_size
     variables = _variables_shape(fns)
     out = jax.eval_shape(fns.model.evaluate, variables, jax.ShapeDtypeStruct((b, *spec.image_shape), spec.x_dtype))[0]
+    if not hasattr(out, "shape"):  # a tuple or dict of outputs failed deep in JAX ("'tuple' has no attribute shape")
+        leaves = jax.tree.leaves(out)
+        raise UsageError(f"the model returns a {type(out).__name__} of {len(leaves)} array(s) for a batch, but must "
+                         "return one array of outputs (logits, or predictions for a regression); return that alone "
+                         "(CKA's features: accept return_features=True and return (logits, features) only then)")
     shape = tuple(out.shape)
     if spec.task == "regression":
         if len(shape) < 1 or shape[0] != b or int(np.prod(shape[1:])) != spec.num_classes:
@@ -128,6 +133,29 @@ def check_outputs(fns) -> None:
                          f"({b}, {spec.num_classes}))")
     if not jax.numpy.issubdtype(out.dtype, jax.numpy.floating):
         raise UsageError(f"the model returns {out.dtype} outputs; return floating-point logits or predictions")
+
+
+def check_loss(fns, data) -> None:
+    """Refuse, before anything trains, a loss of your own that does not return one loss per example: a
+    ``(B, 3)`` loss was averaged over everything without a word, and one that fails failed deep in JAX.
+    Traced on the model's outputs and a batch of labels, not run."""
+    if fns.parts.loss is None:
+        return
+    spec, b = fns.spec, fns.batch_size
+    out = jax.eval_shape(fns.model.evaluate, _variables_shape(fns),
+                         jax.ShapeDtypeStruct((b, *spec.image_shape), spec.x_dtype))[0]
+    y = jax.ShapeDtypeStruct((b, *np.shape(data.y_train)[1:]), np.asarray(data.y_train[:1]).dtype)
+    try:
+        losses = jax.eval_shape(fns.example_loss, out, y)
+    except Exception as e:  # noqa: BLE001 (the user's function: any error, named)
+        raise UsageError(f"loss(outputs, labels) fails on outputs of shape {tuple(out.shape)} and labels of shape "
+                         f"{y.shape} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); it must take "
+                         "them and return one loss per example") from None
+    shape = getattr(losses, "shape", None)
+    if shape != (b,):
+        raise UsageError(f"loss(outputs, labels) returns {f'shape {tuple(shape)}' if shape is not None else type(losses).__name__} "
+                         f"for a batch of {b}; it must return one loss per example, shape ({b},) (the study averages "
+                         "them): reduce the other axes in the loss, e.g. .sum(-1)")
 
 
 def parse_arms(config: Config) -> list[Arm]:
@@ -154,9 +182,9 @@ def resolve_parts(config: Config, parts: Parts = Parts()) -> Parts:
         parts = parts._replace(features=config.model.features)
     if parts.init_params is None and config.model.init_from:
         path, at, r = config.model.init_from.rpartition("@")
-        if not at:
-            path = config.model.init_from
-        elif not r.isdigit():
+        if not at:  # PATH.npz alone (the documented form): no replica axis to pick from
+            path, r = config.model.init_from, ""
+        elif not (r.isascii() and r.isdigit()):
             raise UsageError(f"--init-from {config.model.init_from}: after @ comes a replica number, e.g. "
                              "runs/pretrain/weights/control.npz@0")
         parts = parts._replace(init_params=pretrained.load_params(path, int(r) if r else None))
@@ -217,9 +245,10 @@ def prepare(config: Config, parts: Parts = Parts(), data=None):
                     getattr(data, "task", "classification"))
     fns = make_train(config, spec, parts)
     check_init_params(fns)
-    check_arms_active(config, parse_arms(config), fns)
+    check_outputs(fns)  # the user's parts, each traced on its own first: a misuse is named, not found deep in JAX
+    check_loss(fns, data)
     check_augment(fns)
-    check_outputs(fns)
+    check_arms_active(config, parse_arms(config), fns)
     check_fits(config, spec, len(data.x_test), fns=fns)  # before anything is allocated or written
     return data, fns
 
@@ -252,11 +281,20 @@ def stored_model(paths) -> dict | None:
     return old
 
 
+def holds_results(paths) -> bool:
+    """Whether a run folder holds a finished arm (its record): results a changed model must not join."""
+    arms = paths.root / "arms"
+    return arms.is_dir() and any(p.is_file() for p in arms.glob("*.json"))
+
+
 def check_model(paths, record: dict) -> None:
     """Refuse to continue a study whose stored ``model.json`` names another model or parameter
-    shapes, or whose parts differ by content (each changed part named)."""
+    shapes, or whose parts differ by content (each changed part named). A folder without a finished
+    arm holds no results to protect (a study that stopped before storing one, say with a model whose
+    outputs CKA could not take): the corrected model may take it over; an arm's checkpoints of the
+    other model are still refused by their own identity, naming ``--recompute ARM``."""
     old = stored_model(paths)
-    if old is None:
+    if old is None or not holds_results(paths):
         return
     if old.get("fingerprint") != record["fingerprint"] or old.get("model") != record["model"]:
         diff = fingerprint_diff(old, record)

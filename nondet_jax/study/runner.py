@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from nondet_jax.replicas.choice import make_strategy, resolve_strategy
 from nondet_jax.report.markdown import write_report
 from nondet_jax.report.summary import format_table, replica_rows
 from nondet_jax.sources import Arm, arm_keys, perturbations
-from nondet_jax.store.io import atomic_write_bytes, check_path_name, npy_bytes
+from nondet_jax.store.io import atomic_write_bytes, check_no_links, check_path_name, guarded, npy_bytes
 from nondet_jax.store.paths import RunPaths
 from nondet_jax.store.run import RunStore
 from nondet_jax.study import multihost as mh
@@ -64,8 +63,8 @@ def write_run_files(store, config: Config, data, fns, command: str | None, model
     store.write_json(store.paths.environment.name, env)
     store.write_json(store.paths.model.name, model)
     if command:
-        atomic_write_bytes(store.paths.command, (command + "\n").encode())
-    atomic_write_bytes(store.paths.test_labels, npy_bytes(np.asarray(data.y_test)))
+        atomic_write_bytes(store.paths.command, (command + "\n").encode(), root=store.root)
+    atomic_write_bytes(store.paths.test_labels, npy_bytes(np.asarray(data.y_test)), root=store.root)
     return strategy, reason
 
 
@@ -139,6 +138,7 @@ def run(config: Config, out: str | Path | None = None, progress: bool | None = N
         check_flags(DETERMINISM_OFF)
     model = model_record(config, data, fns)
     out = Path(out) if out is not None else default_out(config, model["identity_sha256"])
+    check_no_links(out)  # no link or FIFO in the folder: model.json is read before the folder is opened
     check_model(RunPaths(out), model)
     if progress is None:
         progress = sys.stderr.isatty()
@@ -204,6 +204,7 @@ def run_distributed(config: Config, out: str | Path | None, procs, progress: boo
                          f"{procs.count} or more")
     model = model_record(config, data, fns)
     out = Path(out) if out is not None else default_out(config, model["identity_sha256"])
+    check_no_links(out)  # no link or FIFO in the folder: model.json is read before the folder is opened
     check_model(RunPaths(out), model)
     log = log if procs.leader else (lambda *a, **k: None)
     store = RunStore(out, config, locked_by_parent=not procs.leader, identity=model["identity_sha256"])
@@ -227,7 +228,8 @@ def run_distributed(config: Config, out: str | Path | None, procs, progress: boo
                     continue
                 result, reason = fit_arm(config, data, fns, store, arm,
                                          bar.arm(arm.name, len(block) * config.train.epochs), log, block)
-                atomic_write_bytes(store.paths.parts(arm.name) / f"{procs.index}.npz", mh.part_bytes(result))
+                atomic_write_bytes(store.paths.parts(arm.name) / f"{procs.index}.npz", mh.part_bytes(result),
+                                   root=store.root)
                 mh.barrier(f"trained {arm.name}")
                 if procs.leader:
                     _, arm_fns = arm_setup(config, fns, arm)
@@ -237,13 +239,13 @@ def run_distributed(config: Config, out: str | Path | None, procs, progress: boo
                     merged = mh.merge_parts([store.paths.parts(arm.name) / f"{i}.npz" for i in range(procs.count)],
                                             init.params)
                     record = finish_arm(config, data, fns, store, arm, merged, reason, log)
-                    shutil.rmtree(store.paths.parts(arm.name), ignore_errors=True)
+                    guarded("rmtree", store.root, store.paths.parts(arm.name))
                     log_accuracy(log, arm, record)
                 mh.barrier(f"stored {arm.name}")
         if not procs.leader:
             return None
         if store.paths.parts().is_dir() and not any(store.paths.parts().iterdir()):
-            store.paths.parts().rmdir()
+            guarded("rmdir", store.root, store.paths.parts())
         return {**finish_study(store, log), "out": str(out)}
     finally:
         store.close()
