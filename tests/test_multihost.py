@@ -15,7 +15,7 @@ from nondet_jax.study.multihost import replica_block
 
 ENV = {**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1", "JAX_PLATFORMS": "cpu"}
 STUDY = ["--model", "mlp", "--epochs", "2", "--replicas", "3", "--batch-size", "256", "--arms", "control,init",
-         "--no-progress"]
+         "--set", "train.checkpoint_seconds=0", "--no-progress"]  # every process checkpoints every epoch
 
 
 def test_replica_blocks_cover_every_replica_once():
