@@ -381,11 +381,18 @@ def _make_train(config: Config, spec: DataSpec, parts: Parts) -> TrainFns:
         return inst.update(istate, seen.params, seen.batch, step=seen.step, context=seen.batch_stats,
                            updates=seen.updates, lr=lr_at(seen.step), grads=seen.grads, loss=seen.loss, tape=tape)
 
+    def indices(keys: ReplicaKeys, epoch):
+        """The epoch's example indices, (steps, batch)."""
+        return epoch_indices(keys.data_order, epoch, spec.n_train, b)
+
+    def finish(start: TrainState, end: TrainState, out, epoch):
+        """After an epoch's steps (their outputs stacked): the divergence guard and the epoch's metrics."""
+        return guard(start, end, out[0], epoch * steps), epoch_metrics(out)
+
     def train_epoch(state: TrainState, x_train, y_train, keys: ReplicaKeys, perturb: Perturbations, epoch):
-        idx = epoch_indices(keys.data_order, epoch, spec.n_train, b)
+        idx = indices(keys, epoch)
         if defer and most_read < steps:  # keep and measure only the steps the schedule reads
-            new, out = sparse_deferred_epoch(state, x_train, y_train, keys, perturb, epoch, idx)
-            return guard(state, new, out[0], epoch * steps), epoch_metrics(out)
+            return finish(state, *sparse_deferred_epoch(state, x_train, y_train, keys, perturb, epoch, idx), epoch)
 
         def step(state: TrainState, inputs):
             i, batch_idx = inputs
@@ -408,7 +415,7 @@ def _make_train(config: Config, spec: DataSpec, parts: Parts) -> TrainFns:
 
             istate, (values, tracked) = jax.lax.scan(measure_step, state.instruments, out[2])
             new, out = new._replace(instruments=istate), (out[0], out[1], values, tracked)
-        return guard(state, new, out[0], epoch * steps), epoch_metrics(out)
+        return finish(state, new, out, epoch)
 
     def sparse_deferred_epoch(state: TrainState, x_train, y_train, keys: ReplicaKeys, perturb: Perturbations, epoch,
                               idx):
@@ -468,15 +475,11 @@ def _make_train(config: Config, spec: DataSpec, parts: Parts) -> TrainFns:
         tracked = jax.vmap(inst.schedule)(epoch * steps + jnp.arange(steps))
         return new._replace(instruments=istate), (losses, accs, values, tracked)
 
-    def indices(keys: ReplicaKeys, epoch):
-        return epoch_indices(keys.data_order, epoch, spec.n_train, b)
-
     def epoch_step(state: TrainState, x_train, y_train, keys: ReplicaKeys, perturb: Perturbations, epoch, i, idx):
         return train_step(state, x_train, y_train, keys, perturb, epoch, i, idx[i])
 
     def epoch_finish(start: TrainState, end: TrainState, outs, epoch):
-        out = jax.tree.map(lambda *a: jnp.stack(a), *outs)
-        return guard(start, end, out[0], epoch * steps), epoch_metrics(out)
+        return finish(start, end, jax.tree.map(lambda *a: jnp.stack(a), *outs), epoch)
 
     eval_b = config.train.eval_batch_size
 
