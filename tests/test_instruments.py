@@ -67,6 +67,32 @@ def test_configurations_match_cockpit():
         instruments.resolve("hessmaxev")
 
 
+def test_every_quantity_is_one_record_and_names_match():
+    from nondet_jax.instruments.quantities import QUANTITIES
+
+    assert tuple(QUANTITIES) == configurations.QUANTITIES  # the JAX-free names the config checks, same order
+    known = {"norms", "elements", "grad_sq", "hist1d", "hist2d", "mean_projection", "alpha", "loss", "hvp",
+             "diagonal", "updates", "lr"}
+    assert all(r.needs <= known for r in QUANTITIES.values())
+
+
+def test_a_new_quantity_is_one_record(monkeypatch, x64):
+    """docs/instruments.md's recipe: one record (and its name) and make computes it from the shared pass."""
+    from nondet_jax.instruments import quantities
+
+    record = quantities.Quantity(lambda p: {"GradMax": max(jnp.max(jnp.abs(g)) for g in jax.tree.leaves(p.gbar))},
+                                 frozenset({"norms"}))
+    monkeypatch.setitem(quantities.QUANTITIES, "GradMax", record)
+    monkeypatch.setattr(configurations, "QUANTITIES", configurations.QUANTITIES + ("GradMax",))
+    params = init_params(jax.random.key(0), jnp.float64)
+    batch = batch_of(jax.random.key(1), 8, jnp.float64)
+    inst = instruments.make("GradMax,NormTest", example_loss)
+    assert inst.value_names(params) == ["NormTest", "GradMax"]
+    _, v = inst.update(inst.init(params), params, batch, step=0)
+    np.testing.assert_allclose(v["GradMax"], np.abs(explicit_per_example(params, batch).mean(0)).max(), rtol=1e-12)
+    assert np.isfinite(v["NormTest"])
+
+
 def test_schedules():
     lin = instruments.linear(4, offset=1)
     assert [bool(lin(s)) for s in range(10)] == [s >= 1 and (s - 1) % 4 == 0 for s in range(10)]
