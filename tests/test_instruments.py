@@ -514,6 +514,22 @@ def test_dashboard_and_tidy_rows(tmp_path):
         dashboard({"Loss": values["Loss"]})
 
 
+def test_dashboard_draws_every_quantity_the_instruments_compute():
+    from nondet_jax.instruments.dashboard import PANELS, dashboard
+
+    drawn = {q for *_, qs in PANELS for q in qs}
+    assert drawn == set(configurations.QUANTITIES)  # a quantity without a panel would be computed and never shown
+    t, r = 5, 2
+    values = {"step": np.arange(t), "TICDiag": np.full((r, t), 0.7), "TICTrace": np.full((r, t), 0.4),
+              "GradHist2d": np.ones((r, t, *histograms.HIST2D_BINS)), "MeanGSNR": np.full((r, t), 2.0),
+              "EarlyStopping": np.full((r, t), -0.5), "CABS": np.full((r, t), 0.01)}
+    panels = {a.get_title(): a for a in dashboard(values).axes}
+    assert len(panels["TIC"].get_lines()) == 2 * r and len(panels["Gradient signal to noise"].get_lines()) == 2 * r
+    assert len(panels["CABS (suggested learning rate)"].get_lines()) == r
+    assert len(panels["GradHist2d (last tracked step, replica 0)"].get_images()) == 1
+    assert [x.get_text() for x in panels["learning rate"].texts] == ["not recorded\n(your own optimiser)"]
+
+
 def test_mixed_float32_and_float64_parameters(x64):
     """One float32 leaf beside float64 leaves (a user layer's own param under x64): every quantity runs,
     comes out in float64 and equals the all-float64 values to float32 precision (the sums used to take
