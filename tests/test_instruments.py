@@ -15,9 +15,9 @@ from nondet_jax import instruments
 from nondet_jax.config import from_flat
 from nondet_jax.errors import UsageError
 from nondet_jax.instruments import configurations, curvature, formulas, histograms
-from nondet_jax.sources import arm_keys, arm_sources, perturbations, replica_slice
+from nondet_jax.sources import arm_keys, arm_sources, perturbations
 from nondet_jax.train import make_train
-from tests.conftest import spec_of, tiny_config
+from tests.conftest import one_replica, spec_of, tiny_config
 
 
 @pytest.fixture
@@ -385,8 +385,7 @@ def test_train_epoch_reports_instruments_and_leaves_training_unchanged(instrumen
     config, data = instrumented
     plain = tiny_config(**{"train.epochs": 2})
     spec = spec_of(data)
-    varied = arm_sources("init")
-    keys, perturb = replica_slice(arm_keys(0, varied, 2), 1), perturbations(varied)
+    keys, perturb = one_replica("init", 1)
     x, y = jnp.asarray(data.x_train), jnp.asarray(data.y_train)
     out = {}
     for name, cfg in (("on", config), ("off", plain)):

@@ -19,7 +19,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -48,10 +47,6 @@ def child_env(flags) -> dict[str, str]:
             PARENT_ENV: str(os.getpid())}
 
 
-def _parts(out: Path, arm: str) -> Path:
-    return RunPaths(out).parts(arm)
-
-
 def train_arm_per_process(config, data, fns, store, arm, flags, log=print) -> dict:
     """Train each replica of ``arm`` in its own fresh process under ``flags``, merge, compute the
     arm's metrics here and store it (as the sweep does for any arm); returns its record.
@@ -62,10 +57,10 @@ def train_arm_per_process(config, data, fns, store, arm, flags, log=print) -> di
     """
     arm = parse_arm(arm) if isinstance(arm, str) else arm
     study = config.study
-    folder = _parts(store.root, arm.name)
+    paths = RunPaths(store.root)
     env = child_env(flags)
     for r in range(study.replicas):
-        if (folder / f"{r}.json").exists():
+        if paths.part(arm.name, r, ".json").exists():
             log(f"arm {arm.name}: replica {r} already trained in its own process, reusing it")
             continue
         log(f"arm {arm.name}: replica {r} in a fresh process (XLA_FLAGS {env['XLA_FLAGS']}; compilation cache off)")
@@ -74,16 +69,16 @@ def train_arm_per_process(config, data, fns, store, arm, flags, log=print) -> di
         if proc.returncode != 0:
             raise RuntimeError(f"the process training replica {r} of arm '{arm.name}' failed with exit status "
                                f"{proc.returncode}; its output is above; finished replicas are kept")
-    processes = [json.loads((folder / f"{r}.json").read_text()) for r in range(study.replicas)]
+    processes = [json.loads(paths.part(arm.name, r, ".json").read_text()) for r in range(study.replicas)]
     _, arm_fns = arm_setup(config, fns, arm)
     strategy = make_strategy(arm_fns, resolve_strategy(study.strategy, study.replicas)[0])
     init = strategy.init(arm_keys(study.seed, arm.varied, study.replicas), perturbations(arm.varied),
                          jax.numpy.asarray(data.x_train[:1]))
-    merged = merge_parts([folder / f"{r}.npz" for r in range(study.replicas)], init.params)
-    store.write_json(f"environments/{arm.name}.processes.json",
+    merged = merge_parts([paths.part(arm.name, r) for r in range(study.replicas)], init.params)
+    store.write_json(RunPaths.rel("environments", arm.name, ".processes.json"),
                      {"mode": "one process per replica", "parent_pid": os.getpid(), "processes": processes})
     record = finish_arm(config, data, fns, store, arm, merged, "one fresh process per replica", log)
-    guarded("rmtree", store.root, folder)
+    guarded("rmtree", store.root, paths.parts(arm.name))
     if store.paths.parts().is_dir() and not any(store.paths.parts().iterdir()):
         guarded("rmdir", store.root, store.paths.parts())
     return record
@@ -101,10 +96,9 @@ def child_main(out: str, arm: str, replica: int) -> int:
     with RunStore(out, config, locked_by_parent=True, identity=identity) as store:
         result, _ = fit_arm(config, data, fns, store, parse_arm(arm), lambda n: None, lambda *a, **k: None,
                             block=range(replica, replica + 1))
-        folder = _parts(store.root, arm)
-        atomic_write_bytes(folder / f"{replica}.npz", part_bytes(result), root=store.root)
+        atomic_write_bytes(store.paths.part(arm, replica), part_bytes(result), root=store.root)
         env = environment()
-        atomic_write_json(folder / f"{replica}.json", {
+        atomic_write_json(store.paths.part(arm, replica, ".json"), {
             "replica": replica, "pid": os.getpid(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "compilation_cache": bool(jax.config.jax_enable_compilation_cache),
             "backend": env.get("backend"), "device_kind": env.get("device_kind"),
