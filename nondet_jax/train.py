@@ -41,7 +41,7 @@ from nondet_jax.data.pipeline import (
     epoch_indices,
 )
 from nondet_jax.errors import UsageError
-from nondet_jax.instruments.epoch import Seen, instrumented
+from nondet_jax.instruments.epoch import instrumented
 from nondet_jax.models import MODELS, compute_dtype, pretrained
 from nondet_jax.models.parts import Parts, model_fns
 from nondet_jax.sources import Perturbations, ReplicaKeys, bitflip
@@ -371,8 +371,8 @@ def _make_train(config: Config, spec: DataSpec, parts: Parts) -> TrainFns:
         acc = jnp.mean(jnp.abs(logits.reshape(y.shape) - y)) if regression else jnp.mean(jnp.argmax(logits, -1) == y)
         if inst is None:
             return TrainState(params, bs, opt_state, state.health), (loss, acc)
-        seen = Seen(state.params, (x, y, dkeys), state.batch_stats, updates, grads, loss, g, None)
-        istate, out = inst.after_step(state.instruments, seen, tape, later)
+        istate, out = inst.after_step(state.instruments, state.params, (x, y, dkeys), state.batch_stats, updates, grads,
+                                      loss, g, tape, later)
         return TrainState(params, bs, opt_state, state.health, istate), (loss, acc, *out)
 
     def indices(keys: ReplicaKeys, epoch):

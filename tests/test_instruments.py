@@ -516,7 +516,7 @@ def test_dashboard_and_tidy_rows(tmp_path):
 def test_dashboard_draws_every_quantity_the_instruments_compute():
     from nondet_jax.instruments.dashboard import PANELS, dashboard
 
-    drawn = {q for *_, qs in PANELS for q in qs}
+    drawn = {q for *_, qs in PANELS for q in qs} | {"Loss"}  # Loss: the training-loss panel (the step's own loss)
     assert drawn == set(configurations.QUANTITIES)  # a quantity without a panel would be computed and never shown
     t, r = 5, 2
     values = {"step": np.arange(t), "TICDiag": np.full((r, t), 0.7), "TICTrace": np.full((r, t), 0.4),

@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             enable_compile_cache(args.compile_cache)
             from nondet_jax.study import child
 
-            return child.child_main(args.out, args.child_arm, progress if progress is not None else sys.stderr.isatty())
+            return child.train_arm_child(args.out, args.child_arm, progress if progress is not None else sys.stderr.isatty())
         if args.resume:
             config = config_for_resume(args)
             args.out = args.resume

@@ -41,7 +41,8 @@ class Seen(NamedTuple):
 class Instrumented(NamedTuple):
     instruments: Instruments
     value_and_grad: Callable  # (params, batch_stats, x, y, dropout) -> ((loss, aux), grads, tape or None)
-    after_step: Callable  # (istate, Seen, tape, later) -> (istate, outputs the step appends)
+    after_step: Callable  # (istate, params, (x, y, dropout), batch_stats, updates, grads, loss, step, tape, later)
+    #                       -> (istate, outputs the step appends)
     defer: bool  # measure after the epoch's steps (deferred_epoch) instead of inside each
     deferred_epoch: Callable  # (run_steps, step_later, state, idx, epoch) -> (state, stacked outputs)
 
@@ -72,9 +73,10 @@ def instrumented(cfg, model, train_loss: Callable, batch_stats_of: Callable, lr_
         return inst.update(istate, seen.params, seen.batch, step=seen.step, context=seen.batch_stats,
                            updates=seen.updates, lr=lr_at(seen.step), grads=seen.grads, loss=seen.loss, tape=tape)
 
-    def after_step(istate, seen: Seen, tape, later: bool):
-        """``later`` (the deferred epoch): keep what the step saw; else measure: ``(values, tracked)``."""
-        seen = seen._replace(batch=batch_of(*seen.batch, shared_key))
+    def after_step(istate, params, batch, batch_stats, updates, grads, loss, step, tape, later: bool):
+        """What a training step saw (its parameters before the update): ``later`` (the deferred epoch),
+        kept for later; else measured now: ``(values, tracked)``."""
+        seen = Seen(params, batch_of(*batch, shared_key), batch_stats, updates, grads, loss, step, None)
         if later:
             if tape is not None:
                 tape_calls["calls"] = tape.calls

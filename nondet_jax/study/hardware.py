@@ -17,15 +17,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
 import sys
 
 import jax
 import numpy as np
 
 from nondet_jax.errors import UsageError
-from nondet_jax.machine.determinism import with_flags
-from nondet_jax.machine.signals import PARENT_ENV, die_with_parent
 from nondet_jax.replicas.choice import make_strategy, resolve_strategy
 from nondet_jax.sources import arm_keys, parse_arm, perturbations
 from nondet_jax.store.io import atomic_write_bytes, atomic_write_json, guarded
@@ -34,17 +31,8 @@ from nondet_jax.store.run import RunStore
 from nondet_jax.study.arm import arm_setup, finish_arm, fit_arm
 from nondet_jax.study.multihost import merge_parts, part_bytes
 from nondet_jax.study.prepare import prepare_child
+from nondet_jax.study.processes import REPLICA_CHILD, child_env, require_child, run_child
 from nondet_jax.study.provenance import environment
-
-REPLICA_CHILD_ENV = "NONDET_JAX_REPLICA_CHILD"  # set in the processes started for one replica
-NO_CACHES = {"NONDET_JAX_COMPILE_CACHE": "off", "JAX_ENABLE_COMPILATION_CACHE": "false"}
-
-
-def child_env(flags) -> dict[str, str]:
-    """The environment of a replica's process: ``flags`` in XLA_FLAGS (see determinism.with_flags), no
-    persistent compilation or autotuning cache."""
-    return {**os.environ, "XLA_FLAGS": with_flags(flags), REPLICA_CHILD_ENV: "1", **NO_CACHES,
-            PARENT_ENV: str(os.getpid())}
 
 
 def train_arm_per_process(config, data, fns, store, arm, flags, log=print) -> dict:
@@ -58,17 +46,15 @@ def train_arm_per_process(config, data, fns, store, arm, flags, log=print) -> di
     arm = parse_arm(arm) if isinstance(arm, str) else arm
     study = config.study
     paths = RunPaths(store.root)
-    env = child_env(flags)
+    xla_flags = child_env(flags, REPLICA_CHILD)["XLA_FLAGS"]
     for r in range(study.replicas):
         if paths.part(arm.name, r, ".json").exists():
             log(f"arm {arm.name}: replica {r} already trained in its own process, reusing it")
             continue
-        log(f"arm {arm.name}: replica {r} in a fresh process (XLA_FLAGS {env['XLA_FLAGS']}; compilation cache off)")
-        proc = subprocess.run([sys.executable, "-m", "nondet_jax.study.hardware", str(store.root), arm.name, str(r)], env=env,
-                              start_new_session=True)  # Ctrl-C: the sweep's one line (signals.PARENT_ENV)
-        if proc.returncode != 0:
-            raise RuntimeError(f"the process training replica {r} of arm '{arm.name}' failed with exit status "
-                               f"{proc.returncode}; its output is above; finished replicas are kept")
+        log(f"arm {arm.name}: replica {r} in a fresh process (XLA_FLAGS {xla_flags}; compilation cache off)")
+        run_child("nondet_jax.study.hardware", [str(store.root), arm.name, str(r)], flags, REPLICA_CHILD,
+                  f"the process training replica {r} of arm '{arm.name}'", caches=False,
+                  after="its output is above; finished replicas are kept")
     processes = [json.loads(paths.part(arm.name, r, ".json").read_text()) for r in range(study.replicas)]
     _, arm_fns = arm_setup(config, fns, arm)
     strategy = make_strategy(arm_fns, resolve_strategy(study.strategy, study.replicas)[0])
@@ -84,13 +70,10 @@ def train_arm_per_process(config, data, fns, store, arm, flags, log=print) -> di
     return record
 
 
-def child_main(out: str, arm: str, replica: int) -> int:
+def train_replica_child(out: str, arm: str, replica: int) -> int:
     """Entry of a replica's process: train replica ``replica`` of ``arm`` alone and write its part."""
-    from nondet_jax.sources import parse_arm
-
-    if os.environ.get(REPLICA_CHILD_ENV) != "1":
-        raise UsageError("python -m nondet_jax.study.hardware is internal: the sweep starts these processes itself")
-    die_with_parent()
+    require_child(REPLICA_CHILD, "python -m nondet_jax.study.hardware is internal: the sweep starts these processes "
+                  "itself")
     jax.config.update("jax_enable_compilation_cache", False)
     config, data, fns, identity = prepare_child(out)
     with RunStore(out, config, locked_by_parent=True, identity=identity) as store:
@@ -112,7 +95,7 @@ if __name__ == "__main__":
 
     signals.install(None)  # Ctrl-C reaches the whole process group: the sweep prints the one line
     try:
-        sys.exit(child_main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
+        sys.exit(train_replica_child(sys.argv[1], sys.argv[2], int(sys.argv[3])))
     except UsageError as e:
         print(f"python -m nondet_jax.study.hardware: error: {e}", file=sys.stderr)
         sys.exit(2)
