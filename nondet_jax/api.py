@@ -291,7 +291,7 @@ def decompose(run: "str | Path | StudyResult") -> dict:
     from nondet_jax.report.summary import load_records
 
     folder = run.out if isinstance(run, StudyResult) else Path(run)
-    if not (folder / "config.json").is_file():
+    if not RunPaths(folder).config.is_file():
         raise UsageError(f"{folder} is not a nondet_jax run folder (no config.json); pass a study's --out folder")
     return from_records(load_records(folder)[1])
 

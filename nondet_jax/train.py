@@ -41,6 +41,7 @@ from nondet_jax.data.pipeline import (
     epoch_indices,
 )
 from nondet_jax.errors import UsageError
+from nondet_jax.instruments.epoch import instrumented
 from nondet_jax.models import MODELS, compute_dtype, pretrained
 from nondet_jax.models.parts import Parts, model_fns
 from nondet_jax.sources import Perturbations, ReplicaKeys, bitflip
@@ -104,19 +105,6 @@ def guard(old: TrainState, new: TrainState, losses: jax.Array, first_step: jax.A
     diverged_at = jnp.where(fresh, (first_step + first_bad).astype(jnp.int32), h.diverged_at)
     last_loss = jnp.where(ok, losses[-1].astype(jnp.float32), jnp.where(fresh, before.astype(jnp.float32), h.last_loss))
     return TrainState(*kept, Health(diverged_at, last_loss), *new[4:])
-
-
-class _Seen(NamedTuple):
-    """What the instruments need from one training step (stacked over an epoch when deferred)."""
-
-    params: Any  # before the step's update
-    batch: Any  # (x, y, dropout keys or None)
-    batch_stats: Any  # before the step
-    updates: Any
-    grads: Any
-    loss: Any
-    step: Any  # global step
-    tape: Any  # (records, deltas, per-example losses) of the recorded backward pass, or None
 
 
 class TrainFns(NamedTuple):
@@ -264,6 +252,27 @@ def stepped_epoch(fns: TrainFns, lift: Callable) -> Callable:
     return epoch
 
 
+def evaluator(model, eval_b: int) -> Callable:
+    """``evaluate(state, x) -> (logits, features)`` of ``model`` (``models.parts.ModelFns``), in chunks of
+    ``eval_b`` examples."""
+    def evaluate(state: TrainState, x):
+        n = x.shape[0]
+        chunk = min(eval_b, n)
+        nb = -(-n // chunk)
+        xp = jnp.pad(x, ((0, nb * chunk - n),) + ((0, 0),) * (x.ndim - 1)).reshape((nb, chunk) + x.shape[1:])
+        f = lambda xb: model.evaluate({"params": state.params, "batch_stats": state.batch_stats}, xb)  # noqa: E731
+        if nb == 1:  # no loop at all: a 1-trip loop is XLA:CPU's slow convolution path too
+            logits, feats = jax.tree.map(lambda a: a[None], f(xp[0]))
+        else:
+            _, (logits, feats) = jax.lax.scan(lambda c, xb: (c, f(xb)), None, xp, unroll=scan_unroll(0, nb))
+        feats = feats.reshape((nb * chunk,) + feats.shape[2:])[:n]
+        if feats.ndim == 1:  # a regression model's (N,) outputs as its features: one feature each, as CKA takes
+            feats = feats[:, None]
+        return logits.reshape((nb * chunk,) + logits.shape[2:])[:n], feats
+
+    return evaluate
+
+
 def make_train(config: Config, spec: DataSpec, parts: Parts = Parts()) -> TrainFns:
     """Pure single-replica init / train-epoch / evaluate functions.
 
@@ -276,8 +285,9 @@ def make_train(config: Config, spec: DataSpec, parts: Parts = Parts()) -> TrainF
     return _make_train(dataclasses.replace(config, study=StudyConfig()), spec, parts)
 
 
-@functools.lru_cache(maxsize=16)
-def _make_train(config: Config, spec: DataSpec, parts: Parts) -> TrainFns:
+def model_and_loss(config: Config, spec: DataSpec, parts: Parts) -> tuple[Any, Callable]:
+    """``(model functions, per-example loss (outputs, targets) -> losses)``: the user's ``parts``, else what
+    ``config`` names; a regression's outputs are shaped like its targets before the loss sees them."""
     if parts.model is None:
         m = config.model
         extra = {} if m.dtype == "float32" else {"dtype": compute_dtype(m.dtype)}  # mixed precision
@@ -285,18 +295,23 @@ def _make_train(config: Config, spec: DataSpec, parts: Parts) -> TrainFns:
                           parts.features)
     else:
         model = model_fns(parts.model, spec.num_classes, features=parts.features)
-    regression = spec.task == "regression"
-    if regression:  # the model's outputs, shaped like the targets, are what the loss and metrics see
+    if spec.task == "regression":
         user_loss = parts.loss or squared_error
-        example_loss = lambda out, y: user_loss(out.reshape(y.shape), y)  # noqa: E731
-    else:
-        example_loss = parts.loss or optax.softmax_cross_entropy_with_integer_labels
+        return model, lambda out, y: user_loss(out.reshape(y.shape), y)
+    return model, parts.loss or optax.softmax_cross_entropy_with_integer_labels
+
+
+@functools.lru_cache(maxsize=16)
+def _make_train(config: Config, spec: DataSpec, parts: Parts) -> TrainFns:
+    model, example_loss = model_and_loss(config, spec, parts)
+    regression = spec.task == "regression"
     b = config.train.batch_size
     steps = steps_per_epoch(spec.n_train, b)
     if steps < 1:
         raise UsageError(f"batch size {b} is larger than the {spec.n_train} training examples; use a batch size of "
                          f"{spec.n_train} or less")
-    tx = parts.optimizer or make_optimizer(config.optim, make_schedule(config.optim, config.train.epochs, steps))
+    lr_at = make_schedule(config.optim, config.train.epochs, steps)  # the optimiser's, and CABS's learning rate
+    tx = parts.optimizer or make_optimizer(config.optim, lr_at)
     augment_fn = parts.augment
     if augment_fn is None:
         do_augment, flip, padding = augmentation_settings(config, spec.name, spec.image_shape[0])
@@ -304,27 +319,24 @@ def _make_train(config: Config, spec: DataSpec, parts: Parts) -> TrainFns:
             augment_fn = lambda key, x: augment(x, key, padding, flip)  # noqa: E731
     shape = epoch_shape(config.train.epoch_shape, steps)
     unroll = scan_unroll(config.train.unroll, steps)  # train_epoch's (the scan shape, and the unrolled strategy's)
-    inst, defer = None, False
-    if config.instruments.config != "none":  # Cockpit's quantities, computed only at tracked steps
-        from nondet_jax.instruments.layerwise import LazyTape, Tape
-        from nondet_jax.instruments.schedules import most_in_epoch
-        from nondet_jax.instruments.trainer import batch_of, defer_in_epoch, evaluate_outputs, for_model
-        # the catalogue's models keep dropout on, one key per example; any other model is measured
-        # through its evaluate (inference mode, dropout off) and the per-layer path where its layers allow
-        catalogue, shared_key = parts.model is None and model.per_example_dropout, not model.per_example_dropout
-        inst = for_model(config.instruments, model.module if catalogue else None, lambda *a: loss_fn(*a),
-                         lambda *a: recompute_batch_stats(*a), steps * config.train.epochs, batch_loss=example_loss,
-                         outputs=None if catalogue else evaluate_outputs(model.evaluate, example_loss),
-                         shared_key=shared_key)
-        lr_at = make_schedule(config.optim, config.train.epochs, steps)
-        # An unrolled epoch would hold one copy of the instruments per step (a tiny economy study spent
-        # minutes compiling them): measure after the steps instead, where their work has no convolution.
-        defer = unroll > 1 and defer_in_epoch(inst)
-        alpha = "Alpha" in inst.quantities
-        most_read = most_in_epoch(inst.schedule, steps, alpha)  # steps of an epoch the instruments read
 
     def variables(params, batch_stats):
         return {"params": params, "batch_stats": batch_stats}
+
+    def loss_fn(params, batch_stats, x, y, dropout):
+        logits, new_stats = model.train_apply(variables(params, batch_stats), x, dropout)
+        loss = example_loss(logits, y).mean()
+        return loss, (logits, new_stats)
+
+    def recompute_batch_stats(params, batch_stats, x):
+        """BatchNorm statistics of given weights, recomputed on data (for interpolated weights)."""
+        return model.recompute_batch_stats(variables(params, batch_stats), x)
+
+    inst = None
+    if config.instruments.config != "none":  # Cockpit's quantities, computed only at tracked steps
+        inst = instrumented(config.instruments, model, loss_fn, recompute_batch_stats, lr_at, steps=steps,
+                            epochs=config.train.epochs, unroll=unroll, batch_loss=example_loss,
+                            catalogue=parts.model is None and model.per_example_dropout)
 
     def init(keys: ReplicaKeys, perturb: Perturbations, x_sample: jax.Array) -> TrainState:
         v = model.init(keys.init, x_sample[:1])
@@ -333,12 +345,7 @@ def _make_train(config: Config, spec: DataSpec, parts: Parts) -> TrainFns:
         flipped = bitflip(v["params"], keys.bitflip)
         params = jax.tree.map(lambda a, b: jnp.where(perturb.bitflip, a, b), flipped, v["params"])
         return TrainState(params, v["batch_stats"], tx.init(params), healthy(),
-                          None if inst is None else inst.init(params))
-
-    def loss_fn(params, batch_stats, x, y, dropout):
-        logits, new_stats = model.train_apply(variables(params, batch_stats), x, dropout)
-        loss = example_loss(logits, y).mean()
-        return loss, (logits, new_stats)
+                          None if inst is None else inst.instruments.init(params))
 
     def train_step(state: TrainState, x_train, y_train, keys: ReplicaKeys, perturb: Perturbations, epoch, i,
                    batch_idx, *, later: bool = False):
@@ -353,9 +360,8 @@ def _make_train(config: Config, spec: DataSpec, parts: Parts) -> TrainFns:
         p = jnp.where(perturb.batch_order, batch_permutation(keys.batch_order, g, b), jnp.arange(b))
         x, y = x[p], y[p]
         dkeys = model.dropout_input(jax.random.fold_in(keys.dropout, g), b, p)
-        tape = None
-        if inst is not None and inst.value_grad_and_tape is not None:  # instruments.per_example = train_pass
-            (loss, (logits, bs)), grads, tape = inst.value_grad_and_tape(state.params, state.batch_stats, x, y, dkeys)
+        if inst is not None:
+            (loss, (logits, bs)), grads, tape = inst.value_and_grad(state.params, state.batch_stats, x, y, dkeys)
         else:
             (loss, (logits, bs)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
                 state.params, state.batch_stats, x, y, dkeys)
@@ -363,23 +369,11 @@ def _make_train(config: Config, spec: DataSpec, parts: Parts) -> TrainFns:
         params = optax.apply_updates(state.params, updates)
         # the step's score: accuracy, or for a regression the batch's mean absolute error
         acc = jnp.mean(jnp.abs(logits.reshape(y.shape) - y)) if regression else jnp.mean(jnp.argmax(logits, -1) == y)
-        if inst is not None:
-            seen = _Seen(state.params, batch_of(x, y, dkeys, shared_key), state.batch_stats, updates, grads, loss, g,
-                         None if tape is None else (tape.records, tape.deltas, tape.losses))
-            if later:  # measured after the epoch's steps (see train_epoch)
-                if tape is not None:
-                    tape_calls["calls"] = tape.calls
-                return TrainState(params, bs, opt_state, state.health, state.instruments), (loss, acc, seen)
-            istate, values = measure(state.instruments, seen, tape)
-            return TrainState(params, bs, opt_state, state.health, istate), (loss, acc, values, inst.schedule(g))
-        return TrainState(params, bs, opt_state, state.health), (loss, acc)
-
-    tape_calls = {}  # the recorded layers (static), from the trace of a deferred step
-
-    def measure(istate, seen: _Seen, tape=None):
-        """The instruments' update for one step from what the step saw: ``(istate, values)``."""
-        return inst.update(istate, seen.params, seen.batch, step=seen.step, context=seen.batch_stats,
-                           updates=seen.updates, lr=lr_at(seen.step), grads=seen.grads, loss=seen.loss, tape=tape)
+        if inst is None:
+            return TrainState(params, bs, opt_state, state.health), (loss, acc)
+        istate, out = inst.after_step(state.instruments, state.params, (x, y, dkeys), state.batch_stats, updates, grads,
+                                      loss, g, tape, later)
+        return TrainState(params, bs, opt_state, state.health, istate), (loss, acc, *out)
 
     def indices(keys: ReplicaKeys, epoch):
         """The epoch's example indices, (steps, batch)."""
@@ -389,91 +383,23 @@ def _make_train(config: Config, spec: DataSpec, parts: Parts) -> TrainFns:
         """After an epoch's steps (their outputs stacked): the divergence guard and the epoch's metrics."""
         return guard(start, end, out[0], epoch * steps), epoch_metrics(out)
 
-    def train_epoch(state: TrainState, x_train, y_train, keys: ReplicaKeys, perturb: Perturbations, epoch):
-        idx = indices(keys, epoch)
-        if defer and most_read < steps:  # keep and measure only the steps the schedule reads
-            return finish(state, *sparse_deferred_epoch(state, x_train, y_train, keys, perturb, epoch, idx), epoch)
-
-        def step(state: TrainState, inputs):
-            i, batch_idx = inputs
-            return train_step(state, x_train, y_train, keys, perturb, epoch, i, batch_idx, later=defer)
-
+    def run_steps(step: Callable, carry, idx):
+        """``step(carry, i, batch_idx) -> (carry, out)`` over the epoch's steps, outputs stacked."""
         if steps == 1:  # a 1-trip scan still lowers to a while loop (jax#25330): XLA:CPU's slow path
-            new, out = step(state, (jnp.int32(0), idx[0]))
-            out = jax.tree.map(lambda a: a[None], out)
+            carry, out = step(carry, jnp.int32(0), idx[0])
+            return carry, jax.tree.map(lambda a: a[None], out)
+        return jax.lax.scan(lambda c, inputs: step(c, *inputs), carry, (jnp.arange(steps), idx), unroll=unroll)
+
+    def train_epoch(state: TrainState, x_train, y_train, keys: ReplicaKeys, perturb: Perturbations, epoch):
+        def step(state: TrainState, i, batch_idx, later: bool = False):
+            return train_step(state, x_train, y_train, keys, perturb, epoch, i, batch_idx, later=later)
+
+        idx = indices(keys, epoch)
+        if inst is not None and inst.defer:  # the instruments measured after the steps (instruments/epoch.py)
+            new, out = inst.deferred_epoch(run_steps, functools.partial(step, later=True), state, idx, epoch)
         else:
-            new, out = jax.lax.scan(step, state, (jnp.arange(steps), idx), unroll=unroll)
-        if defer:
-            # Every step is read (out[2] holds what each saw): the instruments of every step in one rolled
-            # scan after the unrolled training steps: one copy of their program instead of one per unrolled
-            # step (a tiny economy study spent minutes compiling them), and their work (products of
-            # recorded activations, no convolution) runs as fast in a loop.
-            def measure_step(istate, seen):
-                tape = None if seen.tape is None else Tape(tape_calls["calls"], *seen.tape)
-                istate, values = measure(istate, seen, tape)
-                return istate, (values, inst.schedule(seen.step))
-
-            istate, (values, tracked) = jax.lax.scan(measure_step, state.instruments, out[2])
-            new, out = new._replace(instruments=istate), (out[0], out[1], values, tracked)
+            new, out = run_steps(step, state, idx)
         return finish(state, new, out, epoch)
-
-    def sparse_deferred_epoch(state: TrainState, x_train, y_train, keys: ReplicaKeys, perturb: Perturbations, epoch,
-                              idx):
-        """A deferred epoch (see train_epoch) whose schedule reads at most ``most_read`` of its steps
-        (tracked ones, and the step after each for Alpha): only those keep their tape, one flat row each
-        in a buffer written under a ``lax.cond``, and the instruments run ``most_read`` times. Keeping and
-        measuring every step's tape made economy every 16 steps cost 1.46x the plain epoch on XLA:CPU,
-        against 1.28x this way (``benchmarks/instruments.py --epoch-timing``, docs/instruments.md)."""
-        slots = most_read
-
-        def read(g):  # whether the instruments read step g
-            return inst.schedule(g) | ((g >= 1) & inst.schedule(g - 1)) if alpha else inst.schedule(g)
-
-        def recorded(*a):  # (records, deltas) of a step's tape; None without one (a layer the tape cannot record)
-            t = train_step(*a, later=True)[1][2].tape
-            return None if t is None else t[:2]
-
-        shapes = jax.eval_shape(recorded, state, x_train, y_train, keys, perturb, epoch, jnp.int32(0), idx[0])
-        leaves, treedef = jax.tree.flatten(shapes)
-        sizes = [a.size for a in leaves]
-        dtype = jnp.result_type(*leaves) if leaves else jnp.float32
-        buf0 = jnp.zeros((slots, sum(sizes)), dtype)  # the tapes of the steps read, each as one flat row
-
-        def step(carry, inputs):
-            state, buf, count = carry
-            i, batch_idx = inputs
-            state, (loss, acc, seen) = train_step(state, x_train, y_train, keys, perturb, epoch, i, batch_idx,
-                                                  later=True)
-            keep = read(seen.step)
-            if leaves:
-                row = lambda: jnp.concatenate([a.ravel().astype(dtype) for a in jax.tree.leaves(seen.tape[:2])])  # noqa: E731
-                buf = jax.lax.cond(keep, lambda bf: jax.lax.dynamic_update_index_in_dim(bf, row(), count, 0),
-                                   lambda bf: bf, buf)
-            # the steps nobody reads are measured as step -2: tracked by no schedule, after no tracked step
-            seen = seen._replace(tape=None if seen.tape is None else seen.tape[2], step=jnp.where(keep, seen.step, -2))
-            return (state, buf, count + keep.astype(jnp.int32)), (loss, acc, seen, keep)
-
-        (new, buf, count), (losses, accs, seen_all, kept) = jax.lax.scan(
-            step, (state, buf0, jnp.int32(0)), (jnp.arange(steps), idx), unroll=unroll)
-        # the steps read, in order, then steps nobody reads (measured as step -2: no work, no state change)
-        order = jnp.argsort(~kept, stable=True)[:slots]
-
-        def unflat(row):
-            parts = jnp.split(row, np.cumsum(sizes)[:-1])
-            return jax.tree.unflatten(treedef, [p.reshape(a.shape).astype(a.dtype) for p, a in zip(parts, leaves)])
-
-        def measure_slot(istate, j):
-            seen = jax.tree.map(lambda a: a[order[j]], seen_all)
-            # the tape is sliced and unflattened only where a branch reads it
-            tape = None if not leaves else LazyTape(tape_calls["calls"], lambda: unflat(buf[j]), seen.tape)
-            return measure(istate, seen, tape)
-
-        istate, values = jax.lax.scan(measure_slot, state.instruments, jnp.arange(slots))
-        at = jnp.where(jnp.arange(slots) < count, order, steps)  # unused slots are dropped
-        values = jax.tree.map(lambda v: jnp.full((steps,) + v.shape[1:], jnp.nan, v.dtype).at[at].set(v, mode="drop"),
-                              values)
-        tracked = jax.vmap(inst.schedule)(epoch * steps + jnp.arange(steps))
-        return new._replace(instruments=istate), (losses, accs, values, tracked)
 
     def epoch_step(state: TrainState, x_train, y_train, keys: ReplicaKeys, perturb: Perturbations, epoch, i, idx):
         return train_step(state, x_train, y_train, keys, perturb, epoch, i, idx[i])
@@ -481,26 +407,8 @@ def _make_train(config: Config, spec: DataSpec, parts: Parts) -> TrainFns:
     def epoch_finish(start: TrainState, end: TrainState, outs, epoch):
         return finish(start, end, jax.tree.map(lambda *a: jnp.stack(a), *outs), epoch)
 
-    eval_b = config.train.eval_batch_size
+    evaluate = evaluator(model, config.train.eval_batch_size)
 
-    def evaluate(state: TrainState, x):
-        n = x.shape[0]
-        chunk = min(eval_b, n)
-        nb = -(-n // chunk)
-        xp = jnp.pad(x, ((0, nb * chunk - n),) + ((0, 0),) * (x.ndim - 1)).reshape((nb, chunk) + x.shape[1:])
-        f = lambda xb: model.evaluate(variables(state.params, state.batch_stats), xb)  # noqa: E731
-        if nb == 1:  # no loop at all: a 1-trip loop is XLA:CPU's slow convolution path too
-            logits, feats = jax.tree.map(lambda a: a[None], f(xp[0]))
-        else:
-            _, (logits, feats) = jax.lax.scan(lambda c, xb: (c, f(xb)), None, xp, unroll=scan_unroll(0, nb))
-        feats = feats.reshape((nb * chunk,) + feats.shape[2:])[:n]
-        if feats.ndim == 1:  # a regression model's (N,) outputs as its features: one feature each, as CKA takes
-            feats = feats[:, None]
-        return logits.reshape((nb * chunk,) + logits.shape[2:])[:n], feats
-
-    def recompute_batch_stats(params, batch_stats, x):
-        """BatchNorm statistics of given weights, recomputed on data (for interpolated weights)."""
-        return model.recompute_batch_stats(variables(params, batch_stats), x)
-
-    return TrainFns(init, train_step, train_epoch, evaluate, recompute_batch_stats, b, steps, unroll, inst, spec,
+    return TrainFns(init, train_step, train_epoch, evaluate, recompute_batch_stats, b, steps, unroll,
+                    None if inst is None else inst.instruments, spec,
                     loss_fn, parts, model, tx, example_loss, augment_fn, shape, indices, epoch_step, epoch_finish)

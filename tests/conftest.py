@@ -15,6 +15,7 @@ import pytest
 
 from nondet_jax.config import from_flat
 from nondet_jax.data import Dataset, load_dataset
+from nondet_jax.sources import arm_keys, arm_sources, perturbations, replica_slice
 from nondet_jax.train import DataSpec
 
 # Compile time dominates these tiny runs; tests that train for real turn optimisation back on.
@@ -75,6 +76,13 @@ def tiny_config(**flat):
             "study.replicas": 3}
     base.update(flat)
     return from_flat(base)
+
+
+def one_replica(arm: str | frozenset = "control", replica: int = 0, seed: int = 0):
+    """``(keys, perturbations)`` of replica ``replica`` of ``arm`` (an arm name, or the set of sources it varies):
+    what a strategy hands one replica, for tests that drive ``make_train``'s functions by hand."""
+    varied = arm_sources(arm) if isinstance(arm, str) else frozenset(arm)
+    return replica_slice(arm_keys(seed, varied, replica + 1), replica), perturbations(varied)
 
 
 def tree_equal(a, b) -> bool:

@@ -83,14 +83,13 @@ def test_run_study_on_own_module_optimizer_and_arrays(tmp_path):
 
 
 def test_features_from_model_named_intermediate_or_logits(digits):
-    from conftest import spec_of, tiny_config
+    from conftest import one_replica, spec_of, tiny_config
 
     from nondet_jax.models.parts import Parts
-    from nondet_jax.sources import arm_keys, perturbations, replica_slice
     from nondet_jax.train import make_train
 
     config, spec = tiny_config(), spec_of(digits)
-    keys, perturb = replica_slice(arm_keys(0, frozenset(), 1), 0), perturbations(frozenset())
+    keys, perturb = one_replica()
     for parts, width in [(Parts(), 64), (Parts(model=OwnNet), 10), (Parts(model=OwnNet, features="Dense_0"), 16)]:
         fns = make_train(config, spec, parts)
         state = fns.init(keys, perturb, digits.x_train[:1])
@@ -334,21 +333,20 @@ def _body(seed=0):
 def test_init_params_start_every_replica_from_the_given_weights():
     """The given body in every replica of every arm, bitwise; the init key draws only the head; bitflip
     moves one weight of the result."""
+    from conftest import one_replica
+
     from nondet_jax.config import from_flat
-    from nondet_jax.sources import arm_keys, perturbations, replica_slice
     from nondet_jax.train import DataSpec, make_train
 
     body = _body()
     fns = make_train(from_flat({"train.batch_size": 32}), DataSpec(128, (6,), 3, "arrays"),
                      nj.Parts(model=HeadNet, optimizer=optax.sgd(0.1), init_params=body))
     x = jnp.zeros((1, 6))
-    states = [fns.init(replica_slice(arm_keys(0, frozenset({"init"}), 2), r), perturbations(frozenset()), x)
-              for r in range(2)]
+    states = [fns.init(*one_replica("init", r), x) for r in range(2)]
     for st in states:
         np.testing.assert_array_equal(st.params["body"]["kernel"], body["body"]["kernel"])
     assert not np.array_equal(states[0].params["head"]["kernel"], states[1].params["head"]["kernel"])
-    flipped = fns.init(replica_slice(arm_keys(0, frozenset({"bitflip"}), 1), 0), perturbations(frozenset({"bitflip"})),
-                       x)
+    flipped = fns.init(*one_replica("bitflip"), x)
     moved = sum(int((np.asarray(a) != np.asarray(b)).sum()) for a, b in
                 zip(jax.tree.leaves(flipped.params), jax.tree.leaves(states[0].params)))
     assert moved >= 1

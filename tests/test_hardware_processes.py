@@ -57,3 +57,24 @@ def test_the_sweep_runs_hardware_one_process_per_replica_by_default(tmp_path):
     info = json.loads((out / "environments" / "hardware.processes.json").read_text())
     assert len({p["pid"] for p in info["processes"]}) == 2
     assert json.loads((out / "arms" / "hardware.json").read_text())["replicas_bitwise_identical"]
+
+
+def test_every_child_process_starts_one_way_and_refuses_to_be_started_by_hand():
+    """study/processes: the arm, replica and audit children get their flags, marker and parent the same way;
+    a failed child is one error naming what it did; an internal entry started by hand refuses in one line."""
+    from nondet_jax.machine.signals import PARENT_ENV
+    from nondet_jax.study import processes
+
+    env = processes.child_env(DETERMINISM_OFF, processes.REPLICA_CHILD, caches=False)
+    assert env[processes.REPLICA_CHILD] == "1" and env[PARENT_ENV] == str(os.getpid())
+    assert env["NONDET_JAX_COMPILE_CACHE"] == "off" and "--xla_gpu_deterministic_ops=false" in env["XLA_FLAGS"]
+    arm_env = processes.child_env(DETERMINISM_OFF, processes.ARM_CHILD)  # the caches stay unless asked otherwise
+    assert arm_env.get("NONDET_JAX_COMPILE_CACHE") == os.environ.get("NONDET_JAX_COMPILE_CACHE")
+    with pytest.raises(RuntimeError, match=r"^the test child failed with exit status 1; IndexError"):
+        processes.run_child("nondet_jax.study.hardware", [], DETERMINISM_OFF, processes.REPLICA_CHILD, "the test child",
+                            capture=True)  # started properly, but without its arguments
+    clean = {k: v for k, v in ENV.items() if k not in (processes.REPLICA_CHILD, processes.AUDIT_CHILD)}
+    for argv, said in ((["nondet_jax.study.hardware", "run", "control", "0"], "is internal: the sweep starts"),
+                       (["nondet_jax", "audit", "--child-json"], "--child-json is internal")):
+        proc = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, env=clean, timeout=300)
+        assert proc.returncode == 2 and said in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr

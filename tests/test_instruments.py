@@ -15,9 +15,9 @@ from nondet_jax import instruments
 from nondet_jax.config import from_flat
 from nondet_jax.errors import UsageError
 from nondet_jax.instruments import configurations, curvature, formulas, histograms
-from nondet_jax.sources import arm_keys, arm_sources, perturbations, replica_slice
+from nondet_jax.sources import arm_keys, arm_sources, perturbations
 from nondet_jax.train import make_train
-from tests.conftest import spec_of, tiny_config
+from tests.conftest import one_replica, spec_of, tiny_config
 
 
 @pytest.fixture
@@ -65,6 +65,32 @@ def test_configurations_match_cockpit():
     assert instruments.resolve("none") == ()
     with pytest.raises(ValueError, match="did you mean 'HessMaxEV'"):
         instruments.resolve("hessmaxev")
+
+
+def test_every_quantity_is_one_record_and_names_match():
+    from nondet_jax.instruments.quantities import QUANTITIES
+
+    assert tuple(QUANTITIES) == configurations.QUANTITIES  # the JAX-free names the config checks, same order
+    known = {"norms", "elements", "grad_sq", "hist1d", "hist2d", "mean_projection", "alpha", "loss", "hvp",
+             "diagonal", "updates", "lr"}
+    assert all(r.needs <= known for r in QUANTITIES.values())
+
+
+def test_a_new_quantity_is_one_record(monkeypatch, x64):
+    """docs/instruments.md's recipe: one record (and its name) and make computes it from the shared pass."""
+    from nondet_jax.instruments import quantities
+
+    record = quantities.Quantity(lambda p: {"GradMax": max(jnp.max(jnp.abs(g)) for g in jax.tree.leaves(p.gbar))},
+                                 frozenset({"norms"}))
+    monkeypatch.setitem(quantities.QUANTITIES, "GradMax", record)
+    monkeypatch.setattr(configurations, "QUANTITIES", configurations.QUANTITIES + ("GradMax",))
+    params = init_params(jax.random.key(0), jnp.float64)
+    batch = batch_of(jax.random.key(1), 8, jnp.float64)
+    inst = instruments.make("GradMax,NormTest", example_loss)
+    assert inst.value_names(params) == ["NormTest", "GradMax"]
+    _, v = inst.update(inst.init(params), params, batch, step=0)
+    np.testing.assert_allclose(v["GradMax"], np.abs(explicit_per_example(params, batch).mean(0)).max(), rtol=1e-12)
+    assert np.isfinite(v["NormTest"])
 
 
 def test_schedules():
@@ -359,8 +385,7 @@ def test_train_epoch_reports_instruments_and_leaves_training_unchanged(instrumen
     config, data = instrumented
     plain = tiny_config(**{"train.epochs": 2})
     spec = spec_of(data)
-    varied = arm_sources("init")
-    keys, perturb = replica_slice(arm_keys(0, varied, 2), 1), perturbations(varied)
+    keys, perturb = one_replica("init", 1)
     x, y = jnp.asarray(data.x_train), jnp.asarray(data.y_train)
     out = {}
     for name, cfg in (("on", config), ("off", plain)):
@@ -486,6 +511,22 @@ def test_dashboard_and_tidy_rows(tmp_path):
     assert panels["HessTrace"].get_ylim()[0] <= 5.0 - 1.96 and panels["HessTrace"].get_ylim()[1] >= 5.0 + 1.96
     with pytest.raises(ValueError, match="step"):
         dashboard({"Loss": values["Loss"]})
+
+
+def test_dashboard_draws_every_quantity_the_instruments_compute():
+    from nondet_jax.instruments.dashboard import PANELS, dashboard
+
+    drawn = {q for *_, qs in PANELS for q in qs} | {"Loss"}  # Loss: the training-loss panel (the step's own loss)
+    assert drawn == set(configurations.QUANTITIES)  # a quantity without a panel would be computed and never shown
+    t, r = 5, 2
+    values = {"step": np.arange(t), "TICDiag": np.full((r, t), 0.7), "TICTrace": np.full((r, t), 0.4),
+              "GradHist2d": np.ones((r, t, *histograms.HIST2D_BINS)), "MeanGSNR": np.full((r, t), 2.0),
+              "EarlyStopping": np.full((r, t), -0.5), "CABS": np.full((r, t), 0.01)}
+    panels = {a.get_title(): a for a in dashboard(values).axes}
+    assert len(panels["TIC"].get_lines()) == 2 * r and len(panels["Gradient signal to noise"].get_lines()) == 2 * r
+    assert len(panels["CABS (suggested learning rate)"].get_lines()) == r
+    assert len(panels["GradHist2d (last tracked step, replica 0)"].get_images()) == 1
+    assert [x.get_text() for x in panels["learning rate"].texts] == ["not recorded\n(your own optimiser)"]
 
 
 def test_mixed_float32_and_float64_parameters(x64):

@@ -4,12 +4,14 @@ imports itself back through others. Every import counts, at module level or insi
 from __future__ import annotations
 
 import ast
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import nondet_jax
+from nondet_jax.store.paths import ARM_EXT, RunPaths
 
 PKG = Path(nondet_jax.__file__).parent
 
@@ -103,10 +105,79 @@ def test_imports_point_down_the_layers():
     assert upward == []
 
 
-def test_the_graph_sees_function_local_imports():
-    # a sanity check of the scanner itself: study.arm imports the strategies inside a function
-    edges = imports(modules())
-    assert "nondet_jax.replicas.choice" in edges["nondet_jax.study.arm"]
+def test_the_graph_sees_function_local_imports(tmp_path):
+    # a check of the scanner itself, on modules of its own: an import inside a function is an edge, and so
+    # is one inside a class body or a conditional; a module that imports nothing has none
+    (tmp_path / "a.py").write_text("def f():\n    from nondet_jax.b import g\n    return g\n")
+    (tmp_path / "b.py").write_text("class C:\n    if True:\n        import nondet_jax.c\n")
+    (tmp_path / "c.py").write_text("x = 1\n")
+    edges = imports({f"nondet_jax.{n}": tmp_path / f"{n}.py" for n in "abc"})
+    assert edges == {"nondet_jax.a": {"nondet_jax.b"}, "nondet_jax.b": {"nondet_jax.c"}, "nondet_jax.c": set()}
+
+
+def test_every_module_is_in_the_layer_table():
+    """docs/architecture.md's table names every module: a top-level module has its row, a package's module
+    is named in backticks in its package's row."""
+    rows = {}
+    for line in (PKG.parent / "docs" / "architecture.md").read_text().splitlines():
+        m = re.match(r"\| `([a-z_]+)/?` \| (.*) \|$", line)
+        if m:
+            rows[m.group(1)] = set(re.findall(r"`([a-z_.]+)`", m.group(2)))
+    missing = []
+    for mod in sorted(set(modules()) - ENTRY):
+        top, *sub = mod.split(".")[1:]
+        if top not in rows or (sub and sub[0] not in rows[top]):
+            missing.append(mod)
+    assert set(rows) == set(LAYERS) - {"entry"}, sorted(set(rows) ^ (set(LAYERS) - {"entry"}))
+    assert missing == [], f"name these modules in docs/architecture.md's layer table: {missing}"
+
+
+MAX_FUNCTION_LINES = 120
+
+
+def long_functions(source: str) -> list[tuple[str, int, int]]:
+    """``(name, line, lines)`` of every function (nested ones too) longer than MAX_FUNCTION_LINES."""
+    return [(n.name, n.lineno, n.end_lineno - n.lineno + 1) for n in ast.walk(ast.parse(source))
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > MAX_FUNCTION_LINES]
+
+
+def test_no_function_is_longer_than_120_lines():
+    body = "    x = 0\n"  # the counter itself: a 121-line function is found, a 120-line one is not
+    assert [f[0] for f in long_functions("def ok():\n" + body * 119 + "def long():\n" + body * 120)] == ["long"]
+    long = [f"{m}:{line} {name} ({n} lines)" for m, f in sorted(modules().items())
+            for name, line, n in long_functions(f.read_text())]
+    assert long == [], f"split these functions (at most {MAX_FUNCTION_LINES} lines each): {long}"
+
+
+def spelled_paths(source: str) -> list[tuple[int, str]]:
+    """``(line, text)`` of every string (docstrings aside) that spells a run folder's path: ends in one of
+    :class:`RunPaths`' file names, or starts with one of its folders and a ``/``."""
+    p = RunPaths("/run")
+    files = sorted(v.name for v in vars(p).values() if isinstance(v, Path) and v.suffix)
+    folders = sorted({*ARM_EXT, "checkpoints", "parts", "tensorboard", p.figures.name})
+    pattern = re.compile(r"(^|/)(%s)$|^(%s)/" % ("|".join(map(re.escape, files)), "|".join(folders)))
+    tree = ast.parse(source)
+    docs = {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    return [(n.lineno, n.value) for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            and id(n) not in docs and pattern.search(n.value.strip())]
+
+
+# (module, string): why it is not a path spelled by hand
+NOT_PATHS = {("nondet_jax.report.tensorboard", "instruments/"): "a TensorBoard tag",
+             ("nondet_jax.report.figures", "figures/"): "the figures' list in the report, spelled at merge by "
+                                                         "RunPaths (report/figures.py is being split elsewhere)"}
+
+
+def test_run_folder_paths_are_spelled_only_in_store_paths():
+    """docs/architecture.md: a file of the run folder has its path in store/paths, the only place paths are
+    spelled; everything else asks RunPaths."""
+    found = spelled_paths('"""config.json"""\nx = root / "config.json"\ny = f"logits/{arm}.npy"\nz = "a.json"\n')
+    assert [text for _, text in found] == ["config.json", "logits/"]  # the scanner itself
+    spelled = [f"{m}:{line} {text!r}" for m, f in sorted(modules().items()) if m != "nondet_jax.store.paths"
+               for line, text in spelled_paths(f.read_text()) if (m, text) not in NOT_PATHS]
+    assert spelled == [], f"ask nondet_jax.store.paths.RunPaths for these paths: {spelled}"
 
 
 def test_the_linter_passes():

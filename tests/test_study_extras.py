@@ -61,6 +61,13 @@ def test_instruments_from_the_cli_fill_the_run_folder(tmp_path):
     assert set(rows[0]) == {"step", "arm", "replica", "quantity", "layer", "value"}
     assert {r["quantity"] for r in rows} >= {"Loss", "GradNorm", "Distance", "UpdateSize"}
     assert (out / "figures" / "instruments_init.png").stat().st_size > 10_000
+    # every arm's instruments in one long table at the folder's top level (what to_frame("instruments") reads)
+    long = list(csv.DictReader((out / "instruments.csv").open()))
+    assert list(long[0]) == ["arm", "replica", "step", "quantity", "value"]
+    assert len(long) == len(rows) and {r["arm"] for r in long} == {"init"}
+    loss = {(int(r["replica"]), int(r["step"])): float(r["value"]) for r in long if r["quantity"] == "Loss"}
+    assert loss == {(r, int(t)): float(values["Loss"][r, i]) for r in range(2) for i, t in enumerate(values["step"])}
+    assert any(r["quantity"].startswith("GradNorm/") for r in long)  # a layer's value under its full name
 
 
 def test_sharded_strategy_from_the_cli_over_two_host_devices(tmp_path):

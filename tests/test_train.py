@@ -4,12 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import spec_of, tiny_config, tree_equal
+from conftest import one_replica, spec_of, tiny_config, tree_equal
 
 from nondet_jax.config import from_flat
 from nondet_jax.data.pipeline import augment, epoch_indices
 from nondet_jax.replicas.choice import resolve_strategy, run_replicas
-from nondet_jax.sources import arm_keys, arm_sources, perturbations, replica_slice
+from nondet_jax.sources import arm_keys, arm_sources, perturbations
 from nondet_jax.train import make_schedule, make_train
 
 
@@ -79,10 +79,9 @@ def test_batch_order_keeps_initial_loss_up_to_rounding(small_digits, dropout):
     x, y = jnp.asarray(small_digits.x_train[:64]), jnp.asarray(small_digits.y_train[:64])
     losses = {}
     for arm in ("control", "batch_order"):
-        varied = arm_sources(arm)
-        keys = replica_slice(arm_keys(0, varied, 2), 1)
-        state = fns.init(keys, perturbations(varied), x)
-        _, m = jax.jit(fns.train_epoch)(state, x, y, keys, perturbations(varied), 0)
+        keys, perturb = one_replica(arm, 1)
+        state = fns.init(keys, perturb, x)
+        _, m = jax.jit(fns.train_epoch)(state, x, y, keys, perturb, 0)
         losses[arm] = float(m["loss"][0])
     np.testing.assert_allclose(losses["batch_order"], losses["control"], rtol=1e-5)
 
@@ -108,8 +107,7 @@ def test_sequential_equals_plain_single_replica_training(small_digits):
     config = tiny_config(**{"model.dropout": 0.2, "data.augment": "on"})
     res = train_arm(config, small_digits, "all", "sequential")
     fns = make_train(config, spec_of(small_digits))
-    varied = arm_sources("all")
-    keys, perturb = replica_slice(arm_keys(0, varied, 3), 2), perturbations(varied)
+    keys, perturb = one_replica("all", 2)
     x, y = jnp.asarray(small_digits.x_train), jnp.asarray(small_digits.y_train)
     state = jax.jit(fns.init)(keys, perturb, x[:1])
     for e in range(config.train.epochs):
@@ -175,8 +173,7 @@ def test_no_recompilation_across_arms(small_digits):
     epoch = jax.jit(counted)
     x, y = jnp.asarray(small_digits.x_train), jnp.asarray(small_digits.y_train)
     for arm in ("control", "all", "bitflip"):
-        varied = arm_sources(arm)
-        k, p = replica_slice(arm_keys(0, varied, 2), 1), perturbations(varied)
+        k, p = one_replica(arm, 1)
         state = fns.init(k, p, x)
         epoch(state, x, y, k, p, 0)
     assert len(traces) == 1

@@ -4,11 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import spec_of, tiny_config
+from conftest import one_replica, spec_of, tiny_config
 
 from nondet_jax.analysis.tta import apply_view, stack_views, tta_logits, view_grid
 from nondet_jax.errors import UsageError
-from nondet_jax.sources import arm_keys, arm_sources, perturbations, replica_slice
 from nondet_jax.train import make_train
 
 # A hand-made batch: 2 non-square images (5 x 7, so swapped axes show), 2 channels, no zeros.
@@ -88,9 +87,7 @@ def test_tta_logits_average_a_linear_model_over_views():
 def test_tta_logits_with_the_trainers_evaluate(small_digits):
     config = tiny_config(**{"model.name": "resnet8", "model.width": 0.5, "train.eval_batch_size": 40})
     fns = make_train(config, spec_of(small_digits))
-    varied = arm_sources("init")
-    keys = replica_slice(arm_keys(0, varied, 2), 1)
-    state = fns.init(keys, perturbations(varied), jnp.asarray(small_digits.x_train[:1]))
+    state = fns.init(*one_replica("init", 1), jnp.asarray(small_digits.x_train[:1]))
     x = jnp.asarray(small_digits.x_test[:60])
     views = view_grid("flip+crop3", 1)
     got = np.asarray(jax.jit(lambda s, x: tta_logits(fns.evaluate, s, x, views, 1))(state, x))

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import one_replica
 from jax import lax
 
 from nondet_jax.config import from_flat
@@ -15,7 +16,7 @@ from nondet_jax.errors import UsageError
 from nondet_jax.models import convs
 from nondet_jax.models.common import conv_general_dilated
 from nondet_jax.replicas.choice import make_strategy
-from nondet_jax.sources import arm_keys, arm_sources, perturbations, replica_slice
+from nondet_jax.sources import arm_keys, arm_sources, perturbations
 from nondet_jax.train import DataSpec, make_train
 
 R = 2
@@ -53,7 +54,7 @@ def _convolutions(hlo: str) -> list[tuple[int, int]]:
 
 def _kernels(fns) -> int:
     x, _ = _data()
-    state = fns.init(replica_slice(arm_keys(0, VARIED, 1), 0), perturbations(VARIED), x[:1])
+    state = fns.init(*one_replica(VARIED), x[:1])
     return sum(1 for leaf in jax.tree.leaves(state.params) if leaf.ndim == 4)
 
 
@@ -75,7 +76,7 @@ def test_flax_passes_integer_dimension_numbers(resnet):
     x, _ = _data()
     convs.conv_p.bind = spy
     try:
-        jax.eval_shape(lambda: resnet.init(replica_slice(arm_keys(0, VARIED, 1), 0), perturbations(VARIED), x[:1]))
+        jax.eval_shape(lambda: resnet.init(*one_replica(VARIED), x[:1]))
     finally:
         convs.conv_p.bind = real
     assert seen and all(isinstance(d, lax.ConvDimensionNumbers) for d in seen)

@@ -26,7 +26,7 @@ def _is_run(path: Path) -> bool:
 def run_scores(run: str | Path, arm: str, metric: str = "test_accuracy") -> tuple[np.ndarray, dict]:
     """Per-replica ``metric`` of ``arm`` in a run folder (replicas that diverged left out), and where it came from."""
     run = Path(run)
-    if not (run / "config.json").is_file():
+    if not RunPaths(run).config.is_file():
         raise UsageError(f"{run} is not a nondet_jax run folder (no config.json); pass the --out folder of a sweep "
                          "or a CSV file of per-seed scores")
     if metric not in RUN_METRICS:
@@ -43,7 +43,7 @@ def run_scores(run: str | Path, arm: str, metric: str = "test_accuracy") -> tupl
                          "or pick another --arm") from None
     record = verify_arm_files(run, arm, record)
     rows = [r for r in record["rows"] if r.get("diverged_at_step", -1) < 0]
-    config = json.loads((run / "config.json").read_text())
+    config = json.loads(RunPaths(run).config.read_text())
     where = {"source": str(run), "kind": "run", "arm": arm, "metric": metric, "dataset": config["data"]["name"],
              "model": config["model"]["name"], "diverged_left_out": len(record["rows"]) - len(rows),
              "test_set": _test_set(run) or config["data"]["name"], "seed": config["study"]["seed"],
@@ -62,7 +62,7 @@ def _n_test(run: Path) -> int | None:
 def _test_set(run: Path) -> str | None:
     """The sha256 of a run's test split (``model.json``), or None for a folder without one."""
     try:
-        ident = json.loads((run / "model.json").read_text()).get("identity", {})
+        ident = json.loads(RunPaths(run).model.read_text()).get("identity", {})
         return ident.get("data", {}).get("test_sha256")
     except (OSError, ValueError, AttributeError):
         return None

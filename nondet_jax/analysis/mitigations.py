@@ -28,8 +28,6 @@ from nondet_jax.analysis import metrics as M
 from nondet_jax.analysis import stats as S
 from nondet_jax.errors import UsageError
 
-VARIANTS = ("single", "tta", "snapshot")  # the usual order; any names work, "single" is the reference
-
 
 def snapshot_epochs(epochs: int, cycles: int) -> tuple[int, ...]:
     """Epoch counts after which the snapshot schedule's cycles end (snapshot c is taken there).

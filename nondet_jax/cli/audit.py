@@ -4,30 +4,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 from nondet_jax import config as cfg
 from nondet_jax.cli import prog_name
 from nondet_jax.errors import OneLineParser, UsageError
-from nondet_jax.machine.determinism import check_flags, with_flags
-from nondet_jax.machine.signals import PARENT_ENV, die_with_parent
+from nondet_jax.machine.determinism import check_flags
 from nondet_jax.store.io import check_output_file, check_path_name
+from nondet_jax.study.processes import AUDIT_CHILD, require_child, run_child
 
 
 def audit_in_child(args: list[str], flags) -> dict:
     """Run the audit in a child process whose XLA_FLAGS carry ``flags``; return its result (the last line
     of its standard output: no temporary file, so a parent killed meanwhile leaves nothing behind)."""
     check_flags(flags)
-    env = {**os.environ, "XLA_FLAGS": with_flags(flags), PARENT_ENV: str(os.getpid())}
-    proc = subprocess.run([sys.executable, "-m", "nondet_jax", "audit", *args, "--child-json"],
-                          env=env, capture_output=True, text=True, start_new_session=True)
+    proc = run_child("nondet_jax", ["audit", *args, "--child-json"], flags, AUDIT_CHILD, "the audit's child process",
+                     capture=True)
     lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise RuntimeError(f"the audit's child process failed (exit {proc.returncode}): {tail}")
+    if not lines:
+        raise RuntimeError("the audit's child process printed no result; rerun the audit with --no-child")
     return json.loads(lines[-1])
 
 
@@ -79,7 +75,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         from nondet_jax.study.audit import audit_run  # JAX: once the arguments and the config are good
 
         if args.child_json:
-            die_with_parent()  # a parent gone (killed, Ctrl-C) takes its child along
+            require_child(AUDIT_CHILD, "--child-json is internal: the audit starts such a process itself")
             print(json.dumps(audit_run(config, args.steps, args.perturb)))
             return 0
         from nondet_jax.machine.determinism import DETERMINISM_ON

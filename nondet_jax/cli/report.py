@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = p.parse_args(argv)
     try:
         run = Path(args.run_dir)
-        if not (run / "config.json").is_file():
+        if not RunPaths(run).config.is_file():
             raise UsageError(f"{run} is not a nondet_jax run folder (no config.json); pass the --out folder of a sweep")
         from nondet_jax.report.markdown import write_report  # JAX and scipy: once the folder is a run folder
         from nondet_jax.store.run import release_lock, take_lock

@@ -259,7 +259,7 @@ def check_references(config: Config, run: Path, given: dict[str, str | None]) ->
             where = (f"would be imported from inside the run folder ({inside})" if inside is not None else
                      f"would be imported from the current directory ({local})" if local is not None else
                      "is not an installed package")
-            raise UsageError(f"{run / 'config.json'} names {key} {value}, whose module '{top}' {where}; --resume "
+            raise UsageError(f"{RunPaths(run).config} names {key} {value}, whose module '{top}' {where}; --resume "
                              "imports code a run folder names only from an installed package outside the folder and "
                              f"the current directory, or when you give the same reference: add {option} {value} "
                              "if you trust it")
@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             enable_compile_cache(args.compile_cache)
             from nondet_jax.study import child
 
-            return child.child_main(args.out, args.child_arm, progress if progress is not None else sys.stderr.isatty())
+            return child.train_arm_child(args.out, args.child_arm, progress if progress is not None else sys.stderr.isatty())
         if args.resume:
             config = config_for_resume(args)
             args.out = args.resume

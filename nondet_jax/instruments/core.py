@@ -65,27 +65,12 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.flatten_util import ravel_pytree
 
-from nondet_jax.instruments import (
-    configurations,
-    formulas,
-    histograms,
-    layerwise,
-)
+from nondet_jax.instruments import configurations, histograms, layerwise
 from nondet_jax.instruments import curvature as curv
 from nondet_jax.instruments.per_example import common_dtype, per_example_pass
+from nondet_jax.instruments.quantities import QUANTITIES, Pass, alpha_end, sq_norms
 from nondet_jax.instruments.schedules import Schedule, linear
-
-PER_EXAMPLE = ("NormTest", "InnerTest", "OrthoTest", "GradHist1d", "GradHist2d", "TICDiag", "TICTrace", "MeanGSNR",
-               "EarlyStopping", "CABS")
-GRAD_SQ = ("TICDiag", "TICTrace", "MeanGSNR", "EarlyStopping", "CABS")
-DIAGONAL = ("HessTrace", "TICDiag", "TICTrace")  # from the curvature's diagonal (GGN or Hutchinson)
-# Per-example quantities that need only squared norms ||g_i||^2 and projections g_i . t: with a tape
-# (train_pass, or frozen_bn's layerwise pass) and none of the others asked for, no per-example
-# gradient is formed (layerwise.tape_norm_stats, the ghost-norm identity). GradHist1d/2d and the
-# element-wise quantities (GRAD_SQ) need every per-example gradient element.
-NORM_ONLY = ("NormTest", "InnerTest", "OrthoTest")
 
 
 class InstrumentState(NamedTuple):
@@ -103,7 +88,6 @@ class Instruments(NamedTuple):
     quantities: tuple[str, ...]
     schedule: Schedule
     value_names: Callable  # params -> list of value names update returns
-    hist_edges: dict  # "GradHist1d": edges; "GradHist2d": (gradient edges, parameter edges)
     # train_pass (set by .trainer): the training step's value_and_grad that also returns a Tape for ``update``
     value_grad_and_tape: Callable | None = None
 
@@ -117,10 +101,6 @@ def layer_names(params) -> list[str]:
         return "/".join(parts)
 
     return [name(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-
-
-def _sq_norms(tree) -> list[jax.Array]:
-    return [jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)]
 
 
 def make(quantities: str | tuple[str, ...], example_loss: Callable, *, schedule: Schedule | None = None,
@@ -176,6 +156,26 @@ def make(quantities: str | tuple[str, ...], example_loss: Callable, *, schedule:
     Raises ValueError for unknown quantities or bad settings.
     """
     names = configurations.resolve(quantities)
+    curvature = _checked(names, norms, hess_tol, chunk, hess_iters, hess_probes, curvature, example_output,
+                         output_loss)
+    records = [QUANTITIES[q] for q in names]
+    needs = frozenset().union(*(r.needs for r in records))
+    schedule = schedule or linear(1)
+    s = _Setup(
+        names=names, records=records, needs=needs | ({"norms"} if "elements" in needs else set()),
+        schedule=schedule, example_loss=example_loss, curv_loss=batch_loss_fn or _mean_loss(example_loss),
+        context_fn=context_fn, chunk=chunk, hess_iters=hess_iters, hess_probes=hess_probes, seed=seed,
+        h1={"bins": histograms.HIST1D_BINS, "value_range": histograms.HIST1D_RANGE, **(hist1d or {})},
+        h2={"bins": histograms.HIST2D_BINS, "value_range": histograms.HIST2D_RANGE, **(hist2d or {})},
+        batched_example_loss=batched_example_loss, norms=norms or "auto", hess_tol=hess_tol,
+        example_output=example_output, output_loss=output_loss, batched_output=batched_output, curvature=curvature,
+        every_step=getattr(schedule, "every_step", False))  # no branch: straight-line code measured faster
+    return Instruments(lambda params: _init(s, params), lambda *a, **k: _update(s, *a, **k), names, schedule,
+                       lambda params: _value_names(s, params))
+
+
+def _checked(names, norms, hess_tol, chunk, hess_iters, hess_probes, curvature, example_output, output_loss) -> str:
+    """:func:`make`'s settings checked (ValueError naming the problem); returns the curvature source."""
     if not names:
         raise ValueError("no quantities to track; pass a configuration (economy, business, full) or quantity names")
     if norms not in (None, "auto", "ghost", "materialise"):
@@ -193,273 +193,264 @@ def make(quantities: str | tuple[str, ...], example_loss: Callable, *, schedule:
     if curvature == "hutchinson" and "TICDiag" in names:
         raise ValueError("TICDiag needs the exact curvature diagonal (a Hutchinson estimate of it can be <= 0): pass "
                          "example_output= and output_loss= (curvature='ggn'), or leave TICDiag out")
-    schedule = schedule or linear(1)
-    h1 = {"bins": histograms.HIST1D_BINS, "value_range": histograms.HIST1D_RANGE, **(hist1d or {})}
-    h2 = {"bins": histograms.HIST2D_BINS, "value_range": histograms.HIST2D_RANGE, **(hist2d or {})}
-    has = lambda *qs: any(q in names for q in qs)  # noqa: E731
-    need_pe = has(*PER_EXAMPLE)
-    need_alpha = has("Alpha")
-    need_hvp = has("HessMaxEV") or (curvature == "hutchinson" and has(*DIAGONAL))
+    return curvature
 
-    every_step = getattr(schedule, "every_step", False)  # no branch: straight-line code measured faster
 
-    norms = norms or "auto"
+class _Setup(NamedTuple):
+    """:func:`make`'s arguments, resolved: what every step's update reads."""
 
-    def norm_only() -> bool:
-        return need_pe and norms != "materialise" and all(q in NORM_ONLY for q in names if q in PER_EXAMPLE)
+    names: tuple
+    records: list  # the Quantity of each name
+    needs: frozenset  # the union of their needs ("elements" implies "norms")
+    schedule: Schedule
+    example_loss: Callable
+    curv_loss: Callable
+    context_fn: Callable | None
+    chunk: int
+    hess_iters: int
+    hess_probes: int
+    seed: int
+    h1: dict
+    h2: dict
+    batched_example_loss: Callable | None
+    norms: str
+    hess_tol: float | None
+    example_output: Callable | None
+    output_loss: Callable | None
+    batched_output: Callable | None
+    curvature: str
+    every_step: bool
 
+    def has(self, need: str) -> bool:
+        return need in self.needs
+
+    @property
+    def hvp(self) -> bool:  # HessMaxEV's Lanczos, or a Hutchinson diagonal
+        return self.has("hvp") or (self.curvature == "hutchinson" and self.has("diagonal"))
+
+    @property
+    def norm_only(self) -> bool:
+        """Only squared norms and projections asked for: with a tape, no per-example gradient is formed
+        (:func:`.layerwise.tape_norm_stats`, the ghost-norm identity)."""
+        return self.has("norms") and not self.has("elements") and self.norms != "materialise"
+
+    def per_example_args(self) -> dict:
+        return dict(grad_sq=self.has("grad_sq"), hist1d=self.h1 if self.has("hist1d") else None,
+                    hist2d=self.h2 if self.has("hist2d") else None)
+
+
+def _mean_loss(example_loss: Callable) -> Callable:
     def mean_loss(params, batch, context):
         return jnp.mean(jax.vmap(example_loss, in_axes=(None, 0, None))(params, batch, context))
 
-    curv_loss = batch_loss_fn or mean_loss
+    return mean_loss
 
-    def init(params) -> InstrumentState:
-        zero = lambda: jax.tree.map(jnp.zeros_like, params)  # noqa: E731
-        dtype = common_dtype(params)
-        return InstrumentState(
-            init_params=params if has("Distance") else (),
-            direction=zero() if need_alpha else (),
-            alpha_start=jnp.zeros(5, dtype) if need_alpha else (),
-            hess_vec=jnp.zeros_like(ravel_pytree(params)[0]) if has("HessMaxEV") else ())
 
-    def value_names(params) -> list[str]:
-        out = []
-        layers = layer_names(params)
-        for q in names:
-            out.append(q)
-            if q == "HessMaxEV":
-                out += ["HessMaxEVResidual", "HessMaxEVError"]
-            if q in ("HessTrace", "TICTrace") and curvature == "hutchinson":
-                out.append(f"{q}SE")
-            if q in configurations.PER_LAYER:
-                out.extend(f"{q}/{n}" for n in layers)
-        return out
+def _init(s: _Setup, params) -> InstrumentState:
+    fields = dict.fromkeys(InstrumentState._fields, ())
+    dtype = common_dtype(params)
+    for r in s.records:
+        if r.init is not None:
+            fields.update(r.init(params, dtype))
+    return InstrumentState(**fields)
 
-    def value_shapes(params) -> dict[str, tuple]:
-        shapes = {n: () for n in value_names(params)}
-        if "GradHist1d" in names:
-            shapes["GradHist1d"] = (h1["bins"],)
-        if "GradHist2d" in names:
-            shapes["GradHist2d"] = tuple(h2["bins"])
-        return shapes
 
-    def update(state: InstrumentState, params, batch, *, step, context=None, updates=None, lr=None, grads=None,
-               loss=None, tape=None, track: bool | None = None):
-        """One step's measurements: returns ``(state, values)`` (see the module docstring).
+def _value_names(s: _Setup, params) -> list[str]:
+    out = []
+    layers = layer_names(params)
+    for q, r in zip(s.names, s.records):
+        out += [q, *r.extras(s.curvature)]
+        if r.per_layer:
+            out.extend(f"{q}/{n}" for n in layers)
+    return out
 
-        ``track``: the schedule's verdict for this step as a Python bool (``bool(inst.schedule(t))``),
-        to choose the branch while tracing instead of by ``lax.switch`` on the device (the module
-        docstring says why); it must be what the schedule says. None: the schedule decides on device.
 
-        ``tape``: a :class:`.layerwise.Tape` of this step's training backward pass (with the
-        per-example losses, and output gradients of the *summed* loss): per-example quantities then
-        come from its contributions (the ``train_pass`` mode) and ``grads`` must be that pass's
-        gradient; None: from a pass of ``example_loss`` of their own (``frozen_bn``).
-        """
-        if need_alpha and updates is None:
-            raise ValueError("Alpha needs the update the optimiser applies at this step: pass updates=")
-        if has("UpdateSize") and updates is None:
-            raise ValueError("UpdateSize needs the update the optimiser applies at this step: pass updates=")
-        if has("CABS") and lr is None:
-            raise ValueError("CABS needs the learning rate of this step: pass lr=")
-        leaves = jax.tree.leaves(batch)
-        if not leaves or any(a.ndim < 1 or a.shape[0] != leaves[0].shape[0] for a in leaves):
-            raise ValueError("batch must be a pytree of arrays sharing a leading batch axis")
-        b = leaves[0].shape[0]
-        if b < 2 and need_pe:
-            raise ValueError(f"gradient-noise quantities need a batch of at least 2 examples, got {b}")
-        if tape is not None and (grads is None or tape.losses is None):
-            raise ValueError("a tape needs its per-example losses (tape.losses) and its pass's gradient (grads=)")
-        step = jnp.asarray(step)
-        dtype = common_dtype(params)
-        shapes = value_shapes(params)
-        layers = layer_names(params)
-        nan_values = {k: jnp.full(s, jnp.nan, dtype if not k.startswith("GradHist") else jnp.float32)
-                      for k, s in shapes.items()}
+class _Step(NamedTuple):
+    """One ``update`` call's arguments."""
 
-        def get_context():
-            return context_fn(params, batch, context) if context_fn is not None else context
+    params: Any
+    batch: Any
+    step: Any
+    context: Any
+    updates: Any
+    lr: Any
+    grads: Any
+    loss: Any
+    tape: Any
+    b: int
 
-        def example_losses(p, ctx):
-            return jax.vmap(example_loss, in_axes=(None, 0, None))(p, batch, ctx)
+    def context_of(self, s: _Setup):
+        """``context_fn``'s context (evaluated only where a branch calls this), else the one passed."""
+        return s.context_fn(self.params, self.batch, self.context) if s.context_fn is not None else self.context
 
-        def alpha_end_info(losses, end_proj, start):
-            t = start[0]
-            df = end_proj / jnp.where(t > 0, t, 1)
-            return formulas.alpha(t, (start[1], jnp.mean(losses)), (start[3], jnp.mean(df)),
-                                  (start[2], jnp.var(losses, ddof=1)), (start[4], jnp.var(df, ddof=1)))
+    def example_losses(self, s: _Setup, params, ctx):
+        return jax.vmap(s.example_loss, in_axes=(None, 0, None))(params, self.batch, ctx)
 
-        def idle(state):
-            return state, dict(nan_values)
 
-        def end_only(state):  # the step after a tracked one that is not tracked itself: finish Alpha
-            if tape is not None:
-                losses = tape.losses
-                # in a rolled chunk loop: straight-line, XLA:CPU slowed every untracked step of a sparse
-                # schedule (docs/instruments.md)
-                proj = layerwise.tape_norm_stats(tape, None, chunk, tangents=(state.direction,), mode="auto")[1][0]
-            else:
-                ctx = get_context()
-                losses, proj = jax.jvp(lambda p: example_losses(p, ctx), (params,), (state.direction,))
-            values = dict(nan_values)
-            values["Alpha"] = alpha_end_info(losses, proj, state.alpha_start).astype(dtype)
-            return state, values
+def _update(s: _Setup, state: InstrumentState, params, batch, *, step, context=None, updates=None, lr=None,
+            grads=None, loss=None, tape=None, track: bool | None = None):
+    """One step's measurements: returns ``(state, values)`` (see the module docstring).
 
-        def tracked(state):
-            ctx = get_context() if tape is None else context  # context_fn serves the frozen convention only
-            v: dict[str, jax.Array] = {}
-            stats = None
-            proj = None  # (T, B): every example's directional derivatives along gbar, updates, direction
-            if tape is not None:  # train_pass: the training backward pass's per-example contributions
-                along = ((grads,) if has("InnerTest", "OrthoTest") else ()) + (
-                    (updates, state.direction) if need_alpha else ())
-                if need_pe and norm_only():  # no per-example gradient formed: ghost norms + projections
-                    stats, proj = layerwise.tape_norm_stats(tape, jax.tree.map(lambda g: g * b, grads), chunk,
-                                                            tangents=along, mode=norms)
-                    gbar = grads
-                    g_sq = sum(_sq_norms(gbar))
-                elif need_pe:
-                    stats, proj = layerwise.tape_stats(
-                        tape, params, chunk, grad_sq=has(*GRAD_SQ), hist1d=h1 if has("GradHist1d") else None,
-                        hist2d=h2 if has("GradHist2d") else None, tangents=along)
-                    gbar = jax.tree.map(lambda s: s / b, stats.sum_grad)
-                    g_sq = sum(_sq_norms(gbar))
-                elif along and not every_step:  # Alpha alone, in a branch: a rolled loop
-                    proj = layerwise.tape_norm_stats(tape, None, chunk, tangents=along, mode="auto")[1]
-                elif along:
-                    proj = layerwise.tape_projections(tape, along)
-            elif need_pe:
-                pe_args = dict(grad_sq=has(*GRAD_SQ), hist1d=h1 if has("GradHist1d") else None,
-                               hist2d=h2 if has("GradHist2d") else None)
-                if batched_example_loss is not None:
-                    res = layerwise.per_example_pass(
-                        batched_example_loss, params, batch, ctx, chunk, **pe_args,
-                        tangents=(updates, state.direction) if need_alpha else (),
-                        project_mean=has("InnerTest", "OrthoTest"), norms_only=norm_only(), norms=norms)
-                    if res is not None:
-                        stats, proj = res
-                if stats is None:  # no batched loss, or a layer the layerwise path does not support
-                    stats = per_example_pass(example_loss, params, batch, ctx, chunk, **pe_args)
-                gbar = jax.tree.map(lambda s: s / b, stats.sum_grad)
-                g_sq = sum(_sq_norms(gbar))
-            # Directional derivatives of every example's loss: one linearisation, several tangents
-            # (unless the layerwise pass gave them as g_i . t).
-            tangents = []
-            if has("InnerTest", "OrthoTest"):
-                tangents.append(gbar)
-            if need_alpha:
-                tangents += [updates, state.direction]
-            losses = stats.losses if stats is not None else (tape.losses if tape is not None else None)
-            if tangents and proj is None:
-                losses, lin = jax.linearize(lambda p: example_losses(p, ctx), params)
-                proj = jax.vmap(lin)(jax.tree.map(lambda *xs: jnp.stack(xs), *tangents))
-            elif losses is None and (loss is None and has("Loss", "CABS")):
-                losses = example_losses(params, ctx)
-            batch_loss = loss if loss is not None else (jnp.mean(losses) if losses is not None else None)
+    ``track``: the schedule's verdict for this step as a Python bool (``bool(inst.schedule(t))``),
+    to choose the branch while tracing instead of by ``lax.switch`` on the device (the module
+    docstring says why); it must be what the schedule says. None: the schedule decides on device.
 
-            if has("Loss"):
-                v["Loss"] = batch_loss
-            if has("GradNorm"):
-                if grads is None and not need_pe:
-                    raise ValueError("GradNorm needs grads= (or a quantity that computes per-example gradients)")
-                g = grads if grads is not None else gbar
-                per = _sq_norms(g)
-                v["GradNorm"] = jnp.sqrt(sum(per))
-                v.update({f"GradNorm/{n}": jnp.sqrt(x) for n, x in zip(layers, per)})
-            if has("Distance"):
-                per = _sq_norms(jax.tree.map(jnp.subtract, params, state.init_params))
-                v["Distance"] = jnp.sqrt(sum(per))
-                v.update({f"Distance/{n}": jnp.sqrt(x) for n, x in zip(layers, per)})
-            if has("UpdateSize"):
-                per = _sq_norms(updates)
-                v["UpdateSize"] = jnp.sqrt(sum(per))
-                v.update({f"UpdateSize/{n}": jnp.sqrt(x) for n, x in zip(layers, per)})
-            if has("NormTest"):
-                v["NormTest"] = formulas.norm_test(b, stats.sum_sq_norm, g_sq)
-            if has("InnerTest"):
-                v["InnerTest"] = formulas.inner_test(b, proj[0], g_sq)
-            if has("OrthoTest"):
-                v["OrthoTest"] = formulas.ortho_test(b, stats.sum_sq_norm, proj[0], g_sq)
-            if has("GradHist1d"):
-                v["GradHist1d"] = stats.hist1d
-            if has("GradHist2d"):
-                v["GradHist2d"] = stats.hist2d
-            if has(*GRAD_SQ):
-                g2 = jnp.concatenate([x.ravel() for x in jax.tree.leaves(jax.tree.map(jnp.square, gbar))])
-                s2 = jnp.concatenate([x.ravel() for x in jax.tree.leaves(stats.sum_grad_sq)])
-            if has("MeanGSNR"):
-                v["MeanGSNR"] = formulas.mean_gsnr(b, g2, s2)
-            if has("EarlyStopping"):
-                v["EarlyStopping"] = formulas.early_stopping(b, g2, s2)
-            if has("CABS"):
-                v["CABS"] = formulas.cabs(b, lr, g2, s2, batch_loss)
+    ``tape``: a :class:`.layerwise.Tape` of this step's training backward pass (with the
+    per-example losses, and output gradients of the *summed* loss): per-example quantities then
+    come from its contributions (the ``train_pass`` mode) and ``grads`` must be that pass's
+    gradient; None: from a pass of ``example_loss`` of their own (``frozen_bn``).
+    """
+    for q, r in zip(s.names, s.records):
+        if "updates" in r.needs and updates is None:
+            raise ValueError(f"{q} needs the update the optimiser applies at this step: pass updates=")
+        if "lr" in r.needs and lr is None:
+            raise ValueError(f"{q} needs the learning rate of this step: pass lr=")
+    leaves = jax.tree.leaves(batch)
+    if not leaves or any(a.ndim < 1 or a.shape[0] != leaves[0].shape[0] for a in leaves):
+        raise ValueError("batch must be a pytree of arrays sharing a leading batch axis")
+    b = leaves[0].shape[0]
+    if b < 2 and s.has("norms"):
+        raise ValueError(f"gradient-noise quantities need a batch of at least 2 examples, got {b}")
+    if tape is not None and (grads is None or tape.losses is None):
+        raise ValueError("a tape needs its per-example losses (tape.losses) and its pass's gradient (grads=)")
+    a = _Step(params, batch, jnp.asarray(step), context, updates, lr, grads, loss, tape, b)
+    dtype = common_dtype(params)
+    shapes = {n: () for n in _value_names(s, params)}
+    for q, r in zip(s.names, s.records):
+        if r.shape is not None:
+            shapes[q] = r.shape(s.h1, s.h2)
+    nan_values = {k: jnp.full(sh, jnp.nan, dtype if not k.startswith("GradHist") else jnp.float32)
+                  for k, sh in shapes.items()}
+    alpha = s.has("alpha")
 
-            new_state = state
-            if need_hvp:
-                key = jax.random.fold_in(jax.random.key(seed), step)
-                hvp = curv.hvp_operator(lambda p: curv_loss(p, batch, ctx), params)
-                if has("HessMaxEV"):
-                    top = curv.lanczos_top(hvp, params, jax.random.fold_in(key, 1), hess_iters,
-                                           start=state.hess_vec, tol=hess_tol)
-                    v["HessMaxEV"] = top.value
-                    v["HessMaxEVResidual"] = top.residual
-                    v["HessMaxEVError"] = top.error
-                    new_state = new_state._replace(hess_vec=top.vector)
-            if has(*DIAGONAL):
-                trace_se = None
-                if curvature == "ggn":  # per-example outputs: the frozen convention's context
-                    diag = curv.ggn_diagonal(example_output, output_loss, params, batch,
-                                             ctx if tape is None else get_context(), chunk,
-                                             batched_output=batched_output)
-                    traces = jax.tree.map(jnp.sum, diag)
-                else:
-                    traces, diag, trace_se = curv.hutchinson(hvp, params, jax.random.fold_in(key, 2), hess_probes)
-                per = jax.tree.leaves(traces)
-                total = sum(per)
-                if has("HessTrace"):
-                    v["HessTrace"] = total
-                    v.update({f"HessTrace/{n}": x for n, x in zip(layers, per)})
-                    if trace_se is not None:
-                        v["HessTraceSE"] = trace_se
-                if has("TICDiag"):
-                    d = jnp.concatenate([x.ravel() for x in jax.tree.leaves(diag)])
-                    v["TICDiag"] = formulas.tic_diag(b, s2, d)
-                if has("TICTrace"):
-                    v["TICTrace"] = formulas.tic_trace(b, jnp.sum(s2), total)
-                    if trace_se is not None:  # delta method: d(A / T) = A / T^2 dT
-                        v["TICTraceSE"] = jnp.abs(v["TICTrace"]) * trace_se / jnp.abs(total + 1e-7)
+    def idle(state):
+        return state, dict(nan_values)
 
-            if need_alpha:
-                pending = schedule(step - 1) & (step >= 1)
-                finished = alpha_end_info(losses, proj[-1], state.alpha_start)
-                v["Alpha"] = jnp.where(pending, finished, jnp.nan)
-                t = jnp.sqrt(sum(_sq_norms(updates)))
-                df = proj[-2] / jnp.where(t > 0, t, 1)
-                start = jnp.stack([t, jnp.mean(losses), jnp.var(losses, ddof=1), jnp.mean(df), jnp.var(df, ddof=1)])
-                new_state = new_state._replace(direction=updates, alpha_start=start.astype(dtype))
-            out = dict(nan_values)
-            out.update({k: jnp.asarray(x).astype(out[k].dtype).reshape(out[k].shape) for k, x in v.items()})
-            return new_state, out
+    def end_only(state):  # the step after a tracked one that is not tracked itself: finish Alpha
+        return state, {**nan_values, "Alpha": _alpha_end_only(s, a, state).astype(dtype)}
 
-        if track is False:  # the caller read the schedule: not tracked (Alpha's end point is still decided here)
-            if not need_alpha:
-                return idle(state)
-            return jax.lax.cond(schedule(step - 1) & (step >= 1), end_only, idle, state)
-        if track or getattr(schedule, "every_step", False):
-            # Every step is tracked: no branch. (XLA:CPU runs convolutions inside a conditional, like
-            # inside a loop, on a path about 6x slower: a ResNet-8 gradient took 617 ms in a
-            # lax.cond against 96 ms outside on a loaded 2-core CPU.)
-            return tracked(state)
-        is_tracked = schedule(step)
-        branches = [idle, tracked]
-        index = is_tracked.astype(jnp.int32)
-        if need_alpha:
-            pending = schedule(step - 1) & (step >= 1)
-            branches = [idle, end_only, tracked]
-            index = jnp.where(is_tracked, 2, jnp.where(pending, 1, 0))
-        return jax.lax.switch(index, branches, state)
+    def tracked(state):
+        new_state, v = _tracked(s, a, state)
+        out = dict(nan_values)
+        out.update({k: jnp.asarray(x).astype(out[k].dtype).reshape(out[k].shape) for k, x in v.items()})
+        return new_state, out
 
-    edges = {"GradHist1d": histograms.edges(h1["bins"], h1["value_range"]),
-             "GradHist2d": (histograms.edges(h2["bins"][0], h2["value_range"][0]),
-                            histograms.edges(h2["bins"][1], h2["value_range"][1]))}
-    return Instruments(init, update, names, schedule, value_names, edges)
+    if track is False:  # the caller read the schedule: not tracked (Alpha's end point is still decided here)
+        if not alpha:
+            return idle(state)
+        return jax.lax.cond(s.schedule(a.step - 1) & (a.step >= 1), end_only, idle, state)
+    if track or s.every_step:
+        # Every step is tracked: no branch. (XLA:CPU runs convolutions inside a conditional, like
+        # inside a loop, on a path about 6x slower: a ResNet-8 gradient took 617 ms in a
+        # lax.cond against 96 ms outside on a loaded 2-core CPU.)
+        return tracked(state)
+    is_tracked = s.schedule(a.step)
+    branches = [idle, tracked]
+    index = is_tracked.astype(jnp.int32)
+    if alpha:
+        pending = s.schedule(a.step - 1) & (a.step >= 1)
+        branches = [idle, end_only, tracked]
+        index = jnp.where(is_tracked, 2, jnp.where(pending, 1, 0))
+    return jax.lax.switch(index, branches, state)
+
+
+def _alpha_end_only(s: _Setup, a: _Step, state: InstrumentState):
+    """Alpha of the last tracked step's update, at an untracked step: its end point alone."""
+    if a.tape is not None:
+        losses = a.tape.losses
+        # in a rolled chunk loop: straight-line, XLA:CPU slowed every untracked step of a sparse
+        # schedule (docs/instruments.md)
+        proj = layerwise.tape_norm_stats(a.tape, None, s.chunk, tangents=(state.direction,), mode="auto")[1][0]
+    else:
+        ctx = a.context_of(s)
+        losses, proj = jax.jvp(lambda p: a.example_losses(s, p, ctx), (a.params,), (state.direction,))
+    return alpha_end(losses, proj, state.alpha_start)
+
+
+def _tracked(s: _Setup, a: _Step, state: InstrumentState):
+    """A tracked step: the shared pass once, then every record's compute and carry."""
+    p = shared_pass(s, a, state)
+    values, new_state = {}, state
+    for r in s.records:
+        values.update(r.compute(p))
+        if r.carry is not None:
+            new_state = new_state._replace(**r.carry(p))
+    return new_state, values
+
+
+def shared_pass(s: _Setup, a: _Step, state: InstrumentState) -> Pass:
+    """What the records asked for, each computed once: per-example statistics (from the training pass's
+    tape, a batched per-layer pass or ``vmap(grad)``), directional derivatives, losses, curvature."""
+    ctx = a.context_of(s) if a.tape is None else a.context  # context_fn serves the frozen convention only
+    stats, proj, gbar, g_sq = _per_example(s, a, state, ctx)
+    # Directional derivatives of every example's loss: one linearisation, several tangents
+    # (unless the layerwise pass gave them as g_i . t).
+    tangents = ([gbar] if s.has("mean_projection") else []) + (
+        [a.updates, state.direction] if s.has("alpha") else [])
+    losses = stats.losses if stats is not None else (a.tape.losses if a.tape is not None else None)
+    if tangents and proj is None:
+        losses, lin = jax.linearize(lambda p: a.example_losses(s, p, ctx), a.params)
+        proj = jax.vmap(lin)(jax.tree.map(lambda *xs: jnp.stack(xs), *tangents))
+    elif losses is None and (a.loss is None and s.has("loss")):
+        losses = a.example_losses(s, a.params, ctx)
+    p = Pass(a.b, a.step, s.schedule, a.params, state, layer_names(a.params), a.grads, a.updates, a.lr,
+             s.curvature, stats, gbar, g_sq, proj, losses,
+             a.loss if a.loss is not None else (jnp.mean(losses) if losses is not None else None))
+    if s.has("grad_sq"):
+        p = p._replace(g2=jnp.concatenate([x.ravel() for x in jax.tree.leaves(jax.tree.map(jnp.square, gbar))]),
+                       s2=jnp.concatenate([x.ravel() for x in jax.tree.leaves(stats.sum_grad_sq)]))
+    return _curvature(s, a, p, ctx)
+
+
+def _per_example(s: _Setup, a: _Step, state: InstrumentState, ctx):
+    """``(stats, proj, gbar, g_sq)``: the per-example sums and the projections they came with (None where
+    not asked for)."""
+    stats = proj = gbar = g_sq = None
+    b = a.b
+    if a.tape is not None:  # train_pass: the training backward pass's per-example contributions
+        along = ((a.grads,) if s.has("mean_projection") else ()) + (
+            (a.updates, state.direction) if s.has("alpha") else ())
+        if s.norm_only:  # no per-example gradient formed: ghost norms + projections
+            stats, proj = layerwise.tape_norm_stats(a.tape, jax.tree.map(lambda g: g * b, a.grads), s.chunk,
+                                                    tangents=along, mode=s.norms)
+            return stats, proj, a.grads, sum(sq_norms(a.grads))
+        if s.has("norms"):
+            stats, proj = layerwise.tape_stats(a.tape, a.params, s.chunk, **s.per_example_args(), tangents=along)
+        elif along and not s.every_step:  # Alpha alone, in a branch: a rolled loop
+            proj = layerwise.tape_norm_stats(a.tape, None, s.chunk, tangents=along, mode="auto")[1]
+        elif along:
+            proj = layerwise.tape_projections(a.tape, along)
+    elif s.has("norms"):
+        if s.batched_example_loss is not None:
+            res = layerwise.per_example_pass(
+                s.batched_example_loss, a.params, a.batch, ctx, s.chunk, **s.per_example_args(),
+                tangents=(a.updates, state.direction) if s.has("alpha") else (),
+                project_mean=s.has("mean_projection"), norms_only=s.norm_only, norms=s.norms)
+            if res is not None:
+                stats, proj = res
+        if stats is None:  # no batched loss, or a layer the layerwise path does not support
+            stats = per_example_pass(s.example_loss, a.params, a.batch, ctx, s.chunk, **s.per_example_args())
+    if stats is not None:
+        gbar = jax.tree.map(lambda x: x / b, stats.sum_grad)
+        g_sq = sum(sq_norms(gbar))
+    return stats, proj, gbar, g_sq
+
+
+def _curvature(s: _Setup, a: _Step, p: Pass, ctx) -> Pass:
+    """HessMaxEV's Lanczos result and the curvature diagonal, where asked for."""
+    if s.hvp:
+        key = jax.random.fold_in(jax.random.key(s.seed), a.step)
+        hvp = curv.hvp_operator(lambda q: s.curv_loss(q, a.batch, ctx), a.params)
+        if s.has("hvp"):
+            p = p._replace(top=curv.lanczos_top(hvp, a.params, jax.random.fold_in(key, 1), s.hess_iters,
+                                                start=p.state.hess_vec, tol=s.hess_tol))
+    if not s.has("diagonal"):
+        return p
+    trace_se = None
+    if s.curvature == "ggn":  # per-example outputs: the frozen convention's context
+        diag = curv.ggn_diagonal(s.example_output, s.output_loss, a.params, a.batch,
+                                 ctx if a.tape is None else a.context_of(s), s.chunk, batched_output=s.batched_output)
+        traces = jax.tree.map(jnp.sum, diag)
+    else:
+        traces, diag, trace_se = curv.hutchinson(hvp, a.params, jax.random.fold_in(key, 2), s.hess_probes)
+    return p._replace(diag=diag, traces=traces, total=sum(jax.tree.leaves(traces)), trace_se=trace_se)

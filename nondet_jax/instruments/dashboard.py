@@ -4,7 +4,10 @@ Input (what the run folder stores per arm): ``{"step": (T,), "<quantity>": (R, T
 where a quantity was not tracked, plus optional ``"loss"``, ``"accuracy"``, ``"lr"`` arrays of
 shape (R, T) or (T,). Layout, after Cockpit's: a step-size column (Alpha, Distance, UpdateSize), a
 gradient column (GradNorm; NormTest / InnerTest / OrthoTest; GradHist1d), a curvature column
-(HessMaxEV with 2 / learning rate, HessTrace, TICTrace); loss, accuracy and learning rate beneath.
+(HessMaxEV with 2 / learning rate, HessTrace, TICTrace and TICDiag), a column of the rest (GradHist2d;
+MeanGSNR and EarlyStopping; CABS); loss, accuracy and learning rate beneath. Every quantity the
+instruments compute has a panel (``tests/test_instruments.py`` holds :data:`PANELS` to
+``configurations.QUANTITIES``).
 A shaded band around a line is its stated error: HessMaxEV up to ``HessMaxEVError`` above it (its
 Ritz value is a lower bound), HessTrace and TICTrace +- 1.96 ``...SE`` where they are estimates.
 
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from nondet_jax.instruments.histograms import HIST1D_RANGE
+from nondet_jax.instruments.histograms import HIST1D_RANGE, HIST2D_RANGE
 
 PANELS = [  # (row, column, title, quantities)
     (0, 0, "Alpha (0 = step to the minimum)", ("Alpha",)),
@@ -31,9 +34,13 @@ PANELS = [  # (row, column, title, quantities)
     (2, 1, "GradHist1d (last tracked step)", ("GradHist1d",)),
     (0, 2, "HessMaxEV", ("HessMaxEV",)),
     (1, 2, "HessTrace", ("HessTrace",)),
-    (2, 2, "TICTrace", ("TICTrace",)),
+    (2, 2, "TIC", ("TICTrace", "TICDiag")),
+    (0, 3, "GradHist2d (last tracked step, replica 0)", ("GradHist2d",)),
+    (1, 3, "Gradient signal to noise", ("MeanGSNR", "EarlyStopping")),
+    (2, 3, "CABS (suggested learning rate)", ("CABS",)),
 ]
-COLORS = {"NormTest": "C0", "InnerTest": "C1", "OrthoTest": "C2"}
+COLORS = {"NormTest": "C0", "InnerTest": "C1", "OrthoTest": "C2", "TICTrace": "C0", "TICDiag": "C1", "MeanGSNR": "C0",
+          "EarlyStopping": "C1"}
 
 
 def _per_replica(a, steps: int) -> np.ndarray:
@@ -46,7 +53,9 @@ def _per_replica(a, steps: int) -> np.ndarray:
 
 
 LINESTYLES = ("-", "--", ":", "-.")  # replicas of one quantity: told apart by line style
-MARKERS = {"NormTest": "o", "InnerTest": "s", "OrthoTest": "^"}
+MARKERS = {"NormTest": "o", "InnerTest": "s", "OrthoTest": "^", "TICTrace": "o", "TICDiag": "s", "MeanGSNR": "o",
+           "EarlyStopping": "s"}
+LOG_SCALE = ("NormTest", "InnerTest", "OrthoTest", "TICTrace", "TICDiag", "MeanGSNR")  # positive by construction
 
 
 def _lines(ax, step, arr, label=None, color=None, marker=None, zorder=2):
@@ -82,7 +91,59 @@ def _replica_legend(ax, r: int) -> None:
               fontsize=7, ncol=2)
 
 
-def dashboard(values: dict, title: str = "", hist_range=HIST1D_RANGE):
+def _hist1d(ax, step, values: dict, hist_range) -> None:
+    h = np.asarray(values["GradHist1d"], dtype=float)
+    h = h[None] if h.ndim == 2 else h
+    edges = np.linspace(hist_range[0], hist_range[1], h.shape[-1] + 1)
+    centres = 0.5 * (edges[1:] + edges[:-1])
+    for r, hr in enumerate(h):
+        tracked = np.where(np.all(np.isfinite(hr), -1))[0]
+        if len(tracked):
+            ax.semilogy(centres, np.maximum(hr[tracked[-1]], 0.5), lw=1, alpha=0.75,
+                        label=f"step {step[tracked[-1]]}" if r == 0 else None)
+    ax.set_xlabel("individual gradient element")
+    ax.legend(fontsize=7)
+
+
+def _hist2d(ax, step, values: dict, hist_range) -> None:
+    """Replica 0's last tracked 2-D histogram: parameter value across, gradient element up, log counts."""
+    h = np.asarray(values["GradHist2d"], dtype=float)
+    h = h[None] if h.ndim == 3 else h
+    tracked = np.where(np.all(np.isfinite(h[0]), (-2, -1)))[0]
+    if not len(tracked):
+        ax.text(0.5, 0.5, "no tracked step", ha="center", va="center", transform=ax.transAxes, color="0.5")
+        return
+    (g_lo, g_hi), (p_lo, p_hi) = hist_range
+    image = ax.imshow(np.log10(1 + h[0, tracked[-1]]), origin="lower", aspect="auto", cmap="viridis",
+                      extent=(p_lo, p_hi, g_lo, g_hi))
+    ax.set_xlabel(f"parameter (step {step[tracked[-1]]})")
+    ax.set_ylabel("gradient element")
+    ax.figure.colorbar(image, ax=ax, label="log10(1 + count)")
+
+
+def _quantity_lines(ax, step, values: dict, qs: tuple, present: list, t: int) -> None:
+    several = len(present) > 1  # colour = quantity, line style = replica; else colour = replica
+    for z, q in enumerate(present):  # NormTest (first) on top: it often nearly equals OrthoTest
+        _lines(ax, step, _per_replica(values[q], t), q if several else None, COLORS.get(q) if several else None,
+               MARKERS.get(q) if several else None, zorder=3 + len(present) - z)
+    if not several and qs[0] in BANDS and BANDS[qs[0]][0] in values:
+        _bands(ax, step, values, qs[0], t)
+    if several:
+        ax.legend(fontsize=7)
+        if all(q in LOG_SCALE for q in present):
+            ax.set_yscale("log")
+    if qs == ("Alpha",):
+        ax.axhline(0, color="k", lw=0.8, ls="--")
+        ax.set_ylim(-1.5, 3)
+    if qs == ("HessMaxEV",) and "lr" in values:
+        lr = _per_replica(values["lr"], t)[0]
+        ok = lr > 0
+        ax.plot(step[ok], 2 / lr[ok], "k--", lw=1, label="2 / lr")
+        ax.set_yscale("log")
+        ax.legend(fontsize=7)
+
+
+def dashboard(values: dict, title: str = "", hist_range=HIST1D_RANGE, hist2d_range=HIST2D_RANGE):
     """A matplotlib figure for one arm; replicas drawn as overlaid lines."""
     import matplotlib
 
@@ -93,7 +154,7 @@ def dashboard(values: dict, title: str = "", hist_range=HIST1D_RANGE):
         raise ValueError("values needs a 'step' array (T,)")
     step = np.asarray(values["step"])
     t = len(step)
-    fig, axes = plt.subplots(4, 3, figsize=(13, 11), constrained_layout=True)
+    fig, axes = plt.subplots(4, 4, figsize=(17, 11), constrained_layout=True)
     for row, col, name, qs in PANELS:
         ax = axes[row, col]
         ax.set_title(name, fontsize=10)
@@ -101,38 +162,12 @@ def dashboard(values: dict, title: str = "", hist_range=HIST1D_RANGE):
         if not present:
             ax.text(0.5, 0.5, "not tracked", ha="center", va="center", transform=ax.transAxes, color="0.5")
             ax.set_xticks([]), ax.set_yticks([])
-            continue
-        if qs == ("GradHist1d",):
-            h = np.asarray(values["GradHist1d"], dtype=float)
-            h = h[None] if h.ndim == 2 else h
-            edges = np.linspace(hist_range[0], hist_range[1], h.shape[-1] + 1)
-            centres = 0.5 * (edges[1:] + edges[:-1])
-            for r, hr in enumerate(h):
-                tracked = np.where(np.all(np.isfinite(hr), -1))[0]
-                if len(tracked):
-                    ax.semilogy(centres, np.maximum(hr[tracked[-1]], 0.5), lw=1, alpha=0.75,
-                                label=f"step {step[tracked[-1]]}" if r == 0 else None)
-            ax.set_xlabel("individual gradient element")
-            ax.legend(fontsize=7)
-            continue
-        several = len(present) > 1  # colour = quantity, line style = replica; else colour = replica
-        for z, q in enumerate(present):  # NormTest (first) on top: it often nearly equals OrthoTest
-            _lines(ax, step, _per_replica(values[q], t), q if several else None, COLORS.get(q) if several else None,
-                   MARKERS.get(q) if several else None, zorder=3 + len(present) - z)
-        if not several and qs[0] in BANDS and BANDS[qs[0]][0] in values:
-            _bands(ax, step, values, qs[0], t)
-        if several:
-            ax.legend(fontsize=7)
-            ax.set_yscale("log")
-        if qs == ("Alpha",):
-            ax.axhline(0, color="k", lw=0.8, ls="--")
-            ax.set_ylim(-1.5, 3)
-        if qs == ("HessMaxEV",) and "lr" in values:
-            lr = _per_replica(values["lr"], t)[0]
-            ok = lr > 0
-            ax.plot(step[ok], 2 / lr[ok], "k--", lw=1, label="2 / lr")
-            ax.set_yscale("log")
-            ax.legend(fontsize=7)
+        elif qs == ("GradHist1d",):
+            _hist1d(ax, step, values, hist_range)
+        elif qs == ("GradHist2d",):
+            _hist2d(ax, step, values, hist2d_range)
+        else:
+            _quantity_lines(ax, step, values, qs, present, t)
     ax = axes[3, 0]
     if "loss" in values:
         _lines(ax, step, _per_replica(values["loss"], t))
@@ -144,16 +179,29 @@ def dashboard(values: dict, title: str = "", hist_range=HIST1D_RANGE):
         _lines(ax, step, _per_replica(values["accuracy"], t))
     ax.set_title("training accuracy", fontsize=10)
     ax = axes[3, 2]
+    ax.set_title("learning rate", fontsize=10)
     if "lr" in values:
         _lines(ax, step, _per_replica(values["lr"], t), color="k")
-    ax.set_title("learning rate", fontsize=10)
-    for ax in axes[3]:
+    else:  # your own optimiser: its learning rate is not the config's schedule, and is not recorded
+        ax.text(0.5, 0.5, "not recorded\n(your own optimiser)", ha="center", va="center", transform=ax.transAxes,
+                color="0.5")
+        ax.set_xticks([]), ax.set_yticks([])
+    axes[3, 3].axis("off")
+    for ax in axes[3, :3]:
         ax.set_xlabel("step")
     r = next((np.asarray(v).shape[0] for k, v in values.items() if k != "step" and np.ndim(v) >= 2), 1)
     if r > 1:
         _replica_legend(axes[3, 0], r)
     fig.suptitle(f"{title}  ({r} replica{'s' if r != 1 else ''} overlaid)".strip(), fontsize=12)
     return fig
+
+
+def long_rows(arm: str, values: dict) -> list[dict]:
+    """:func:`tidy_rows` in the long format of a run folder's ``instruments.csv``: ``arm, replica, step, quantity,
+    value``, a per-layer value's quantity its full name (``GradNorm/<parameter path>``)."""
+    return [{"arm": row["arm"], "replica": row["replica"], "step": row["step"],
+             "quantity": f"{row['quantity']}/{row['layer']}" if row["layer"] else row["quantity"], "value": row["value"]}
+            for row in tidy_rows(arm, values)]
 
 
 def tidy_rows(arm: str, values: dict) -> list[dict]:

@@ -27,7 +27,6 @@ def linear(interval: int = 1, offset: int = 0) -> Schedule:
         shifted = jnp.asarray(step) - offset
         return (shifted >= 0) & (shifted % interval == 0)
 
-    schedule.steps_description = f"every {interval} steps from {offset}"
     schedule.interval = interval  # most_in_epoch bounds the tracked steps of an epoch by it
     schedule.every_step = interval == 1 and offset == 0  # lets update skip the branch altogether
     return schedule

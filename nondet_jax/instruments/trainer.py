@@ -36,6 +36,7 @@ import optax
 
 from nondet_jax.instruments import layerwise
 from nondet_jax.instruments.core import Instruments, make
+from nondet_jax.instruments.quantities import QUANTITIES
 from nondet_jax.instruments.schedules import linear, log_over_run
 from nondet_jax.models.common import Head
 
@@ -175,10 +176,8 @@ def defer_in_epoch(inst: Instruments) -> bool:
     """Whether ``nondet_jax.train`` may measure an unrolled epoch's steps after them, in one rolled
     loop: in train_pass mode without curvature quantities the instruments run no convolution (XLA:CPU
     runs convolutions inside loops on a slow path, so those stay inline)."""
-    return inst.value_grad_and_tape is not None and not any(q in inst.quantities for q in CURVATURE)
-
-
-CURVATURE = ("HessMaxEV", "HessTrace", "TICDiag", "TICTrace")
+    return inst.value_grad_and_tape is not None and not any(
+        QUANTITIES[q].needs & {"hvp", "diagonal"} for q in inst.quantities)
 
 
 def train_pass_grad(train_loss: Callable, params, batch_stats, x, y, dropout_keys, *,

@@ -12,6 +12,7 @@ from nondet_jax.analysis.mitigations import mitigation_table
 from nondet_jax.analysis.stats import METHODS, TESTS, format_ci, na_reason, replicas_for_std_factor
 from nondet_jax.analysis.task import QUANTITIES, task_of
 from nondet_jax.errors import UsageError
+from nondet_jax.instruments.dashboard import long_rows
 from nondet_jax.report.figures import make_figures
 from nondet_jax.report.optimizer import format_optimizer
 from nondet_jax.report.summary import (
@@ -211,6 +212,18 @@ def _trained_md(model: dict) -> list[str]:
     return lines + [""]
 
 
+def _write_instruments_csv(paths: RunPaths, records: dict) -> None:
+    """``instruments.csv``: every arm's instruments in one long table (arm, replica, step, quantity, value)."""
+    rows = []
+    for arm in records:
+        path = paths.arm_file("instruments", arm)
+        if path.is_file():
+            with np.load(path, allow_pickle=False) as f:
+                rows += long_rows(arm, {k: f[k] for k in f.files})
+    if rows:
+        _write_csv(paths.instruments_csv, rows, root=paths.root)
+
+
 def write_report(run: str | Path, command: str | None = None) -> dict:
     """Rebuild ``summary.json``, ``arms.csv``, figures and ``report.md`` from stored results."""
     run = Path(run)
@@ -225,6 +238,7 @@ def write_report(run: str | Path, command: str | None = None) -> dict:
     check_layout(run, list(records))  # nothing written before every output is known to be writable
     atomic_write_json(paths.summary, strict_json(summary), root=paths.root)
     _write_csv(paths.arms_csv, [strict_json(row) for row in arm_rows(summary)], root=paths.root)
+    _write_instruments_csv(paths, records)
     figures = make_figures(run, summary, records)
     model = _model_json(paths)
     if command is None and paths.command.is_file():

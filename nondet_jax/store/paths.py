@@ -92,6 +92,7 @@ class RunPaths:
         self.arms_csv = self.root / "arms.csv"
         self.report = self.root / "report.md"
         self.figures = self.root / "figures"
+        self.instruments_csv = self.root / "instruments.csv"  # every arm's instruments: arm,replica,step,quantity,value
 
     @staticmethod
     def rel(kind: str, arm: str, ext: str | None = None) -> str:
@@ -109,6 +110,10 @@ class RunPaths:
     def parts(self, arm: str | None = None) -> Path:
         """Per-process results of a multi-process run, before process 0 merges them."""
         return self.root / "parts" if arm is None else self.root / "parts" / arm_name(arm)
+
+    def part(self, arm: str, index: int, ext: str = ".npz") -> Path:
+        """Process (or replica) ``index``'s part of ``arm`` in a multi-process run: ``parts/<arm>/<index><ext>``."""
+        return self.parts(arm) / f"{int(index)}{ext}"
 
     def tensorboard(self, arm: str | None = None) -> Path:
         """TensorBoard event files (derived, rebuilt from the stored results): ``tensorboard/<arm>``."""

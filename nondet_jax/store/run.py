@@ -131,11 +131,11 @@ def verify_arm_files(root: Path, arm: str, record: dict, identity: str = "") -> 
             raise UsageError(f"result file {path} is missing, truncated or corrupt (sha256 mismatch); rerun the sweep "
                              f"with --recompute {arm} to train arm '{arm}' again")
     try:
-        current = config_digest(json.loads((root / "config.json").read_text()))
+        current = config_digest(json.loads(RunPaths(root).config.read_text()))
     except (OSError, json.JSONDecodeError, UnicodeDecodeError, AttributeError):
         current = None
     if current != record.get("config_sha256"):
-        raise UsageError(f"{root / 'config.json'} does not hold the config arm '{arm}' was trained with (edited after "
+        raise UsageError(f"{RunPaths(root).config} does not hold the config arm '{arm}' was trained with (edited after "
                          f"the run?); restore it, or start a new study with another --out")
     return record
 
@@ -207,7 +207,7 @@ def check_layout(root: Path, arms: list[str]) -> None:
             raise UsageError(f"{folder} is a file, where nondet_jax keeps a folder; move it away and rerun the same "
                              "command")
     files = [paths.config, paths.environment, paths.model, paths.test_labels, paths.command, paths.replicas_csv,
-             paths.summary, paths.arms_csv, paths.report]
+             paths.summary, paths.arms_csv, paths.report, paths.instruments_csv]
     for arm in arms:
         files += [root / rel for rel in sorted(record_files(arm) - {TEST_LABELS})]
         files.append(root / RunPaths.rel("environments", arm, ".processes.json"))
@@ -256,7 +256,7 @@ class RunStore:
                              "that folder, or choose another --out")
         if root.exists() and not root.is_dir():
             raise UsageError(f"--out {root} is a file, not a folder; choose another --out")
-        cfg_path = root / "config.json"
+        cfg_path = RunPaths(root).config
         if root.exists() and not cfg_path.exists() and any(p.name != LOCK and not _leftover(p) for p in root.iterdir()):
             raise UsageError(f"--out {root} exists and is not a nondet_jax run folder; choose a new or empty --out")
         check_no_links(root)
@@ -342,17 +342,18 @@ class RunStore:
                  dynamics: dict[str, np.ndarray] | None = None, extra: dict[str, bytes] | None = None) -> None:
         """Write an arm's arrays, then its JSON record (the marker that the arm is finished), which
         lists every file's sha256. ``extra`` maps further relative paths to their bytes."""
-        files = {f"logits/{arm}.npy": npy_bytes(logits), f"features/{arm}.npy": npy_bytes(features),
-                 f"history/{arm}.npz": npz_bytes(history), f"weights/{arm}.npz": npz_bytes(weights),
-                 f"pairs/{arm}.npz": npz_bytes(pairs), **(extra or {})}
+        at = RunPaths.rel
+        files = {at("logits", arm): npy_bytes(logits), at("features", arm): npy_bytes(features),
+                 at("history", arm): npz_bytes(history), at("weights", arm): npz_bytes(weights),
+                 at("pairs", arm): npz_bytes(pairs), **(extra or {})}
         if dynamics is not None:
-            files[f"dynamics/{arm}.npz"] = npz_bytes(dynamics)
+            files[at("dynamics", arm)] = npz_bytes(dynamics)
         for rel, data in files.items():
             atomic_write_bytes(self.paths.record_file(arm, rel, self.paths.arm_file("arms", arm)), data, root=self.root)
         digests = {rel: hashlib.sha256(data).hexdigest() for rel, data in files.items()}
-        labels = self.root / "test_labels.npy"  # the report reads it: covered like the arm's own files
+        labels = self.paths.test_labels  # the report reads it: covered like the arm's own files
         if labels.is_file():
-            digests["test_labels.npy"] = hashlib.sha256(labels.read_bytes()).hexdigest()
+            digests[TEST_LABELS] = hashlib.sha256(labels.read_bytes()).hexdigest()
         record = json.loads(json.dumps({**record, "files": digests, "config_sha256": config_digest(to_dict(self.config)),
                                         "identity_sha256": self.identity}))
         record["record_sha256"] = record_digest(record)  # over the JSON form, as read back

@@ -2,38 +2,28 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-from nondet_jax.errors import UsageError
-from nondet_jax.machine.determinism import with_flags
-from nondet_jax.machine.signals import CHILD_ENV, PARENT_ENV
 from nondet_jax.sources import Arm, parse_arm
 from nondet_jax.store.paths import RunPaths
 from nondet_jax.store.run import RunStore
 from nondet_jax.study.arm import train_arm
 from nondet_jax.study.prepare import prepare_child
+from nondet_jax.study.processes import ARM_CHILD, require_child, run_child
 from nondet_jax.study.progress import Progress
 from nondet_jax.study.provenance import environment, fallback_said
 
 
 def run_in_child(out: Path, arm: Arm, flags) -> None:
     """Train ``arm`` in a fresh process whose XLA_FLAGS carry ``flags`` (read at backend start);
-    it writes into the same run folder, under the lock this process holds."""
-    env = {**os.environ, "XLA_FLAGS": with_flags(flags), CHILD_ENV: "1", PARENT_ENV: str(os.getpid())}
-    proc = subprocess.run([sys.executable, "-m", "nondet_jax.sweep", "--out", str(out), "--child-arm", arm.name],
-                          env=env, start_new_session=True)  # Ctrl-C: the sweep's one line (signals.PARENT_ENV)
-    if proc.returncode != 0:
-        raise RuntimeError(f"the child process training arm '{arm.name}' failed with exit status {proc.returncode}; "
-                           "its output is above; finished arms are kept")
+    it writes into the same run folder, under the lock this process holds (:mod:`.processes`)."""
+    run_child("nondet_jax.sweep", ["--out", str(out), "--child-arm", arm.name], flags, ARM_CHILD,
+              f"the child process training arm '{arm.name}'", after="its output is above; finished arms are kept")
 
 
-def child_main(out: str, arm_name: str, progress: bool) -> int:
-    """Entry of a child process: train one arm of the run folder's config under this process's flags."""
-    if os.environ.get(CHILD_ENV) != "1":
-        raise UsageError("--child-arm is internal: the sweep starts such processes itself")
+def train_arm_child(out: str, arm_name: str, progress: bool) -> int:
+    """Entry of an arm's child process: train one arm of the run folder's config under this process's flags."""
+    require_child(ARM_CHILD, "--child-arm is internal: the sweep starts such processes itself")
     arm = parse_arm(arm_name)
     config, data, fns, identity = prepare_child(out)
     with RunStore(out, config, locked_by_parent=True, identity=identity) as store:

@@ -17,16 +17,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import numpy as np
 
 from nondet_jax.errors import UsageError
-from nondet_jax.machine.determinism import with_flags
-from nondet_jax.machine.signals import PARENT_ENV, die_with_parent
 from nondet_jax.replicas.choice import make_strategy, resolve_strategy
 from nondet_jax.sources import arm_keys, parse_arm, perturbations
 from nondet_jax.store.io import atomic_write_bytes, atomic_write_json, guarded
@@ -35,21 +31,8 @@ from nondet_jax.store.run import RunStore
 from nondet_jax.study.arm import arm_setup, finish_arm, fit_arm
 from nondet_jax.study.multihost import merge_parts, part_bytes
 from nondet_jax.study.prepare import prepare_child
+from nondet_jax.study.processes import REPLICA_CHILD, child_env, require_child, run_child
 from nondet_jax.study.provenance import environment
-
-REPLICA_CHILD_ENV = "NONDET_JAX_REPLICA_CHILD"  # set in the processes started for one replica
-NO_CACHES = {"NONDET_JAX_COMPILE_CACHE": "off", "JAX_ENABLE_COMPILATION_CACHE": "false"}
-
-
-def child_env(flags) -> dict[str, str]:
-    """The environment of a replica's process: ``flags`` in XLA_FLAGS (see determinism.with_flags), no
-    persistent compilation or autotuning cache."""
-    return {**os.environ, "XLA_FLAGS": with_flags(flags), REPLICA_CHILD_ENV: "1", **NO_CACHES,
-            PARENT_ENV: str(os.getpid())}
-
-
-def _parts(out: Path, arm: str) -> Path:
-    return RunPaths(out).parts(arm)
 
 
 def train_arm_per_process(config, data, fns, store, arm, flags, log=print) -> dict:
@@ -62,49 +45,43 @@ def train_arm_per_process(config, data, fns, store, arm, flags, log=print) -> di
     """
     arm = parse_arm(arm) if isinstance(arm, str) else arm
     study = config.study
-    folder = _parts(store.root, arm.name)
-    env = child_env(flags)
+    paths = RunPaths(store.root)
+    xla_flags = child_env(flags, REPLICA_CHILD)["XLA_FLAGS"]
     for r in range(study.replicas):
-        if (folder / f"{r}.json").exists():
+        if paths.part(arm.name, r, ".json").exists():
             log(f"arm {arm.name}: replica {r} already trained in its own process, reusing it")
             continue
-        log(f"arm {arm.name}: replica {r} in a fresh process (XLA_FLAGS {env['XLA_FLAGS']}; compilation cache off)")
-        proc = subprocess.run([sys.executable, "-m", "nondet_jax.study.hardware", str(store.root), arm.name, str(r)], env=env,
-                              start_new_session=True)  # Ctrl-C: the sweep's one line (signals.PARENT_ENV)
-        if proc.returncode != 0:
-            raise RuntimeError(f"the process training replica {r} of arm '{arm.name}' failed with exit status "
-                               f"{proc.returncode}; its output is above; finished replicas are kept")
-    processes = [json.loads((folder / f"{r}.json").read_text()) for r in range(study.replicas)]
+        log(f"arm {arm.name}: replica {r} in a fresh process (XLA_FLAGS {xla_flags}; compilation cache off)")
+        run_child("nondet_jax.study.hardware", [str(store.root), arm.name, str(r)], flags, REPLICA_CHILD,
+                  f"the process training replica {r} of arm '{arm.name}'", caches=False,
+                  after="its output is above; finished replicas are kept")
+    processes = [json.loads(paths.part(arm.name, r, ".json").read_text()) for r in range(study.replicas)]
     _, arm_fns = arm_setup(config, fns, arm)
     strategy = make_strategy(arm_fns, resolve_strategy(study.strategy, study.replicas)[0])
     init = strategy.init(arm_keys(study.seed, arm.varied, study.replicas), perturbations(arm.varied),
                          jax.numpy.asarray(data.x_train[:1]))
-    merged = merge_parts([folder / f"{r}.npz" for r in range(study.replicas)], init.params)
-    store.write_json(f"environments/{arm.name}.processes.json",
+    merged = merge_parts([paths.part(arm.name, r) for r in range(study.replicas)], init.params)
+    store.write_json(RunPaths.rel("environments", arm.name, ".processes.json"),
                      {"mode": "one process per replica", "parent_pid": os.getpid(), "processes": processes})
     record = finish_arm(config, data, fns, store, arm, merged, "one fresh process per replica", log)
-    guarded("rmtree", store.root, folder)
+    guarded("rmtree", store.root, paths.parts(arm.name))
     if store.paths.parts().is_dir() and not any(store.paths.parts().iterdir()):
         guarded("rmdir", store.root, store.paths.parts())
     return record
 
 
-def child_main(out: str, arm: str, replica: int) -> int:
+def train_replica_child(out: str, arm: str, replica: int) -> int:
     """Entry of a replica's process: train replica ``replica`` of ``arm`` alone and write its part."""
-    from nondet_jax.sources import parse_arm
-
-    if os.environ.get(REPLICA_CHILD_ENV) != "1":
-        raise UsageError("python -m nondet_jax.study.hardware is internal: the sweep starts these processes itself")
-    die_with_parent()
+    require_child(REPLICA_CHILD, "python -m nondet_jax.study.hardware is internal: the sweep starts these processes "
+                  "itself")
     jax.config.update("jax_enable_compilation_cache", False)
     config, data, fns, identity = prepare_child(out)
     with RunStore(out, config, locked_by_parent=True, identity=identity) as store:
         result, _ = fit_arm(config, data, fns, store, parse_arm(arm), lambda n: None, lambda *a, **k: None,
                             block=range(replica, replica + 1))
-        folder = _parts(store.root, arm)
-        atomic_write_bytes(folder / f"{replica}.npz", part_bytes(result), root=store.root)
+        atomic_write_bytes(store.paths.part(arm, replica), part_bytes(result), root=store.root)
         env = environment()
-        atomic_write_json(folder / f"{replica}.json", {
+        atomic_write_json(store.paths.part(arm, replica, ".json"), {
             "replica": replica, "pid": os.getpid(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "compilation_cache": bool(jax.config.jax_enable_compilation_cache),
             "backend": env.get("backend"), "device_kind": env.get("device_kind"),
@@ -118,7 +95,7 @@ if __name__ == "__main__":
 
     signals.install(None)  # Ctrl-C reaches the whole process group: the sweep prints the one line
     try:
-        sys.exit(child_main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
+        sys.exit(train_replica_child(sys.argv[1], sys.argv[2], int(sys.argv[3])))
     except UsageError as e:
         print(f"python -m nondet_jax.study.hardware: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -228,7 +228,7 @@ def run_distributed(config: Config, out: str | Path | None, procs, progress: boo
                     continue
                 result, reason = fit_arm(config, data, fns, store, arm,
                                          bar.arm(arm.name, len(block) * config.train.epochs), log, block)
-                atomic_write_bytes(store.paths.parts(arm.name) / f"{procs.index}.npz", mh.part_bytes(result),
+                atomic_write_bytes(store.paths.part(arm.name, procs.index), mh.part_bytes(result),
                                    root=store.root)
                 mh.barrier(f"trained {arm.name}")
                 if procs.leader:
