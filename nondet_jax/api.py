@@ -9,8 +9,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -23,7 +25,7 @@ from nondet_jax.data import ARRAY_NAMES, DATASETS, Dataset, from_arrays
 from nondet_jax.errors import UsageError
 from nondet_jax.models.parts import Parts, label_of
 from nondet_jax.replicas.choice import resolve_strategy
-from nondet_jax.report.summary import arm_rows, replica_rows
+from nondet_jax.report.summary import arm_rows
 from nondet_jax.sources import StepKeys, arm_keys, check_own_sources, own_keys, parse_arm, switches
 from nondet_jax.store.paths import RunPaths
 from nondet_jax.study import runner
@@ -43,7 +45,8 @@ class StudyResult:
       table: one row (a dict) per arm, the columns of ``arms.csv`` (:meth:`to_frame` as a pandas DataFrame).
         The unit ends the column name: ``_pct`` (accuracy-like, in %), ``_nats`` (cross-entropy); a name
         without one is a ratio, correlation, similarity or p-value.
-      rows: one row per arm and replica (``replicas.csv``), in the same units.
+      rows: the final scores, one row (a dict) per arm, replica and score: ``arm, replica, metric, value, unit,
+        diverged_at_step`` (``replicas.csv``; ``metric`` as ``compare --metric`` names it, ``value`` in ``unit``).
     """
 
     def __init__(self, out: Path, summary: dict):
@@ -53,7 +56,7 @@ class StudyResult:
         self.summary = summary
         self.report = self._paths.report
         self.table = arm_rows(summary)
-        self.rows = replica_rows([row for a in summary["arms"].values() for row in self._record(a["arm"])["rows"]])
+        self.rows = self._long("replicas")
         self.logits = _LazyArrays(lambda arm: np.load(self._paths.arm_file("logits", arm), allow_pickle=False),
                                   list(summary["arms"]))
 
@@ -88,20 +91,31 @@ class StudyResult:
     def _classes(self) -> int:
         return int(np.load(self._paths.arm_file("logits", next(iter(self.summary["arms"]))), mmap_mode="r").shape[-1])
 
-    def to_frame(self, what: str = "arms"):
-        """:attr:`table` (``what="arms"``, indexed by arm) or :attr:`rows` (``"replicas"``, indexed by arm
-        and replica) as a pandas DataFrame, same columns and units. Needs pandas (``pip install
-        "nondet_jax[frame]"``)."""
-        if what not in ("arms", "replicas"):
-            raise UsageError(f"to_frame('{what}'): choose 'arms' (one row per arm) or 'replicas' (one per replica)")
+    def to_frame(self, kind: str = "arms"):
+        """A table of the study as a pandas DataFrame: ``"arms"`` (:attr:`table`, one row per arm, indexed by
+        arm) or a long table, one number a row, with the columns docs/api.md lists: ``"replicas"`` (final
+        scores), ``"curves"`` (scores per replica and epoch), ``"best"`` (best test score and its epoch,
+        ``study.eval_every``), ``"decomposition"`` (variance shares), ``"pairs"`` (pairwise metrics per pair
+        of replicas), ``"instruments"`` (the instruments' values per step). The same tables are the run
+        folder's ``<kind>.csv``. Needs pandas (``pip install "nondet_jax[frame]"``)."""
+        from nondet_jax.report.frames import COLUMNS, FRAMES
+
+        kinds = ("arms", *FRAMES)
+        if kind not in kinds:
+            raise UsageError(f"to_frame({kind!r}): choose one of {', '.join(map(repr, kinds))}")
         try:
             import pandas as pd
         except ImportError:
             raise UsageError('to_frame needs pandas, which nondet_jax does not require; pip install '
                              '"nondet_jax[frame]" (or pandas)') from None
-        if what == "arms":
+        if kind == "arms":
             return pd.DataFrame(self.table).set_index("arm")
-        return pd.DataFrame(self.rows).set_index(["arm", "replica"])
+        return pd.DataFrame(self._long(kind), columns=list(COLUMNS[kind]))
+
+    def _long(self, kind: str) -> list[dict]:
+        from nondet_jax.report.frames import FRAMES
+
+        return FRAMES[kind](self.out, self.summary, {a: self._record(a) for a in self.summary["arms"]})
 
 
 class _LazyArrays(dict):
@@ -246,11 +260,23 @@ def run_study(model=None, data=None, optimizer=None, loss: Callable | None = Non
     parts = Parts(model=None if model is None or isinstance(model, str) else model, optimizer=optimizer,
                   loss=loss, augment=augment, features=features, init_params=init_params)
     try:
-        summary = runner.run(config, out, progress=progress, log=log, parts=parts, data=dataset,
-                            command=f"nondet_jax.run_study(model={config.model.name}, data={config.data.name}, ...)")
+        with api_words():
+            summary = runner.run(config, out, progress=progress, log=log, parts=parts, data=dataset,
+                                 command=f"nondet_jax.run_study(model={config.model.name}, data={config.data.name}, ...)")
     finally:  # a notebook running study after study must not pile up compiled programs
         release_compiled()
     return StudyResult(Path(summary.pop("out")), summary)
+
+
+@contextlib.contextmanager
+def api_words():
+    """The run folder's refusals in the words of the Python API: the layers below speak the command line's
+    (``--out``), a ``run_study`` caller passed ``out=``."""
+    try:
+        yield
+    except UsageError as e:
+        text = re.sub(r"--out\b", "out=", str(e)).replace("rerun the sweep", "rerun the study")
+        raise UsageError(text) from None
 
 
 def _check_parts(optimizer, loss, augment) -> None:
@@ -292,8 +318,9 @@ def decompose(run: "str | Path | StudyResult") -> dict:
 
     folder = run.out if isinstance(run, StudyResult) else Path(run)
     if not (folder / "config.json").is_file():
-        raise UsageError(f"{folder} is not a nondet_jax run folder (no config.json); pass a study's --out folder")
-    return from_records(load_records(folder)[1])
+        raise UsageError(f"{folder} is not a nondet_jax run folder (no config.json); pass a study's out= folder")
+    with api_words():
+        return from_records(load_records(folder)[1])
 
 
 def replicate(init: Callable, step: Callable, batches=None, *, steps: int | None = None,

@@ -122,8 +122,11 @@ def compare_arms(records: dict[str, dict], reference: str = "all", ratios=S.POWE
                                              resolution=(rec.get("metrics") or {}).get(q.name, {}).get("resolution"),
                                              ratios=ratios)
                     for q in quantities}
+        if not rec.get("varied", True):  # control varies nothing: its spread is 0 by design, no test can mean anything
+            for c in out[arm].values():
+                c.update({"spread_p": None, "f_test_p": None, "brown_forsythe_p": None})
     for q in quantities:
-        arms = list(out)
+        arms = list(out)  # control's p is None: left out of the Holm family
         for arm, p in zip(arms, S.holm([out[a][q.name]["spread_p"] for a in arms])):
             out[arm][q.name]["spread_p_holm"] = p
     return out
