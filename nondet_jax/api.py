@@ -325,7 +325,8 @@ def decompose(run: "str | Path | StudyResult") -> dict:
 
 def replicate(init: Callable, step: Callable, batches=None, *, steps: int | None = None,
               arms: Sequence[str] | str = ("control", "init"), replicas: int = 4, seed: int = 0,
-              strategy: str = "auto", collect: Callable | None = None, sources: Sequence[str] = ()) -> dict[str, Any]:
+              strategy: str = "auto", collect: Callable | None = None, sources: Sequence[str] = (),
+              score: Callable | None = None) -> dict[str, Any]:
     """Run your own single-replica functions for R replicas per arm.
 
     You write one replica's ``init(keys) -> state`` and ``step(state, batch, keys) -> state``;
@@ -355,13 +356,21 @@ def replicate(init: Callable, step: Callable, batches=None, *, steps: int | None
         environment noise and action sampling): ``keys.env`` is a key stream under the same rule as the
         built-in ones (its stream index :func:`nondet_jax.sources.source_id`, stable across versions),
         arms may name them (``"env"``, ``"policy+init"``), and ``all`` varies them too.
+      score: ``score(state) -> number`` or ``-> {name: number}``, of one replica's final state (jittable),
+        e.g. ``lambda s: {"return": s.total_reward}``: what the tables, report, comparison and
+        decomposition of the result measure.
 
     Returns:
-      ``{arm: state}``, every leaf with a leading replica axis R; with ``collect``,
-      ``{arm: (state, history)}``, the history's leaves shaped (R, steps, ...).
+      A :class:`nondet_jax.analysis.replicated.Replicated`: ``{arm: state}``, every leaf with a leading
+      replica axis R (with ``collect``, ``{arm: (state, history)}``, the history's leaves shaped
+      (R, steps, ...)), as a dict; with ``score``, also ``.scores[arm][name]`` (R,), ``.table``,
+      ``.to_frame("arms" | "replicas" | "curves" | "decomposition")``, ``.report()``,
+      ``.compare(arm_a, arm_b)`` and ``.decompose()``, by the statistics of a study's report.
     """
     if collect is not None and not callable(collect):
         raise UsageError(f"collect must be a function (state, keys) -> pytree, got {type(collect).__name__}")
+    if score is not None and not callable(score):
+        raise UsageError(f"score must be a function (state) -> number or dict of numbers, got {type(score).__name__}")
     arm_list = [a.strip() for a in arms.split(",") if a.strip()] if isinstance(arms, str) else list(arms)
     if not arm_list:
         raise UsageError("replicate needs at least one arm, e.g. arms=('control', 'init')")
@@ -429,4 +438,29 @@ def replicate(init: Callable, step: Callable, batches=None, *, steps: int | None
         def run(*inputs):
             states = [single(*jax.tree.map(lambda k: k[r], inputs)) for r in range(replicas)]
             return jax.tree.map(lambda *xs: jnp.stack(xs), *states)
-    return {a.name: run(*arm_inputs(a.varied)) for a in parsed}
+    states = {a.name: run(*arm_inputs(a.varied)) for a in parsed}
+    return _replicated(states, {a.name: sorted(a.varied) for a in parsed}, score, collect is not None, own)
+
+
+def _replicated(states: dict, varied: dict, score: Callable | None, collected: bool, own) -> Any:
+    """replicate's result: the states, with their ``score``s and the history's numbers per step as tables."""
+    from nondet_jax.analysis.replicated import Replicated
+
+    def numbers(tree, default: str) -> dict[str, np.ndarray]:
+        if not isinstance(tree, dict):
+            tree = {default: tree}
+        return {jax.tree_util.keystr(path).strip("[]'\""): np.asarray(v, np.float64)
+                for path, v in jax.tree_util.tree_leaves_with_path(tree)}
+
+    scores, curves = {}, {}
+    for arm, out in states.items():
+        final, history = out if collected else (out, None)
+        if score is not None:
+            scores[arm] = numbers(jax.vmap(score)(final), "score")
+            bad = [k for k, v in scores[arm].items() if v.shape != (len(v),)]
+            if bad:
+                raise UsageError(f"score returns {bad[0]!r} shaped {scores[arm][bad[0]].shape[1:]} per replica; return "
+                                 "one number per name (e.g. lambda s: {'loss': s.loss.mean()})")
+        if history is not None:
+            curves[arm] = {k: v for k, v in numbers(history, "value").items() if v.ndim == 2}
+    return Replicated(states, scores, varied, {a: c for a, c in curves.items() if c}, tuple(own))

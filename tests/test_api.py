@@ -689,6 +689,23 @@ def test_every_table_in_one_naming_scheme(decomposed):
     control = r.summary["vs_all"]["control"]["accuracy"]
     assert control["spread_p"] is control["f_test_p"] is control["brown_forsythe_p"] is control["spread_p_holm"] is None
     assert r.summary["vs_all"]["init"]["accuracy"]["f_test_p"] is not None
+    # 3 replicas: the report says the numbers cannot rank the sources, and where an interval outgrows the range
+    report = r.report.read_text()
+    assert "**Too few replicas to rank the sources**: with 3 replicas" in report
+    wide = [a for a in r.summary["arms"] if a != "control"
+            and np.diff(r.summary["arms"][a]["metrics"]["accuracy"]["std_ci"])[0]
+            > np.ptp(reps.query("arm == @a and metric == 'test_accuracy'").value) / 100 > 0]
+    assert wide and all(f"- `{a}`: the 95% interval of the accuracy std" in report for a in wide)
+    assert "Holm-adjusted over 2 arms" in report  # init and data_order: not control (untested), not all (the reference)
+
+
+def test_api_errors_name_the_parameter_not_the_option(tmp_path):
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(UsageError) as e:
+        nj.run_study(model="mlp", data="digits", epochs=1, arms="control", replicas=1, out=tmp_path / "file", **QUIET)
+    assert "out=" in str(e.value) and "--out" not in str(e.value), str(e.value)
+    with pytest.raises(UsageError, match="pass a study's out= folder"):
+        nj.decompose(tmp_path)
 
 
 def test_figures_name_what_they_show(decomposed):
@@ -724,3 +741,49 @@ def test_figures_name_what_they_show(decomposed):
     assert interval_name("decomposition") in seen["decomposition"][0]
     assert seen["spread"][2] == ["std of test accuracy (%)", "std of test cross-entropy (nats)"]
     assert seen["accuracy"][2] == ["test accuracy (%)"] and seen["test_curves"][2][0] == "test accuracy (%)"
+
+
+def test_replicate_gives_tables_a_report_a_comparison_and_a_decomposition():
+    """replicate's result is still {arm: (state, history)}; with score= it has a study's table (std, intervals,
+    ratio to all; control untested), long frames, a report with its caveats, a paired comparison and the
+    variance decomposition, each equal to the statistics computed on the scores directly."""
+    from nondet_jax.analysis import stats as S
+
+    def init(keys):
+        return {"w": jax.random.normal(keys.init, (4,)), "loss": jnp.zeros(())}
+
+    def step(state, batch, keys):
+        noise = jax.random.normal(keys.data_order, (4,))
+        w = state["w"] - 0.1 * (state["w"] - 1.0) + 0.05 * noise
+        return {"w": w, "loss": jnp.sum((w - 1.0) ** 2)}
+
+    arms = "control,init,data_order,all"
+    r = nj.replicate(init, step, steps=6, arms=arms, replicas=5, strategy="sequential",
+                     collect=lambda s, k: {"loss": s["loss"]}, score=lambda s: {"loss": s["loss"], "w0": s["w"][0]})
+    assert set(r) == set(arms.split(",")) and r["init"][0]["w"].shape == (5, 4)  # the dict it always was
+    loss = np.asarray(r["init"][0]["loss"], np.float64)
+    np.testing.assert_array_equal(r.scores["init"]["loss"], loss)
+    table = r.to_frame("arms").set_index(["arm", "metric"])
+    assert table.loc[("init", "loss"), "std"] == pytest.approx(S.std(loss))
+    ratio = S.compare_spread(loss, np.asarray(r["all"][0]["loss"], np.float64))
+    assert table.loc[("init", "loss"), "std_ratio_vs_all"] == pytest.approx(ratio["ratio"])
+    assert table.loc[("init", "loss"), "spread_p"] == pytest.approx(ratio["spread_p"])
+    assert np.isnan(table.loc[("control", "loss"), "spread_p"])  # control varies nothing: not tested
+    assert table.loc[("control", "loss"), "std"] == 0.0
+    curves = r.to_frame("curves")
+    assert len(curves) == 4 * 5 * 6 and set(curves.metric) == {"loss"}
+    last = curves.query("arm == 'init' and step == 5").value.to_numpy()
+    np.testing.assert_array_equal(last, loss)  # the history's last step is the final state
+    assert len(r.to_frame("replicas")) == 4 * 5 * 2
+    dec = r.decompose()["loss"]
+    assert dec["shares"]["init"]["share"] == pytest.approx(S.std(loss) ** 2 / S.std(r.scores["all"]["loss"]) ** 2)
+    assert set(r.to_frame("decomposition").term) == {"init", "data_order", "sum", "non_additivity"}
+    paired = r.compare("init", "data_order", "loss", higher_is_better=False)
+    assert paired == S.compare_paired(loss, r.scores["data_order"]["loss"], higher_is_better=False)
+    report = r.report()
+    assert "Too few replicas to rank the sources" in report and "init" in report
+    with pytest.raises(UsageError, match="'nosuch' is not one of"):
+        r.compare("init", "nosuch")
+    bare = nj.replicate(init, step, steps=2, arms="control,init", replicas=2, strategy="sequential")
+    with pytest.raises(UsageError, match="needs scores: pass replicate"):
+        bare.to_frame("arms")
