@@ -254,9 +254,10 @@ def run_study(model=None, data=None, optimizer=None, loss: Callable | None = Non
     """
     _check_parts(optimizer, loss, augment)
     dataset, data_name = _dataset(data, task)
-    config = study_config(model=model, data_name=data_name, optimizer=optimizer, epochs=epochs,
-                          batch_size=batch_size, arms=arms, replicas=replicas, seed=seed, strategy=strategy,
-                          settings=settings, base=config)
+    with api_words():
+        config = study_config(model=model, data_name=data_name, optimizer=optimizer, epochs=epochs,
+                              batch_size=batch_size, arms=arms, replicas=replicas, seed=seed, strategy=strategy,
+                              settings=settings, base=config)
     parts = Parts(model=None if model is None or isinstance(model, str) else model, optimizer=optimizer,
                   loss=loss, augment=augment, features=features, init_params=init_params)
     try:
@@ -275,8 +276,11 @@ def api_words():
     try:
         yield
     except UsageError as e:
-        text = re.sub(r"--out\b", "out=", str(e)).replace("rerun the sweep", "rerun the study")
-        raise UsageError(text) from None
+        text = re.sub(r"--set ([\w.]+)=([^\s;,)]+)", lambda m: f"settings={{'{m.group(1)}': "
+                      f"{ {'true': 'True', 'false': 'False'}.get(m.group(2), m.group(2))}}}", str(e))
+        text = re.sub(r"--(out|arms|replicas|epochs|seed|strategy|batch-size)( (?=[\d/.~]))?",
+                      lambda m: m.group(1).replace("-", "_") + "=", text)
+        raise UsageError(text.replace("rerun the sweep", "rerun the study")) from None
 
 
 def _check_parts(optimizer, loss, augment) -> None:
@@ -370,7 +374,8 @@ def replicate(init: Callable, step: Callable, batches=None, *, steps: int | None
     if collect is not None and not callable(collect):
         raise UsageError(f"collect must be a function (state, keys) -> pytree, got {type(collect).__name__}")
     if score is not None and not callable(score):
-        raise UsageError(f"score must be a function (state) -> number or dict of numbers, got {type(score).__name__}")
+        raise UsageError(f"score={score!r} is a {type(score).__name__}, not a function; pass a function of one replica's "
+                         "final state returning a number or a dict of numbers, e.g. score=lambda s: {'loss': s['loss']}")
     arm_list = [a.strip() for a in arms.split(",") if a.strip()] if isinstance(arms, str) else list(arms)
     if not arm_list:
         raise UsageError("replicate needs at least one arm, e.g. arms=('control', 'init')")

@@ -702,8 +702,11 @@ def test_every_table_in_one_naming_scheme(decomposed):
 def test_api_errors_name_the_parameter_not_the_option(tmp_path):
     (tmp_path / "file").write_text("not a folder")
     with pytest.raises(UsageError) as e:
-        nj.run_study(model="mlp", data="digits", epochs=1, arms="control", replicas=1, out=tmp_path / "file", **QUIET)
-    assert "out=" in str(e.value) and "--out" not in str(e.value), str(e.value)
+        nj.run_study(model="mlp", data="digits", epochs=1, arms="control", replicas=1, out=tmp_path / "run", **QUIET)
+    assert "use replicas=2 or more or settings={'metrics.pairwise': False}" in str(e.value), str(e.value)
+    with pytest.raises(UsageError) as e:
+        nj.run_study(model="mlp", data="digits", epochs=1, arms="control", replicas=2, out=tmp_path / "file", **QUIET)
+    assert "out=" in str(e.value) and "--" not in str(e.value), str(e.value)
     with pytest.raises(UsageError, match="pass a study's out= folder"):
         nj.decompose(tmp_path)
 
@@ -782,7 +785,7 @@ def test_replicate_gives_tables_a_report_a_comparison_and_a_decomposition():
     assert paired == S.compare_paired(loss, r.scores["data_order"]["loss"], higher_is_better=False)
     report = r.report()
     assert "Too few replicas to rank the sources" in report and "init" in report
-    with pytest.raises(UsageError, match="'nosuch' is not one of"):
+    with pytest.raises(UsageError, match="arm 'nosuch' is not in this result"):
         r.compare("init", "nosuch")
     bare = nj.replicate(init, step, steps=2, arms="control,init", replicas=2, strategy="sequential")
     with pytest.raises(UsageError, match="needs scores: pass replicate"):

@@ -119,9 +119,10 @@ class Replicated(dict):
         unpaired (``paired=False``). :func:`nondet_jax.analysis.stats.compare_paired` / ``compare_means``."""
         self._need_scores("compare()")
         metric = metric or self.metrics[0]
-        for name, known in ((a, self.scores), (b, self.scores), (metric, self.metrics)):
+        for what, name, known in (("arm", a, self.scores), ("arm", b, self.scores), ("score", metric, self.metrics)):
             if name not in known:
-                raise UsageError(f"{name!r} is not one of {', '.join(map(repr, known))}; pick one of those")
+                raise UsageError(f"{what} {name!r} is not in this result ({what}s: {', '.join(map(repr, known))}); "
+                                 "pick one of those")
         xa, xb = self.scores[a][metric], self.scores[b][metric]
         how = S.compare_paired if paired else S.compare_means
         return how(xa, xb, higher_is_better=higher_is_better)
