@@ -21,10 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from nondet_jax import config as cfg
+from nondet_jax.analysis.replicated import Replicated
 from nondet_jax.data import ARRAY_NAMES, DATASETS, Dataset, from_arrays
 from nondet_jax.errors import UsageError
 from nondet_jax.models.parts import Parts, label_of
 from nondet_jax.replicas.choice import resolve_strategy
+from nondet_jax.report.frames import COLUMNS as FRAME_COLUMNS
+from nondet_jax.report.frames import FRAMES
 from nondet_jax.report.summary import arm_rows
 from nondet_jax.sources import StepKeys, arm_keys, check_own_sources, own_keys, parse_arm, switches
 from nondet_jax.store.paths import RunPaths
@@ -98,8 +101,6 @@ class StudyResult:
         ``study.eval_every``), ``"decomposition"`` (variance shares), ``"pairs"`` (pairwise metrics per pair
         of replicas), ``"instruments"`` (the instruments' values per step). The same tables are the run
         folder's ``<kind>.csv``. Needs pandas (``pip install "nondet_jax[frame]"``)."""
-        from nondet_jax.report.frames import COLUMNS, FRAMES
-
         kinds = ("arms", *FRAMES)
         if kind not in kinds:
             raise UsageError(f"to_frame({kind!r}): choose one of {', '.join(map(repr, kinds))}")
@@ -110,11 +111,9 @@ class StudyResult:
                              '"nondet_jax[frame]" (or pandas)') from None
         if kind == "arms":
             return pd.DataFrame(self.table).set_index("arm")
-        return pd.DataFrame(self._long(kind), columns=list(COLUMNS[kind]))
+        return pd.DataFrame(self._long(kind), columns=list(FRAME_COLUMNS[kind]))
 
     def _long(self, kind: str) -> list[dict]:
-        from nondet_jax.report.frames import FRAMES
-
         return FRAMES[kind](self.out, self.summary, {a: self._record(a) for a in self.summary["arms"]})
 
 
@@ -449,8 +448,6 @@ def replicate(init: Callable, step: Callable, batches=None, *, steps: int | None
 
 def _replicated(states: dict, varied: dict, score: Callable | None, collected: bool, own) -> Any:
     """replicate's result: the states, with their ``score``s and the history's numbers per step as tables."""
-    from nondet_jax.analysis.replicated import Replicated
-
     def numbers(tree, default: str) -> dict[str, np.ndarray]:
         if not isinstance(tree, dict):
             tree = {default: tree}

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from nondet_jax.analysis.stats import METHODS
 from nondet_jax.analysis.task import QUANTITIES, task_of
 from nondet_jax.report.summary import _healthy
 from nondet_jax.store.io import atomic_write_bytes
@@ -89,8 +90,6 @@ class _Context:
 
 def interval_name(kind: str) -> str:
     """The short name of an interval method (:data:`nondet_jax.analysis.stats.METHODS`), as a title gives it."""
-    from nondet_jax.analysis.stats import METHODS
-
     head, _, rest = METHODS[kind].partition(": ")
     name = head if "interval" in head or "jackknife" in head else rest  # "sum of ...: Bonett's ... interval ..."
     return name.split(" (leave")[0].split(" (delta")[0].strip()

@@ -18,6 +18,7 @@ from typing import Callable
 
 import numpy as np
 
+from nondet_jax.analysis.metrics import pair_indices
 from nondet_jax.analysis.task import PAIRWISE, QUANTITIES, task_of
 from nondet_jax.errors import UsageError
 from nondet_jax.store.paths import RunPaths
@@ -119,8 +120,6 @@ def decomposition(run: Path, summary: dict, records: dict[str, dict]) -> list[di
 def pairs(run: Path, summary: dict, records: dict[str, dict]) -> list[dict]:
     """Per pair of replicas (a < b): every pairwise metric (``pairs/<arm>.npz``); the LMC barrier on
     the disjoint pairs it was measured on."""
-    from nondet_jax.analysis.metrics import pair_indices
-
     units = PAIRWISE[task_of(summary)]
     out = []
     for arm in records:

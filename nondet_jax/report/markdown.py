@@ -303,7 +303,8 @@ def write_report(run: str | Path, command: str | None = None) -> dict:
     md += ["", "## Definitions", "",
            "- std: sample standard deviation over replicas (ddof=1); 95% CI: " + METHODS["std"] + "; mean: "
            + METHODS["mean"] + ". The std's interval is n/a below R=3, the mean's below R=2.",
-           "- Pairwise metrics (disagreement, Pearson/Spearman of flattened logits, 2-model ensemble gain, linear CKA "
+           "- Pairwise metrics (disagreement, Pearson/Spearman of flattened logits, 2-model ensemble gain (positive "
+           "when the pair's averaged logits beat its members' mean), linear CKA "
            f"of {features} on the test set, weight distance ||θa−θb||/||θa||): mean over the R(R−1)/2 pairs; 95% CI: "
            + METHODS["pairwise"] + "; n/a below R=3.",
            f"- LMC barrier: max over α of test error at θb+α(θa−θb), {bn}, minus the mean endpoint error; on "
