@@ -142,8 +142,11 @@ class Replicated(dict):
                      "the all arm's; Holm p: permutation spread test, Holm-adjusted over the arms that vary something")
         few = min((row["replicas"] for row in self.table if row["varied"] != "none"), default=0)
         if 2 <= few <= 5 and len({row["arm"] for row in self.table if row["varied"] != "none"}) > 1:
-            lines.append(f"Too few replicas to rank the sources: with {few} replicas in an arm each std's 95% interval "
-                         f"spans a factor of 10 or more; a factor of 2 needs {S.replicas_for_std_factor(2.0)} replicas.")
+            span = [row["std_ci_high"] / row["std_ci_low"] for row in self.table
+                    if row["varied"] != "none" and np.isfinite(row["std_ci_high"]) and row["std_ci_low"] > 0]
+            lines.append(f"Too few replicas to rank the sources: with {few} replicas in an arm the std's 95% intervals "
+                         + (f"span a factor of {min(span):.0f} to {max(span):.0f}" if span else "are n/a")
+                         + f"; a factor of 2 needs {S.replicas_for_std_factor(2.0)} replicas per arm.")
         for row in self.table:
             x = self.scores[row["arm"]][row["metric"]]
             if np.isfinite(row["std_ci_low"]) and row["std_ci_high"] - row["std_ci_low"] > np.ptp(x) > 0:

@@ -125,6 +125,16 @@ def _findings(summary: dict) -> list[str]:
 FEW_TO_RANK = 5  # at 3-5 replicas per arm a std's interval spans a factor of 10 to 100
 
 
+def _span(summary: dict, q, arms) -> str:
+    """How many times its lower end the upper end of the arms' std intervals is, in words."""
+    cis = [(summary["arms"][a].get("metrics") or {}).get(q.name, {}).get("std_ci") or [None, None] for a in arms]
+    factors = [hi / lo for lo, hi in cis if lo is not None and hi is not None and np.isfinite(hi) and lo > 0]
+    if not factors:
+        return "the std intervals are n/a or reach down to 0"
+    lo, hi = min(factors), max(factors)
+    return f"the {q.label} std's 95% intervals span a factor of {lo:.0f}" + (f" to {hi:.0f}" if hi >= lo + 0.5 else "")
+
+
 def _caveats(summary: dict, records: dict[str, dict]) -> list[str]:
     """Sentences where the numbers cannot carry a conclusion: too few replicas to rank the sources, and
     a std whose interval is wider than the whole range of the replicas' scores."""
@@ -132,10 +142,10 @@ def _caveats(summary: dict, records: dict[str, dict]) -> list[str]:
     out = []
     used = {a: r.get("replicas_used", r["replicas"]) for a, r in summary["arms"].items() if r.get("varied")}
     if len(used) > 1 and 2 <= min(used.values()) <= FEW_TO_RANK:
-        out.append(f"- **Too few replicas to rank the sources**: with {min(used.values())} replicas in an arm, each "
-                   f"std's 95% interval spans a factor of 10 or more, so which source moves the {q.label} most is not "
-                   f"read off these numbers; a std interval spanning at most a factor 2 needs "
-                   f"{replicas_for_std_factor(2.0)} replicas per arm (normal data).")
+        out.append(f"- **Too few replicas to rank the sources**: with {min(used.values())} replicas in an arm, "
+                   f"{_span(summary, q, used)}, so which source moves the {q.label} most is not read off these "
+                   f"numbers; a std interval spanning at most a factor 2 needs {replicas_for_std_factor(2.0)} replicas "
+                   "per arm (normal data).")
     for arm, rec in records.items():
         st = (summary["arms"][arm].get("metrics") or {}).get(q.name, {})
         values = [row[q.row] for row in rec["rows"] if row.get("diverged_at_step", -1) < 0]
