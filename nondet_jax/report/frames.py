@@ -39,7 +39,7 @@ COLUMNS = {
 
 def score_unit(metric: str, task: str) -> tuple[str, float]:
     """(unit, factor from the stored value) of a per-replica score."""
-    if task == "regression" and metric not in ("train_accuracy",):
+    if task == "regression":  # MSE, MAE and the user's loss: in the targets' units
         return "", 1.0
     unit = SCORE_UNITS.get(metric, "")
     return unit, 100.0 if unit == "%" else 1.0

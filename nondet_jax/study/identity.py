@@ -202,8 +202,9 @@ def _readable_diff(part: str, a: dict, b: dict) -> str:
     if part == "data":
         return (f"{b.get('name')} holds other arrays: sha256 {str(a.get('sha256'))[:8]} -> {str(b.get('sha256'))[:8]}"
                 + _data_detail(a, b))
-    if part == "model" and isinstance(a.get("shapes"), dict) and isinstance(b.get("shapes"), dict):
-        return _model_detail(a, b)
+    if part == "model" and isinstance(a.get("shapes"), dict) and a.get("shapes") == b.get("shapes"):
+        return (f"the same name, another computation with the same {b.get('parameters')} parameters in the same "
+                f"shapes: fingerprint {str(a.get('sha256'))[:8]} -> {str(b.get('sha256'))[:8]}")
     if part == "optimizer" and a.get("transforms") != b.get("transforms"):
         return _transforms_diff(a.get("transforms") or [], b.get("transforms") or [])
     return ""
@@ -222,17 +223,6 @@ def _data_detail(a: dict, b: dict) -> str:
     test_same = a.get("test_sha256") == b.get("test_sha256")
     return f"; same shapes, other values in the {'training' if test_same else 'test'} arrays" + (
         "" if test_same else " (the training arrays may differ too)")
-
-
-def _model_detail(a: dict, b: dict) -> str:
-    """What changed in a model of the same name, in words: its parameters' shapes, or its computation alone."""
-    sa, sb = a["shapes"], b["shapes"]
-    if sa == sb:
-        return (f"the same name, another computation with the same {b.get('parameters')} parameters in the same "
-                f"shapes: fingerprint {str(a.get('sha256'))[:8]} -> {str(b.get('sha256'))[:8]}")
-    changed = [f"{k} {sa.get(k, 'absent')} -> {sb.get(k, 'absent')}" for k in sorted({*sa, *sb}) if sa.get(k) != sb.get(k)]
-    return (f"the same name, {a.get('parameters')} -> {b.get('parameters')} parameters: " + "; ".join(changed[:3])
-            + (f"; {len(changed) - 3} more" if len(changed) > 3 else ""))
 
 
 def _num(v) -> str:
