@@ -764,6 +764,8 @@ def test_replicate_gives_tables_a_report_a_comparison_and_a_decomposition():
     r = nj.replicate(init, step, steps=6, arms=arms, replicas=5, strategy="sequential",
                      collect=lambda s, k: {"loss": s["loss"]}, score=lambda s: {"loss": s["loss"], "w0": s["w"][0]})
     assert set(r) == set(arms.split(",")) and r["init"][0]["w"].shape == (5, 4)  # the dict it always was
+    means = jax.tree.map(lambda x: x.mean(0), r)  # a pytree as that dict, states as its leaves
+    assert type(means) is dict and means["init"][0]["w"].shape == (4,)
     loss = np.asarray(r["init"][0]["loss"], np.float64)
     np.testing.assert_array_equal(r.scores["init"]["loss"], loss)
     table = r.to_frame("arms").set_index(["arm", "metric"])

@@ -5,6 +5,7 @@ study gives (the same statistics: :mod:`nondet_jax.analysis.stats`, :func:`compa
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from nondet_jax.analysis import stats as S
@@ -153,3 +154,10 @@ class Replicated(dict):
                 lines.append(f"{row['arm']} {row['metric']}: the std's 95% interval is wider than the whole range of "
                              f"its replicas' values ({g(x.min())} to {g(x.max())}): it cannot say how large the spread is.")
         return "\n".join(lines)
+
+
+# A pytree as the plain dict it extends (jax.tree.map over replicate's result kept working): its states are the
+# leaves, the tables are not carried (a mapped result is a plain dict).
+jax.tree_util.register_pytree_with_keys(
+    Replicated, lambda r: ([(jax.tree_util.DictKey(k), r[k]) for k in r], tuple(r)),
+    lambda keys, values: dict(zip(keys, values)))

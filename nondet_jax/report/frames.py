@@ -53,10 +53,9 @@ def replicas(run: Path, summary: dict, records: dict[str, dict]) -> list[dict]:
         for row in rec["rows"]:
             for metric, v in row.items():
                 if metric in ("arm", "replica", "diverged_at_step", "strategy") or not isinstance(v, (int, float)):
-                    continue
+                    continue  # the scores: a missing one (None) has no row
                 unit, k = score_unit(metric, task)
-                out.append({"arm": arm, "replica": row["replica"], "metric": metric,
-                            "value": None if v is None else k * v, "unit": unit,
+                out.append({"arm": arm, "replica": row["replica"], "metric": metric, "value": k * v, "unit": unit,
                             "diverged_at_step": row.get("diverged_at_step", -1)})
     return out
 
