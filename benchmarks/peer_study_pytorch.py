@@ -327,8 +327,10 @@ def jax_table(run: Path) -> dict:
         table[row["arm"]] = {"replicas": int(row["replicas"]), "accuracy_mean_pct": float(row["accuracy_mean_pct"]),
                              "accuracy_std_pct": float(std) if std else None, "seconds": float(row["seconds"])}
     with open(run / "replicas.csv", newline="") as f:
-        for row in csv.DictReader(f):
-            table[row["arm"]].setdefault("accuracies_pct", []).append(float(row["test_accuracy_pct"]))
+        for row in csv.DictReader(f):  # long: one row per arm, replica and score (older folders: test_accuracy_pct)
+            if row.get("metric", "test_accuracy") == "test_accuracy":
+                value = row["value"] if "value" in row else row["test_accuracy_pct"]
+                table[row["arm"]].setdefault("accuracies_pct", []).append(float(value))
     return table
 
 

@@ -9,8 +9,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -19,11 +21,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from nondet_jax import config as cfg
+from nondet_jax.analysis.replicated import Replicated
 from nondet_jax.data import ARRAY_NAMES, DATASETS, Dataset, from_arrays
 from nondet_jax.errors import UsageError
 from nondet_jax.models.parts import Parts, label_of
 from nondet_jax.replicas.choice import resolve_strategy
-from nondet_jax.report.summary import arm_rows, replica_rows
+from nondet_jax.report.frames import COLUMNS as FRAME_COLUMNS
+from nondet_jax.report.frames import FRAMES
+from nondet_jax.report.summary import arm_rows
 from nondet_jax.sources import StepKeys, arm_keys, check_own_sources, own_keys, parse_arm, switches
 from nondet_jax.store.paths import RunPaths
 from nondet_jax.study import runner
@@ -43,7 +48,8 @@ class StudyResult:
       table: one row (a dict) per arm, the columns of ``arms.csv`` (:meth:`to_frame` as a pandas DataFrame).
         The unit ends the column name: ``_pct`` (accuracy-like, in %), ``_nats`` (cross-entropy); a name
         without one is a ratio, correlation, similarity or p-value.
-      rows: one row per arm and replica (``replicas.csv``), in the same units.
+      rows: the final scores, one row (a dict) per arm, replica and score: ``arm, replica, metric, value, unit,
+        diverged_at_step`` (``replicas.csv``; ``metric`` as ``compare --metric`` names it, ``value`` in ``unit``).
     """
 
     def __init__(self, out: Path, summary: dict):
@@ -53,7 +59,7 @@ class StudyResult:
         self.summary = summary
         self.report = self._paths.report
         self.table = arm_rows(summary)
-        self.rows = replica_rows([row for a in summary["arms"].values() for row in self._record(a["arm"])["rows"]])
+        self.rows = self._long("replicas")
         self.logits = _LazyArrays(lambda arm: np.load(self._paths.arm_file("logits", arm), allow_pickle=False),
                                   list(summary["arms"]))
 
@@ -88,20 +94,27 @@ class StudyResult:
     def _classes(self) -> int:
         return int(np.load(self._paths.arm_file("logits", next(iter(self.summary["arms"]))), mmap_mode="r").shape[-1])
 
-    def to_frame(self, what: str = "arms"):
-        """:attr:`table` (``what="arms"``, indexed by arm) or :attr:`rows` (``"replicas"``, indexed by arm
-        and replica) as a pandas DataFrame, same columns and units. Needs pandas (``pip install
-        "nondet_jax[frame]"``)."""
-        if what not in ("arms", "replicas"):
-            raise UsageError(f"to_frame('{what}'): choose 'arms' (one row per arm) or 'replicas' (one per replica)")
+    def to_frame(self, kind: str = "arms"):
+        """A table of the study as a pandas DataFrame: ``"arms"`` (:attr:`table`, one row per arm, indexed by
+        arm) or a long table, one number a row, with the columns docs/api.md lists: ``"replicas"`` (final
+        scores), ``"curves"`` (scores per replica and epoch), ``"best"`` (best test score and its epoch,
+        ``study.eval_every``), ``"decomposition"`` (variance shares), ``"pairs"`` (pairwise metrics per pair
+        of replicas), ``"instruments"`` (the instruments' values per step). The same tables are the run
+        folder's ``<kind>.csv``. Needs pandas (``pip install "nondet_jax[frame]"``)."""
+        kinds = ("arms", *FRAMES)
+        if kind not in kinds:
+            raise UsageError(f"to_frame({kind!r}): choose one of {', '.join(map(repr, kinds))}")
         try:
             import pandas as pd
         except ImportError:
             raise UsageError('to_frame needs pandas, which nondet_jax does not require; pip install '
                              '"nondet_jax[frame]" (or pandas)') from None
-        if what == "arms":
+        if kind == "arms":
             return pd.DataFrame(self.table).set_index("arm")
-        return pd.DataFrame(self.rows).set_index(["arm", "replica"])
+        return pd.DataFrame(self._long(kind), columns=list(FRAME_COLUMNS[kind]))
+
+    def _long(self, kind: str) -> list[dict]:
+        return FRAMES[kind](self.out, self.summary, {a: self._record(a) for a in self.summary["arms"]})
 
 
 class _LazyArrays(dict):
@@ -240,17 +253,33 @@ def run_study(model=None, data=None, optimizer=None, loss: Callable | None = Non
     """
     _check_parts(optimizer, loss, augment)
     dataset, data_name = _dataset(data, task)
-    config = study_config(model=model, data_name=data_name, optimizer=optimizer, epochs=epochs,
-                          batch_size=batch_size, arms=arms, replicas=replicas, seed=seed, strategy=strategy,
-                          settings=settings, base=config)
+    with api_words():
+        config = study_config(model=model, data_name=data_name, optimizer=optimizer, epochs=epochs,
+                              batch_size=batch_size, arms=arms, replicas=replicas, seed=seed, strategy=strategy,
+                              settings=settings, base=config)
     parts = Parts(model=None if model is None or isinstance(model, str) else model, optimizer=optimizer,
                   loss=loss, augment=augment, features=features, init_params=init_params)
     try:
-        summary = runner.run(config, out, progress=progress, log=log, parts=parts, data=dataset,
-                            command=f"nondet_jax.run_study(model={config.model.name}, data={config.data.name}, ...)")
+        with api_words():
+            summary = runner.run(config, out, progress=progress, log=log, parts=parts, data=dataset,
+                                 command=f"nondet_jax.run_study(model={config.model.name}, data={config.data.name}, ...)")
     finally:  # a notebook running study after study must not pile up compiled programs
         release_compiled()
     return StudyResult(Path(summary.pop("out")), summary)
+
+
+@contextlib.contextmanager
+def api_words():
+    """The run folder's refusals in the words of the Python API: the layers below speak the command line's
+    (``--out``), a ``run_study`` caller passed ``out=``."""
+    try:
+        yield
+    except UsageError as e:
+        text = re.sub(r"--set ([\w.]+)=([^\s;,)]+)", lambda m: f"settings={{'{m.group(1)}': "
+                      f"{ {'true': 'True', 'false': 'False'}.get(m.group(2), m.group(2))}}}", str(e))
+        text = re.sub(r"--(out|arms|replicas|epochs|seed|strategy|batch-size)( (?=[\d/.~]))?",
+                      lambda m: m.group(1).replace("-", "_") + "=", text)
+        raise UsageError(text.replace("rerun the sweep", "rerun the study")) from None
 
 
 def _check_parts(optimizer, loss, augment) -> None:
@@ -292,13 +321,15 @@ def decompose(run: "str | Path | StudyResult") -> dict:
 
     folder = run.out if isinstance(run, StudyResult) else Path(run)
     if not RunPaths(folder).config.is_file():
-        raise UsageError(f"{folder} is not a nondet_jax run folder (no config.json); pass a study's --out folder")
-    return from_records(load_records(folder)[1])
+        raise UsageError(f"{folder} is not a nondet_jax run folder (no config.json); pass a study's out= folder")
+    with api_words():
+        return from_records(load_records(folder)[1])
 
 
 def replicate(init: Callable, step: Callable, batches=None, *, steps: int | None = None,
               arms: Sequence[str] | str = ("control", "init"), replicas: int = 4, seed: int = 0,
-              strategy: str = "auto", collect: Callable | None = None, sources: Sequence[str] = ()) -> dict[str, Any]:
+              strategy: str = "auto", collect: Callable | None = None, sources: Sequence[str] = (),
+              score: Callable | None = None) -> dict[str, Any]:
     """Run your own single-replica functions for R replicas per arm.
 
     You write one replica's ``init(keys) -> state`` and ``step(state, batch, keys) -> state``;
@@ -328,13 +359,22 @@ def replicate(init: Callable, step: Callable, batches=None, *, steps: int | None
         environment noise and action sampling): ``keys.env`` is a key stream under the same rule as the
         built-in ones (its stream index :func:`nondet_jax.sources.source_id`, stable across versions),
         arms may name them (``"env"``, ``"policy+init"``), and ``all`` varies them too.
+      score: ``score(state) -> number`` or ``-> {name: number}``, of one replica's final state (jittable),
+        e.g. ``lambda s: {"return": s.total_reward}``: what the tables, report, comparison and
+        decomposition of the result measure.
 
     Returns:
-      ``{arm: state}``, every leaf with a leading replica axis R; with ``collect``,
-      ``{arm: (state, history)}``, the history's leaves shaped (R, steps, ...).
+      A :class:`nondet_jax.analysis.replicated.Replicated`: ``{arm: state}``, every leaf with a leading
+      replica axis R (with ``collect``, ``{arm: (state, history)}``, the history's leaves shaped
+      (R, steps, ...)), as a dict; with ``score``, also ``.scores[arm][name]`` (R,), ``.table``,
+      ``.to_frame("arms" | "replicas" | "curves" | "decomposition")``, ``.report()``,
+      ``.compare(arm_a, arm_b)`` and ``.decompose()``, by the statistics of a study's report.
     """
     if collect is not None and not callable(collect):
         raise UsageError(f"collect must be a function (state, keys) -> pytree, got {type(collect).__name__}")
+    if score is not None and not callable(score):
+        raise UsageError(f"score={score!r} is a {type(score).__name__}, not a function; pass a function of one replica's "
+                         "final state returning a number or a dict of numbers, e.g. score=lambda s: {'loss': s['loss']}")
     arm_list = [a.strip() for a in arms.split(",") if a.strip()] if isinstance(arms, str) else list(arms)
     if not arm_list:
         raise UsageError("replicate needs at least one arm, e.g. arms=('control', 'init')")
@@ -402,4 +442,27 @@ def replicate(init: Callable, step: Callable, batches=None, *, steps: int | None
         def run(*inputs):
             states = [single(*jax.tree.map(lambda k: k[r], inputs)) for r in range(replicas)]
             return jax.tree.map(lambda *xs: jnp.stack(xs), *states)
-    return {a.name: run(*arm_inputs(a.varied)) for a in parsed}
+    states = {a.name: run(*arm_inputs(a.varied)) for a in parsed}
+    return _replicated(states, {a.name: sorted(a.varied) for a in parsed}, score, collect is not None, own)
+
+
+def _replicated(states: dict, varied: dict, score: Callable | None, collected: bool, own) -> Any:
+    """replicate's result: the states, with their ``score``s and the history's numbers per step as tables."""
+    def numbers(tree, default: str) -> dict[str, np.ndarray]:
+        if not isinstance(tree, dict):
+            tree = {default: tree}
+        return {jax.tree_util.keystr(path).strip("[]'\""): np.asarray(v, np.float64)
+                for path, v in jax.tree_util.tree_leaves_with_path(tree)}
+
+    scores, curves = {}, {}
+    for arm, out in states.items():
+        final, history = out if collected else (out, None)
+        if score is not None:
+            scores[arm] = numbers(jax.vmap(score)(final), "score")
+            bad = [k for k, v in scores[arm].items() if v.shape != (len(v),)]
+            if bad:
+                raise UsageError(f"score returns {bad[0]!r} shaped {scores[arm][bad[0]].shape[1:]} per replica; return "
+                                 "one number per name (e.g. lambda s: {'loss': s.loss.mean()})")
+        if history is not None:
+            curves[arm] = {k: v for k, v in numbers(history, "value").items() if v.ndim == 2}
+    return Replicated(states, scores, varied, {a: c for a, c in curves.items() if c}, tuple(own))

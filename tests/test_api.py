@@ -64,12 +64,12 @@ def test_run_study_on_own_module_optimizer_and_arrays(tmp_path):
     assert all(np.array_equal(control[0], c) for c in control)  # nothing varies: bitwise identical
     assert not np.array_equal(init[0], init[1])
     assert result.report.exists() and {r["arm"] for r in result.table} == {"control", "init", "all"}
-    assert len(result.rows) == 9
+    assert len(result.rows) == 9 * 4  # 9 replicas x 4 scores (test and train accuracy and loss), one a row
     frame, per_replica = result.to_frame(), result.to_frame("replicas")  # pandas: the test extra has it
-    assert list(frame.index) == [r["arm"] for r in result.table] and per_replica.shape[0] == 9
+    assert list(frame.index) == [r["arm"] for r in result.table] and per_replica.shape[0] == 9 * 4
     assert frame.loc["init", "accuracy_std_pct"] == next(r for r in result.table if r["arm"] == "init")["accuracy_std_pct"]
-    with pytest.raises(UsageError, match="choose 'arms'"):
-        result.to_frame("pairs")
+    with pytest.raises(UsageError, match="choose one of 'arms', 'replicas', 'curves'"):
+        result.to_frame("pair")
     model = (tmp_path / "run" / "model.json").read_text()
     assert "OwnNet" in model and '"features": "logits"' in model  # the CKA fallback is recorded
     # The same study again: every arm reused; a changed model is refused before anything is written.
@@ -630,3 +630,173 @@ def test_dir_lists_the_api_for_tab_completion():
             "'jax' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.split()
     assert out == ["[]", "False"], out  # every API name listed, and listing them started no JAX
+
+
+@pytest.fixture(scope="module")
+def decomposed(tmp_path_factory):
+    """A small study with every table: test curves (study.eval_every), a decomposition, pairs and an LMC pair."""
+    out = tmp_path_factory.mktemp("decomposed") / "run"
+    return nj.run_study(model="mlp", data="digits", epochs=2, batch_size=128, arms="control,init,data_order,all",
+                        replicas=3, out=out, settings={"study.eval_every": 1, "metrics.decomposition": True,
+                                                       "metrics.lmc_pairs": 1}, **QUIET)
+
+
+def test_every_table_in_one_naming_scheme(decomposed):
+    """to_frame's kinds, the run folder's CSVs, the arm records and `compare --metric` name a score alike, with the
+    same values (the tables in their unit column's unit); control, which varies nothing, gets no test's p-value."""
+    import csv
+
+    from nondet_jax.analysis.compare import run_scores
+    from nondet_jax.report.frames import COLUMNS
+    from nondet_jax.store.paths import RUN_METRICS
+
+    r, tmp_path = decomposed, decomposed.out.parent
+    frames = {kind: r.to_frame(kind) for kind in COLUMNS if kind != "instruments"}
+    for kind, frame in frames.items():
+        assert list(frame.columns) == list(COLUMNS[kind]) and len(frame), kind
+        with open(tmp_path / "run" / f"{kind}.csv", newline="") as f:  # the CSV holds the same table
+            on_disk = list(csv.DictReader(f))
+        assert len(on_disk) == len(frame) and list(on_disk[0]) == list(COLUMNS[kind]), kind
+        cells = [["" if v is None or v != v else str(v) for v in row] for row in frame.itertuples(index=False)]
+        assert cells == [[row[c] for c in COLUMNS[kind]] for row in on_disk], kind  # every cell, NaN empty
+    reps = frames["replicas"]
+    assert set(reps.metric) == set(RUN_METRICS)  # the names compare --metric takes, and no other
+    for metric in RUN_METRICS:
+        scores, _ = run_scores(tmp_path / "run", "init", metric)
+        values = reps.query("arm == 'init' and metric == @metric")
+        scale = 100.0 if values.unit.iloc[0] == "%" else 1.0
+        np.testing.assert_allclose(values.value.to_numpy() / scale, scores, rtol=1e-12)
+    record = __import__("json").loads((tmp_path / "run" / "arms" / "init.json").read_text())
+    assert set(RUN_METRICS) <= set(record["rows"][0])
+    curves, best = frames["curves"], frames["best"]
+    assert set(curves.metric) == set(RUN_METRICS) and set(curves.epoch) == {1, 2}
+    last = curves.query("arm == 'init' and metric == 'test_accuracy' and epoch == 2").value.to_numpy()
+    np.testing.assert_allclose(last, reps.query("arm == 'init' and metric == 'test_accuracy'").value, rtol=1e-12)
+    assert set(best.metric) == {"test_accuracy"} and (best.value >= 0).all() and set(best.epoch) <= {1, 2}
+    dec = frames["decomposition"]
+    assert set(dec.metric) == {"test_accuracy", "test_loss"}
+    assert set(dec.term) == {"init", "data_order", "sum", "non_additivity"}
+    share = r.summary["decomposition"]["accuracy"]["shares"]["init"]["share"]
+    assert dec.query("metric == 'test_accuracy' and term == 'init'").value.item() == pytest.approx(share)
+    pairs = frames["pairs"]
+    assert len(pairs.query("arm == 'init' and metric == 'disagreement'")) == 3  # R(R-1)/2 pairs of 3 replicas
+    mean = r.summary["arms"]["init"]["metrics"]["disagreement"]["mean"]
+    assert pairs.query("arm == 'init' and metric == 'disagreement'").value.mean() == pytest.approx(100 * mean)
+    with pytest.raises(UsageError, match="no instruments.*instruments.config"):
+        r.to_frame("instruments")
+    control = r.summary["vs_all"]["control"]["accuracy"]
+    assert control["spread_p"] is control["f_test_p"] is control["brown_forsythe_p"] is control["spread_p_holm"] is None
+    assert r.summary["vs_all"]["init"]["accuracy"]["f_test_p"] is not None
+    # 3 replicas: the report says the numbers cannot rank the sources, and where an interval outgrows the range
+    report = r.report.read_text()
+    assert "**Too few replicas to rank the sources**: with 3 replicas" in report
+    wide = [a for a in r.summary["arms"] if a != "control"
+            and np.diff(r.summary["arms"][a]["metrics"]["accuracy"]["std_ci"])[0]
+            > np.ptp(reps.query("arm == @a and metric == 'test_accuracy'").value) / 100 > 0]
+    assert wide and all(f"- `{a}`: the 95% interval of the accuracy std" in report for a in wide)
+    assert "Holm-adjusted over 2 arms" in report  # init and data_order: not control (untested), not all (the reference)
+
+
+def test_api_errors_name_the_parameter_not_the_option(tmp_path):
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(UsageError) as e:
+        nj.run_study(model="mlp", data="digits", epochs=1, arms="control", replicas=1, out=tmp_path / "run", **QUIET)
+    assert "use replicas=2 or more or settings={'metrics.pairwise': False}" in str(e.value), str(e.value)
+    with pytest.raises(UsageError) as e:
+        nj.run_study(model="mlp", data="digits", epochs=1, arms="control", replicas=2, out=tmp_path / "file", **QUIET)
+    assert "out=" in str(e.value) and "--" not in str(e.value), str(e.value)
+    with pytest.raises(UsageError, match="pass a study's out= folder"):
+        nj.decompose(tmp_path)
+
+
+def test_figures_name_what_they_show(decomposed):
+    """Each figure of the report, read from the figure objects: a title, every drawn panel's axes labelled (units
+    in the value axis), the arms by name, and the interval's method named where the figure draws intervals."""
+    import matplotlib.pyplot as plt
+
+    from nondet_jax.report.figures import draw_figures, interval_name
+    from nondet_jax.report.summary import load_records
+
+    arms = list(decomposed.summary["arms"])
+    seen = {}
+    for name, fig in draw_figures(decomposed.out, decomposed.summary, load_records(decomposed.out)[1]):
+        title = fig._suptitle.get_text() if fig._suptitle else ""
+        axes = [ax for ax in fig.axes if ax.get_visible() and ax.axison]
+        texts = []
+        for ax in axes:
+            shared = ax.get_shared_y_axes().get_siblings(ax)  # panels sharing a y axis: labelled once, on the left
+            assert ax.get_xlabel() and any(other.get_ylabel() for other in shared), (name, ax.get_title())
+            texts += [ax.get_title(), *(t.get_text() for t in ax.get_xticklabels())]
+            if ax.get_legend():
+                texts += [t.get_text() for t in ax.get_legend().get_texts()]
+        assert title or all(ax.get_title() for ax in axes), name
+        seen[name] = (title, " ".join(texts), [ax.get_ylabel() for ax in axes])
+        plt.close(fig)
+    assert set(seen) == {"accuracy", "spread", "diversity", "divergence", "decomposition", "test_curves", "lmc"}
+    for name in ("accuracy", "spread", "diversity"):  # one position per arm, named
+        assert all(a in seen[name][1] for a in arms), name
+    assert "arm init" in seen["decomposition"][1] and "arm data_order" in seen["decomposition"][1]
+    assert all(f"arm {a}" in seen["test_curves"][1] for a in arms)
+    assert interval_name("std") == "Bonett (2006) robust interval" and interval_name("std") in seen["spread"][0]
+    assert interval_name("pairwise") in seen["diversity"][0]
+    assert interval_name("decomposition") in seen["decomposition"][0]
+    assert seen["spread"][2] == ["std of test accuracy (%)", "std of test cross-entropy (nats)"]
+    assert seen["accuracy"][2] == ["test accuracy (%)"] and seen["test_curves"][2][0] == "test accuracy (%)"
+
+
+def test_replicate_gives_tables_a_report_a_comparison_and_a_decomposition():
+    """replicate's result is still {arm: (state, history)}; with score= it has a study's table (std, intervals,
+    ratio to all; control untested), long frames, a report with its caveats, a paired comparison and the
+    variance decomposition, each equal to the statistics computed on the scores directly."""
+    from nondet_jax.analysis import stats as S
+
+    def init(keys):
+        return {"w": jax.random.normal(keys.init, (4,)), "loss": jnp.zeros(())}
+
+    def step(state, batch, keys):
+        noise = jax.random.normal(keys.data_order, (4,))
+        w = state["w"] - 0.1 * (state["w"] - 1.0) + 0.05 * noise
+        return {"w": w, "loss": jnp.sum((w - 1.0) ** 2)}
+
+    arms = "control,init,data_order,all"
+    r = nj.replicate(init, step, steps=6, arms=arms, replicas=5, strategy="sequential",
+                     collect=lambda s, k: {"loss": s["loss"]}, score=lambda s: {"loss": s["loss"], "w0": s["w"][0]})
+    assert set(r) == set(arms.split(",")) and r["init"][0]["w"].shape == (5, 4)  # the dict it always was
+    means = jax.tree.map(lambda x: x.mean(0), r)  # a pytree as that dict, states as its leaves
+    assert type(means) is dict and means["init"][0]["w"].shape == (4,)
+    loss = np.asarray(r["init"][0]["loss"], np.float64)
+    np.testing.assert_array_equal(r.scores["init"]["loss"], loss)
+    table = r.to_frame("arms").set_index(["arm", "metric"])
+    assert table.loc[("init", "loss"), "std"] == pytest.approx(S.std(loss))
+    ratio = S.compare_spread(loss, np.asarray(r["all"][0]["loss"], np.float64))
+    assert table.loc[("init", "loss"), "std_ratio_vs_all"] == pytest.approx(ratio["ratio"])
+    assert table.loc[("init", "loss"), "spread_p"] == pytest.approx(ratio["spread_p"])
+    assert np.isnan(table.loc[("control", "loss"), "spread_p"])  # control varies nothing: not tested
+    assert table.loc[("control", "loss"), "std"] == 0.0
+    curves = r.to_frame("curves")
+    assert len(curves) == 4 * 5 * 6 and set(curves.metric) == {"loss"}
+    last = curves.query("arm == 'init' and step == 5").value.to_numpy()
+    np.testing.assert_array_equal(last, loss)  # the history's last step is the final state
+    assert len(r.to_frame("replicas")) == 4 * 5 * 2
+    dec = r.decompose()["loss"]
+    assert dec["shares"]["init"]["share"] == pytest.approx(S.std(loss) ** 2 / S.std(r.scores["all"]["loss"]) ** 2)
+    assert set(r.to_frame("decomposition").term) == {"init", "data_order", "sum", "non_additivity"}
+    paired = r.compare("init", "data_order", "loss", higher_is_better=False)
+    assert paired == S.compare_paired(loss, r.scores["data_order"]["loss"], higher_is_better=False)
+    report = r.report()
+    assert "Too few replicas to rank the sources" in report and "init" in report
+    with pytest.raises(UsageError, match="arm 'nosuch' is not in this result"):
+        r.compare("init", "nosuch")
+    bare = nj.replicate(init, step, steps=2, arms="control,init", replicas=2, strategy="sequential")
+    with pytest.raises(UsageError, match="needs scores: pass replicate"):
+        bare.to_frame("arms")
+
+
+def test_each_figure_is_a_function_of_its_own():
+    """report/figures.py draws each figure in a function of its own, none over 120 lines (make_figures was 235)."""
+    import ast
+
+    tree = ast.parse((ROOT / "nondet_jax" / "report" / "figures.py").read_text())
+    lengths = {n.name: n.end_lineno - n.lineno + 1 for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+    assert max(lengths.values()) <= 120, max(lengths.items(), key=lambda kv: kv[1])
+    assert {"_accuracy", "_spread", "_diversity", "_decomposition", "_test_curves", "_lmc"} <= set(lengths)

@@ -189,6 +189,12 @@ CASES: list[tuple[str, str]] = [
     ("API", "replicate(lambda keys: {'w': jnp.zeros(3)}, lambda s, b, keys: {'w': s['w'].astype(jnp.int32)}, steps=2)"),
     ("API", "replicate(lambda keys: {'w': jnp.zeros(3)}, lambda s, b, keys: {'w': jnp.zeros(4)}, steps=2)"),
     ("CLI", "--arms control,augmentation --augment os:system"),
+    # issue 45: replicate's scores
+    ("API", "replicate(lambda keys: 0.0, lambda s, b, keys: s, steps=2, arms='control', score='loss')"),
+    ("API", "replicate(lambda keys: jnp.zeros(3), lambda s, b, keys: s, steps=2, arms='control', score=lambda s: s)"),
+    ("API", "replicate(lambda keys: jnp.zeros(()), lambda s, b, keys: s, steps=2, arms='control').to_frame()"),
+    ("API", "replicate(lambda keys: jnp.zeros(()), lambda s, b, keys: s, steps=2, arms='control', "
+            "score=lambda s: s).compare('control', 'init')"),
 ]
 
 class Linear:  # a user's model without dropout (built lazily: flax is imported by the cases that use it)

@@ -61,7 +61,8 @@ BASE = {"model": ReluNet, "data": arrays(), "optimizer": optax.sgd(0.05, momentu
 CHANGES = {  # each changed alone; the part the refusal must name
     "optimizer": ({"optimizer": optax.sgd(5.0, momentum=0.9)}, "the optimizer differs (scale step_size -0.05 -> -5)"),
     "schedule": ({"optimizer": optax.sgd(optax.cosine_decay_schedule(0.05, 100), momentum=0.9)}, "the optimizer differs"),
-    "model body": ({"model": TanhNet}, "the model differs (the same name, another computation"),
+    "model body": ({"model": TanhNet}, "the model differs (the same name, another computation with the same 75 "
+                                       "parameters in the same shapes"),
     "loss": ({"loss": ce40}, f"the loss differs (was {__name__}:ce, now {__name__}:ce40)"),
     "augment": ({"augment": shift2}, f"the augment differs (was {__name__}:shift, now {__name__}:shift2)"),
     "data": ({"data": (arrays(1)[0], *arrays()[1:])}, "the data differs (was arrays-"),

@@ -165,9 +165,7 @@ def spelled_paths(source: str) -> list[tuple[int, str]]:
 
 
 # (module, string): why it is not a path spelled by hand
-NOT_PATHS = {("nondet_jax.report.tensorboard", "instruments/"): "a TensorBoard tag",
-             ("nondet_jax.report.figures", "figures/"): "the figures' list in the report, spelled at merge by "
-                                                         "RunPaths (report/figures.py is being split elsewhere)"}
+NOT_PATHS = {("nondet_jax.report.tensorboard", "instruments/"): "a TensorBoard tag"}
 
 
 def test_run_folder_paths_are_spelled_only_in_store_paths():

@@ -64,7 +64,7 @@ def test_diabetes_study_end_to_end_speaks_of_mse(tmp_path):
     # the stored per-replica MSE is the MSE of the stored predictions
     preds = result.logits["init"].reshape(3, -1)
     mse = np.mean((preds - data[3][None]) ** 2, axis=1)
-    assert np.allclose([r["test_mse"] for r in result.rows if r["arm"] == "init"], mse, rtol=1e-6)
+    assert np.allclose([r["value"] for r in result.rows if r["arm"] == "init" and r["metric"] == "test_mse"], mse, rtol=1e-6)
     report = result.report.read_text()
     assert "test MSE" in report and "regression, 1 output(s) per example" in report
     assert "accuracy std" not in report and "disagreement (%)" not in report

@@ -95,8 +95,8 @@ def test_eval_every_keeps_test_curves_and_best_epochs(tmp_path):
     assert proc.returncode == 0, proc.stderr
     h = np.load(out / "history" / "init.npz")
     np.testing.assert_array_equal(h["test_epochs"], [3, 4])  # every 3 epochs, and after the last
-    rows = [r for r in csv.DictReader((out / "replicas.csv").open()) if r["arm"] == "init"]
-    np.testing.assert_allclose(100 * h["test_accuracy"][:, -1], [float(r["test_accuracy_pct"]) for r in rows], rtol=1e-12)
+    rows = [r for r in csv.DictReader((out / "replicas.csv").open()) if r["arm"] == "init" and r["metric"] == "test_accuracy"]
+    np.testing.assert_allclose(100 * h["test_accuracy"][:, -1], [float(r["value"]) for r in rows], rtol=1e-12)
     rec = json.loads((out / "arms" / "init.json").read_text())["over_training"]
     np.testing.assert_allclose(rec["best"]["values"], h["test_accuracy"].max(1))
     assert all(e in (3, 4) for e in rec["best_epoch"]["values"]) and len(rec["best"]["std_ci"]) == 2

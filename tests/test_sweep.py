@@ -65,9 +65,9 @@ def test_cli_writes_the_run_folder(run_dir):
     assert arms[0]["accuracy_std_ratio_vs_all"] == ""  # no all arm here
     logits = np.load(out / "logits" / "init.npy")
     assert logits.shape == (2, 360, 10) and logits.dtype == np.float32
-    rows = list(csv.DictReader((out / "replicas.csv").open()))
+    rows = [r for r in csv.DictReader((out / "replicas.csv").open()) if r["metric"] == "test_accuracy"]
     assert [(r["arm"], r["replica"]) for r in rows] == [("control", "0"), ("control", "1"), ("init", "0"), ("init", "1")]
-    assert 1 < float(rows[2]["test_accuracy_pct"]) <= 100 and float(rows[2]["test_loss_nats"]) > 0
+    assert 1 < float(rows[2]["value"]) <= 100 and rows[2]["unit"] == "%"
     env = json.loads((out / "environment.json").read_text())
     for key in ("jax_threefry_partitionable", "prng_impl", "backend", "device_kind", "xla_flags", "strategy", "versions"):
         assert key in env, key

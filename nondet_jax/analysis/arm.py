@@ -97,18 +97,19 @@ def arm_metrics(result, data, fns: TrainFns, cfg: MetricsConfig) -> tuple[dict, 
     return out, arrays
 
 
-def compare_arms(records: dict[str, dict], reference: str = "all", ratios=S.POWER_RATIOS) -> dict[str, dict]:
+def compare_arms(records: dict[str, dict], reference: str = "all", ratios=S.POWER_RATIOS,
+                 quantities=None) -> dict[str, dict]:
     """Each arm's spread of the task's two per-replica scores (accuracy and cross-entropy, or test MSE
     and MAE) relative to the ``reference`` arm (:func:`nondet_jax.analysis.stats.compare_spread`), with
     the permutation spread test's p Holm-adjusted over the arms (``spread_p_holm``, per quantity).
-    Empty when the reference arm is absent."""
+    Empty when the reference arm is absent. ``quantities``: other scores than the task's (``replicate``'s)."""
     if reference not in records:
         return {}
 
     def healthy(rows):  # diverged replicas are left out of every metric
         return [row for row in rows if row.get("diverged_at_step", -1) < 0]
 
-    quantities = QUANTITIES[task_of(records[reference])]
+    quantities = quantities or QUANTITIES[task_of(records[reference])]
     ref = healthy(records[reference]["rows"])
     out = {}
     for arm, rec in records.items():
@@ -122,8 +123,11 @@ def compare_arms(records: dict[str, dict], reference: str = "all", ratios=S.POWE
                                              resolution=(rec.get("metrics") or {}).get(q.name, {}).get("resolution"),
                                              ratios=ratios)
                     for q in quantities}
+        if not rec.get("varied", True):  # control varies nothing: its spread is 0 by design, no test can mean anything
+            for c in out[arm].values():
+                c.update({"spread_p": None, "f_test_p": None, "brown_forsythe_p": None})
     for q in quantities:
-        arms = list(out)
+        arms = list(out)  # control's p is None: left out of the Holm family
         for arm, p in zip(arms, S.holm([out[a][q.name]["spread_p"] for a in arms])):
             out[arm][q.name]["spread_p_holm"] = p
     return out

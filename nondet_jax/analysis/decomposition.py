@@ -29,13 +29,13 @@ from nondet_jax.analysis.task import QUANTITIES, task_of
 from nondet_jax.sources import parse_arm
 
 
-def one_source_arms(arms, reference: str = "all") -> list[str]:
+def one_source_arms(arms, reference: str = "all", own: tuple[str, ...] = ()) -> list[str]:
     """The arms that vary exactly one source (snapshot variants and the reference left out)."""
     out = []
     for a in arms:
         if a == reference:
             continue
-        parsed = parse_arm(a)
+        parsed = parse_arm(a, own)
         if len(parsed.varied) == 1 and not parsed.cycles:
             out.append(a)
     return out
@@ -45,15 +45,15 @@ def _scores(record: dict, row: str) -> np.ndarray:
     return np.array([r[row] for r in record["rows"] if r.get("diverged_at_step", -1) < 0], np.float64)
 
 
-def decompose(records: dict[str, dict], reference: str = "all") -> dict:
-    """Per score of the task, each one-source arm's variance share of the ``reference`` arm's with its
-    interval, their sum and the non-additivity 1 − sum with theirs. Empty without the reference arm
-    or a one-source arm."""
-    singles = one_source_arms(records, reference)
+def decompose(records: dict[str, dict], reference: str = "all", quantities=None, own: tuple[str, ...] = ()) -> dict:
+    """Per score of the task (or of ``quantities``), each one-source arm's variance share of the
+    ``reference`` arm's with its interval, their sum and the non-additivity 1 − sum with theirs. Empty
+    without the reference arm or a one-source arm. ``own``: sources of the user's own (``replicate``)."""
+    singles = one_source_arms(records, reference, own)
     if reference not in records or not singles:
         return {}
     out = {}
-    for q in QUANTITIES[task_of(records[reference])]:
+    for q in quantities or QUANTITIES[task_of(records[reference])]:
         ref = _scores(records[reference], q.row)
         res = (records[reference].get("metrics") or {}).get(q.name, {}).get("resolution")
         xs = {a: _scores(records[a], q.row) for a in singles}

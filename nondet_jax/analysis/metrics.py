@@ -127,10 +127,11 @@ def spearman(logits) -> np.ndarray:
 
 
 def ensemble_gain(logits, labels) -> dict[str, np.ndarray]:
-    """2-model ensemble (average of the two logits) minus the members' mean, per pair.
+    """What a 2-model ensemble (average of the two logits) gains over its members' mean, per pair:
+    positive when it helps.
 
-    Returns ``{"accuracy": (P,), "cross_entropy": (P,)}``: positive accuracy gain and negative
-    cross-entropy gain mean the pair's ensemble beats its members.
+    Returns ``{"accuracy": (P,), "cross_entropy": (P,)}``: the ensemble's accuracy minus the members'
+    mean accuracy, and the members' mean cross-entropy minus the ensemble's.
     """
     logits = np.asarray(logits)
     labels = np.asarray(labels)
@@ -139,7 +140,7 @@ def ensemble_gain(logits, labels) -> dict[str, np.ndarray]:
     for a, b in _chunks(len(logits), logits[0].size):
         ens = 0.5 * (logits[a].astype(np.float64) + logits[b].astype(np.float64))
         gains_acc.append(accuracy(ens, labels) - 0.5 * (acc[a] + acc[b]))
-        gains_ce.append(cross_entropy(ens, labels) - 0.5 * (ce[a] + ce[b]))
+        gains_ce.append(0.5 * (ce[a] + ce[b]) - cross_entropy(ens, labels))
     return {"accuracy": np.concatenate(gains_acc), "cross_entropy": np.concatenate(gains_ce)}
 
 
@@ -163,13 +164,13 @@ def prediction_distance(predictions) -> np.ndarray:
 
 
 def ensemble_gain_mse(predictions, targets) -> np.ndarray:
-    """MSE of a pair's averaged predictions minus its members' mean MSE, per pair (negative: the
-    ensemble is better): (P,)."""
+    """What averaging a pair's predictions gains: its members' mean MSE minus the MSE of the averaged
+    predictions, per pair (positive when the ensemble is better): (P,)."""
     p = np.asarray(predictions, np.float64).reshape(len(predictions), -1)
     y = np.asarray(targets, np.float64).reshape(1, -1)
     mse = np.mean((p - y) ** 2, axis=1)
     a, b = pair_indices(len(p))
-    return np.mean((0.5 * (p[a] + p[b]) - y) ** 2, axis=1) - 0.5 * (mse[a] + mse[b])
+    return 0.5 * (mse[a] + mse[b]) - np.mean((0.5 * (p[a] + p[b]) - y) ** 2, axis=1)
 
 
 def linear_cka(features) -> np.ndarray:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from nondet_jax.analysis.stats import METHODS
 from nondet_jax.analysis.task import QUANTITIES, task_of
 from nondet_jax.report.summary import _healthy
 from nondet_jax.store.io import atomic_write_bytes
@@ -40,22 +41,13 @@ def _has_batch_norm(run: Path) -> bool:
 
 
 def make_figures(run: Path, summary: dict, records: dict[str, dict]) -> list[str]:
-    """Write the report's figures; returns their paths relative to the run folder."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    """Write the report's figures (:func:`draw_figures`); returns their paths relative to the run folder."""
     import matplotlib.pyplot as plt
-    import matplotlib.ticker  # noqa: F401 - matplotlib.ticker.MaxNLocator below
 
     figdir = RunPaths(run).figures
     figdir.mkdir(exist_ok=True)
-    arms = list(summary["arms"])
-    x = np.arange(len(arms))
     made = []
-
-    def save(fig, name):
-
-
+    for name, fig in draw_figures(run, summary, records):
         buf = io.BytesIO()
         if fig.get_layout_engine() is None:  # the dashboard brings its own (constrained) layout
             with warnings.catch_warnings():  # matplotlib's layout notes are not the user's business
@@ -64,14 +56,59 @@ def make_figures(run: Path, summary: dict, records: dict[str, dict]) -> list[str
         fig.savefig(buf, format="png", dpi=110)
         plt.close(fig)
         atomic_write_bytes(figdir / f"{name}.png", buf.getvalue(), root=run)
-        made.append(f"figures/{name}.png")
+        made.append((figdir / f"{name}.png").relative_to(run).as_posix())
+    return made
 
-    q1, q2 = QUANTITIES[task_of(summary)]
-    classes = task_of(summary) == "classification"
-    # 1. accuracy (a regression: test MSE) of every replica, per arm (strip + violin)
+
+def draw_figures(run: Path, summary: dict, records: dict[str, dict]):
+    """(name, matplotlib figure) of each of the report's figures, in the report's order, drawn one at a
+    time (the caller saves and closes each before the next is drawn)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    ctx = _Context(run, summary, records)
+    for draw in (_accuracy, _spread, _diversity, _divergence, _decomposition, _test_curves, _dynamics, _lmc):
+        drawn = draw(ctx)
+        if drawn is not None:
+            yield drawn
+    yield from _instrument_dashboards(ctx)
+
+
+class _Context:
+    """What every figure reads: the run folder, its summary and records, the arms and their positions."""
+
+    def __init__(self, run: Path, summary: dict, records: dict[str, dict]):
+        self.run, self.summary, self.records = run, summary, records
+        self.arms = list(summary["arms"])
+        self.x = np.arange(len(self.arms))
+        self.classes = task_of(summary) == "classification"
+        self.q1, self.q2 = QUANTITIES[task_of(summary)]
+
+    def metric(self, arm: str, key: str) -> dict:
+        return self.summary["arms"][arm]["metrics"].get(key, {})  # {} for an arm that fully diverged
+
+
+def interval_name(kind: str) -> str:
+    """The short name of an interval method (:data:`nondet_jax.analysis.stats.METHODS`), as a title gives it."""
+    head, _, rest = METHODS[kind].partition(": ")
+    name = head if "interval" in head or "jackknife" in head else rest  # "sum of ...: Bonett's ... interval ..."
+    return name.split(" (leave")[0].split(" (delta")[0].strip()
+
+
+def _unit_label(q) -> str:
+    """A score's axis label with its unit: % (accuracy), nats (cross-entropy), the targets' units (regression)."""
+    return {"accuracy": "test accuracy (%)", "cross_entropy": "test cross-entropy (nats)", "mse": "test MSE (targets' units²)",
+            "mae": "test MAE (targets' units)"}.get(q.name, q.label)
+
+
+def _accuracy(c: _Context):
+    """Accuracy (a regression: test MSE) of every replica, per arm (strip + violin)."""
+    import matplotlib.pyplot as plt
+
+    arms, x, q1, summary = c.arms, c.x, c.q1, c.summary
     fig, ax = plt.subplots(figsize=(1.3 * len(arms) + 2, 4))
-    healthy = [sorted(_healthy(records[a])) for a in arms]
-    accs = [np.array([r[q1.row] for r in records[a]["rows"] if r["replica"] in h], float) * q1.scale
+    healthy = [sorted(_healthy(c.records[a])) for a in arms]
+    accs = [np.array([r[q1.row] for r in c.records[a]["rows"] if r["replica"] in h], float) * q1.scale
             for a, h in zip(arms, healthy)]
     if all(len(v) > 1 and np.ptp(v) > 0 for v in accs):
         ax.violinplot(accs, positions=x, showextrema=False)
@@ -92,21 +129,24 @@ def make_figures(run: Path, summary: dict, records: dict[str, dict]) -> list[str
     if marked:
         ax.legend(fontsize=8)
     ax.set_xticks(x, arms, rotation=30, ha="right")
-    ax.set_ylabel("test accuracy (%)" if classes else q1.label)
-    ax.set_title(f"{'Test accuracy' if classes else q1.label} of each replica (line: mean)")
-    save(fig, "accuracy" if classes else q1.name)
+    ax.set_xlabel("arm")
+    ax.set_ylabel(_unit_label(q1))
+    ax.set_title(f"{'Test accuracy' if c.classes else q1.label} of each replica, per arm (line: mean)")
+    return ("accuracy" if c.classes else q1.name), fig
 
-    # 2. std with CI bars, accuracy and cross-entropy, with the independent-errors baseline
+
+def _spread(c: _Context):
+    """Std over replicas with its interval, of both scores, with the independent-errors baseline."""
+    import matplotlib.pyplot as plt
+
+    arms, x = c.arms, c.x
     fig, axes = plt.subplots(1, 2, figsize=(2 * (0.8 * len(arms) + 2), 4))
-    panels = ((axes[0], "accuracy", 100, "std of test accuracy (%)"),
-              (axes[1], "cross_entropy", 1, "std of test cross-entropy (nats)")) if classes else \
-        ((axes[0], q1.name, q1.scale, f"std of {q1.label}"), (axes[1], q2.name, q2.scale, f"std of {q2.label}"))
-    for ax, q, scale, label in panels:
-        spread = [summary["arms"][a]["metrics"].get(q, {}) for a in arms]  # {} for an arm that fully diverged
-        s = np.array([m.get("std", np.nan) for m in spread], dtype=float) * scale
-        ci = np.array([m.get("std_ci", [np.nan, np.nan]) for m in spread], dtype=float) * scale
-        base = np.array([summary["arms"][a]["metrics"].get("independent_errors_std", np.nan) for a in arms],
-                        dtype=float) * scale if q == "accuracy" else np.full(len(arms), np.nan)
+    for ax, q in zip(axes, (c.q1, c.q2)):
+        spread = [c.metric(a, q.name) for a in arms]
+        s = np.array([m.get("std", np.nan) for m in spread], dtype=float) * q.scale
+        ci = np.array([m.get("std_ci", [np.nan, np.nan]) for m in spread], dtype=float) * q.scale
+        base = np.array([c.summary["arms"][a]["metrics"].get("independent_errors_std", np.nan) for a in arms],
+                        dtype=float) * q.scale if q.name == "accuracy" else np.full(len(arms), np.nan)
         # Few replicas give upper CI ends many times the std (32x at R=2): the axis stops at 3x the largest
         # std, and a whisker that goes on is cut there with its end written above it.
         top = 3 * np.nanmax(np.concatenate([s, base, [0.0]]))
@@ -121,40 +161,53 @@ def make_figures(run: Path, summary: dict, records: dict[str, dict]) -> list[str
             ax.set_ylim(0, top * 1.12)
         for i in np.flatnonzero(np.isnan(s)):
             ax.text(i, 0, "n/a", ha="center", va="bottom", fontsize=8, color="C3")
-        if q == "accuracy":
+        if q.name == "accuracy":
             ax.scatter(x, base, marker="D", s=36, facecolor="white", edgecolor="k", zorder=3,
                        label="test-set sampling alone (independent-errors baseline)")
             ax.legend(fontsize=8, loc="lower left", bbox_to_anchor=(0, 1.0), frameon=False)
         ax.set_xticks(x, arms, rotation=30, ha="right")
-        ax.set_ylabel(label)
-    fig.suptitle("Spread across replicas, with 95% CIs (Bonett's robust interval, z at 98.75%)")
-    save(fig, "spread")
+        ax.set_xlabel("arm")
+        ax.set_ylabel(f"std of {_unit_label(q)}")
+    fig.suptitle(f"Spread across replicas (std, ddof=1), with 95% CIs: {interval_name('std')}")
+    return "spread", fig
 
-    # 3. pairwise diversity per arm
+
+def _diversity(c: _Context):
+    """Pairwise diversity per arm: mean over pairs with the jackknife interval."""
+    import matplotlib.pyplot as plt
+
+    arms, x = c.arms, c.x
     names = [("disagreement", "pairwise disagreement (%)", 100), ("cka", "linear CKA of features (0 to 1)", 1),
-             ("ensemble_gain_accuracy", "2-model ensemble gain in accuracy (pp)", 100)] if classes else \
-        [("prediction_distance", "RMS distance of predictions", 1), ("cka", "linear CKA of features (0 to 1)", 1),
-         ("ensemble_gain_mse", "2-model ensemble gain in MSE (negative: better)", 1)]
-    if any(names[0][0] in summary["arms"][a]["metrics"] for a in arms):
-        fig, axes = plt.subplots(1, 3, figsize=(3 * (0.7 * len(arms) + 1.8), 4))
-        for ax, (key, label, scale) in zip(axes, names):
-            vals = np.array([summary["arms"][a]["metrics"].get(key, {}).get("mean", np.nan) for a in arms],
-                            dtype=float) * scale
-            ci = np.array([summary["arms"][a]["metrics"].get(key, {}).get("ci", [np.nan, np.nan]) for a in arms],
-                          dtype=float) * scale
-            err = np.clip(np.abs(np.stack([vals - ci[:, 0], ci[:, 1] - vals])), 0, None)  # NaN (n/a): no bar
-            ax.bar(x, vals, yerr=err, capsize=4, color="C2")
-            ax.set_xticks(x, arms, rotation=30, ha="right")
-            ax.set_title(label, fontsize=10)
-        few = [a for a in arms if 0 < summary["arms"][a].get("replicas_used", summary["arms"][a]["replicas"]) < 3]
-        fig.suptitle("Diversity between replicas (mean over pairs, replica-jackknife 95% CI"
-                     + ("; no CI below 3 replicas: " + ", ".join(few) if few else "") + ")")
-        save(fig, "diversity")
+             ("ensemble_gain_accuracy", "2-model ensemble gain in accuracy (pp)", 100)] if c.classes else \
+        [("prediction_distance", "RMS distance of predictions (targets' units)", 1),
+         ("cka", "linear CKA of features (0 to 1)", 1),
+         ("ensemble_gain_mse", "2-model ensemble gain in MSE (positive: better)", 1)]
+    if not any(names[0][0] in c.summary["arms"][a]["metrics"] for a in arms):
+        return None
+    fig, axes = plt.subplots(1, 3, figsize=(3 * (0.7 * len(arms) + 1.8), 4))
+    for ax, (key, label, scale) in zip(axes, names):
+        vals = np.array([c.metric(a, key).get("mean", np.nan) for a in arms], dtype=float) * scale
+        ci = np.array([c.metric(a, key).get("ci", [np.nan, np.nan]) for a in arms], dtype=float) * scale
+        err = np.clip(np.abs(np.stack([vals - ci[:, 0], ci[:, 1] - vals])), 0, None)  # NaN (n/a): no bar
+        ax.bar(x, vals, yerr=err, capsize=4, color="C2")
+        ax.set_xticks(x, arms, rotation=30, ha="right")
+        ax.set_xlabel("arm")
+        ax.set_ylabel(label)
+        ax.set_title(label, fontsize=10)
+    few = [a for a in arms if 0 < c.summary["arms"][a].get("replicas_used", c.summary["arms"][a]["replicas"]) < 3]
+    fig.suptitle(f"Diversity between replicas (mean over pairs, 95% CI: {interval_name('pairwise')}"
+                 + ("; no CI below 3 replicas: " + ", ".join(few) if few else "") + ")")
+    return "diversity", fig
 
-    # 4. weight divergence over training
+
+def _divergence(c: _Context):
+    """Weight divergence over training (the mean over pairs after every epoch)."""
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
     fig, ax = plt.subplots(figsize=(6.5, 4))
     plotted = False
-    for i, a, h in _stored(run, arms, "history", "weight_distance"):
+    for i, a, h in _stored(c.run, c.arms, "history", "weight_distance"):
         wd = h["weight_distance"]
         if wd.shape[1] == 0:
             continue
@@ -163,117 +216,145 @@ def make_figures(run: Path, summary: dict, records: dict[str, dict]) -> list[str
             ax.plot(np.arange(len(mean)), np.where(mean > 0, mean, np.nan), marker=MARKERS[i % len(MARKERS)],
                     ms=4 + 1.5 * (i % 3), mfc="none", label=a, color=f"C{i}", ls=LINESTYLES[i % len(LINESTYLES)])
             plotted = True
-    if plotted:
-        _value_axis(ax)
-        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-        ax.set_xlabel("epoch (0 = initial weights)")
-        ax.set_ylabel("||θa − θb|| / ||θa||, mean over pairs")
-        ax.set_title("Weight-space divergence (arms at 0 are not drawn)")
-        ax.legend(fontsize=8)
-        save(fig, "divergence")
-    else:
+    if not plotted:
         plt.close(fig)
+        return None
+    _value_axis(ax)
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.set_xlabel("epoch (0 = initial weights)")
+    ax.set_ylabel("||θa − θb|| / ||θa|| (relative), mean over pairs")
+    ax.set_title("Weight-space divergence per arm (arms at 0 are not drawn)")
+    ax.legend(fontsize=8, title="arm", title_fontsize=8)
+    return "divergence", fig
 
-    # 4a. variance decomposition: each source's share of Var(all), stacked, per score
-    dec = summary.get("decomposition") or {}
-    if dec:
-        fig, axes = plt.subplots(1, len(dec), figsize=(4.5 * len(dec), 4), squeeze=False)
-        for ax, (name, d) in zip(axes[0], dec.items()):
-            bottom = 0.0
-            for j, (a, sh) in enumerate(d["shares"].items()):
-                v = max(sh["share"], 0.0) if np.isfinite(sh["share"]) else 0.0
-                ax.bar(0, v, bottom=bottom, color=f"C{arms.index(a) if a in arms else j}", label=a, width=0.5)
-                bottom += v
-            lo, hi = d["sum_ci"]
-            top = 1.4 * max(1.0, bottom)  # a wide interval is cut at the top, its end written there
-            if np.isfinite(lo) and np.isfinite(hi):
-                ax.errorbar(0, d["sum"], yerr=[[d["sum"] - lo], [min(hi, top) - d["sum"]]], color="k", capsize=6,
-                            label="sum, 95% CI")
-                if hi > top:
-                    ax.annotate(f"CI up to {hi:.3g}", (0, top), xytext=(6, -12), textcoords="offset points", fontsize=8)
-            ax.set_ylim(0, top * 1.02)
-            ax.axhline(1.0, color="C3", ls="--", lw=1, label="Var(all)")
-            ax.set_xticks([])
-            ax.set_xlim(-0.8, 0.8)
-            ax.set_ylabel("share of Var(all)")
-            ax.set_title(f"{name}: sum {d['sum']:.2f}, non-additivity {d['non_additivity']:+.2f}", fontsize=9)
-            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-        fig.suptitle("Variance decomposition: each source alone, as a share of all sources together")
-        save(fig, "decomposition")
 
-    # 4b. test scores over training (study.eval_every): every replica's curve, one panel per arm
-    curves = [(i, a, h) for i, a, h in _stored(run, arms, "history", "test_epochs")]
-    if curves:
-        name = "test_accuracy" if "test_accuracy" in curves[0][2] else "test_mse"
-        cols = min(4, len(curves))
-        rows = -(-len(curves) // cols)
-        fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 3 * rows), squeeze=False, sharey=True)
-        for ax, (i, a, h) in zip(axes.ravel(), curves):
-            ep, c = h["test_epochs"], h[name] * (100 if name == "test_accuracy" else 1)
-            for r in range(len(c)):
-                ax.plot(ep, c[r], color=f"C{i}", lw=0.8, alpha=0.6)
-            ax.plot(ep, np.nanmean(c, 0), color="k", lw=1.8, label="mean over replicas")
-            ax.set_title(a, fontsize=10)
-            ax.set_xlabel("epoch")
-            ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-        for ax in axes.ravel()[len(curves):]:
-            ax.axis("off")
-        for ax in axes[:, 0]:
-            ax.set_ylabel("test accuracy (%)" if name == "test_accuracy" else "test MSE")
-        axes[0, 0].legend(fontsize=8)
-        fig.suptitle("Test scores over training, one line per replica")
-        save(fig, "test_curves")
+def _decomposition(c: _Context):
+    """Variance decomposition: each source's share of Var(all), stacked, per score."""
+    import matplotlib.pyplot as plt
 
-    # 5. divergence dynamics of replicas 0 and 1, every k steps
-    traces = list(_stored(run, arms, "dynamics", "weight_distance"))
-    if traces:
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
-        for i, a, t in traces:
-            step, wd, dis = t["step"], t["weight_distance"], t["disagreement"]
-            style = {"color": f"C{i}", "ls": LINESTYLES[i % len(LINESTYLES)], "label": a}
-            ax1.plot(step, np.where(wd > 0, wd, np.nan), **style)
-            ax2.plot(step, dis * 100, **style)
-        ax1.set_yscale("log")
-        ax1.set_xlabel("training step")
-        ax1.set_ylabel("||θ0 − θ1|| / ||θ0||")
-        ax1.set_title("Weight distance of replicas 0 and 1")
-        ax2.set_xlabel("training step")
-        ax2.set_ylabel("prediction disagreement on probe images (%)")
-        ax2.set_title("Disagreement of replicas 0 and 1")
-        ax1.legend(fontsize=8)
-        save(fig, "dynamics")
+    dec = c.summary.get("decomposition") or {}
+    if not dec:
+        return None
+    labels = {q.name: _unit_label(q) for q in (c.q1, c.q2)}
+    fig, axes = plt.subplots(1, len(dec), figsize=(4.5 * len(dec), 4), squeeze=False)
+    for ax, (name, d) in zip(axes[0], dec.items()):
+        bottom = 0.0
+        for j, (a, sh) in enumerate(d["shares"].items()):
+            v = max(sh["share"], 0.0) if np.isfinite(sh["share"]) else 0.0
+            ax.bar(0, v, bottom=bottom, color=f"C{c.arms.index(a) if a in c.arms else j}", label=f"arm {a}", width=0.5)
+            bottom += v
+        lo, hi = (np.nan if v is None else v for v in d["sum_ci"])
+        top = 1.4 * max(1.0, bottom)  # a wide interval is cut at the top, its end written there
+        if np.isfinite(lo) and np.isfinite(hi):
+            ax.errorbar(0, d["sum"], yerr=[[d["sum"] - lo], [min(hi, top) - d["sum"]]], color="k", capsize=6,
+                        label="sum, 95% CI")
+            if hi > top:
+                ax.annotate(f"CI up to {hi:.3g}", (0, top), xytext=(6, -12), textcoords="offset points", fontsize=8)
+        ax.set_ylim(0, top * 1.02)
+        ax.axhline(1.0, color="C3", ls="--", lw=1, label="Var(all)")
+        ax.set_xticks([])
+        ax.set_xlim(-0.8, 0.8)
+        ax.set_xlabel("one-source arms, stacked")
+        ax.set_ylabel("share of Var(all) (fraction)")
+        ax.set_title(f"{labels.get(name, name)}: sum {d['sum']:.2f}, non-additivity {d['non_additivity']:+.2f}",
+                     fontsize=9)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.suptitle("Variance decomposition: each source alone, as a share of all sources together; 95% CI of the "
+                 f"sum: {interval_name('decomposition')}", fontsize=9)
+    return "decomposition", fig
 
-    # 6. LMC error curves; arms whose barrier is tiny next to the largest get a zoomed panel of their own
-    lmc = [(i, a, p["lmc_alphas"], p["lmc_curves"].mean(0) * 100) for i, a, p in _stored(run, arms, "pairs", "lmc_curves")]
-    if lmc:
-        barrier = {a: float(np.max(c - np.interp(al, [al[0], al[-1]], [c[0], c[-1]]))) for _, a, al, c in lmc}
-        top = max(barrier.values())
-        small = [a for a in barrier if barrier[a] < 0.1 * top] if top > 0 else []
-        panels = [("all arms", [a for _, a, _, _ in lmc])]
-        bn = "; BatchNorm recomputed" if _has_batch_norm(run) else ""
-        if 0 < len(small) < len(lmc):
-            panels.append((f"zoom: arms with a barrier under {0.1 * top:.2g} pp", small))
-        fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4), squeeze=False)
-        for ax, (title, show) in zip(axes[0], panels):
-            for i, a, alphas, curve in lmc:
-                if a in show:
-                    ax.plot(alphas, curve, marker=MARKERS[i % len(MARKERS)], ms=4 + 1.5 * (i % 3), mfc="none",
-                            label=a, color=f"C{i}", ls=LINESTYLES[i % len(LINESTYLES)])
-            ax.set_xlabel(f"α (weights θb + α(θa − θb){bn})")
-            ax.set_ylabel("test error (%), mean over pairs")
-            ax.set_title(title, fontsize=10)
-            ax.legend(fontsize=8)
-        fig.suptitle("Linear interpolation between replicas")
-        save(fig, "lmc")
-    for arm in records:  # Cockpit-style dashboards of the arms trained with instruments
-        path = RunPaths(run).arm_file("instruments", arm)
+
+def _test_curves(c: _Context):
+    """Test scores over training (``study.eval_every``): every replica's curve, one panel per arm."""
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    curves = list(_stored(c.run, c.arms, "history", "test_epochs"))
+    if not curves:
+        return None
+    name = "test_accuracy" if "test_accuracy" in curves[0][2] else "test_mse"
+    cols = min(4, len(curves))
+    rows = -(-len(curves) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 3 * rows), squeeze=False, sharey=True)
+    for ax, (i, a, h) in zip(axes.ravel(), curves):
+        ep, v = h["test_epochs"], h[name] * (100 if name == "test_accuracy" else 1)
+        for r in range(len(v)):
+            ax.plot(ep, v[r], color=f"C{i}", lw=0.8, alpha=0.6)
+        ax.plot(ep, np.nanmean(v, 0), color="k", lw=1.8, label="mean over replicas")
+        ax.set_title(f"arm {a}", fontsize=10)
+        ax.set_xlabel("epoch")
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    for ax in axes.ravel()[len(curves):]:
+        ax.axis("off")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("test accuracy (%)" if name == "test_accuracy" else "test MSE (targets' units²)")
+    axes[0, 0].legend(fontsize=8)
+    fig.suptitle("Test scores over training, one line per replica")
+    return "test_curves", fig
+
+
+def _dynamics(c: _Context):
+    """Divergence dynamics of replicas 0 and 1, every k steps."""
+    import matplotlib.pyplot as plt
+
+    traces = list(_stored(c.run, c.arms, "dynamics", "weight_distance"))
+    if not traces:
+        return None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
+    for i, a, t in traces:
+        step, wd, dis = t["step"], t["weight_distance"], t["disagreement"]
+        style = {"color": f"C{i}", "ls": LINESTYLES[i % len(LINESTYLES)], "label": a}
+        ax1.plot(step, np.where(wd > 0, wd, np.nan), **style)
+        ax2.plot(step, dis * 100, **style)
+    ax1.set_yscale("log")
+    ax1.set_xlabel("training step")
+    ax1.set_ylabel("||θ0 − θ1|| / ||θ0|| (relative)")
+    ax1.set_title("Weight distance of replicas 0 and 1, per arm")
+    ax2.set_xlabel("training step")
+    ax2.set_ylabel("prediction disagreement on probe images (%)")
+    ax2.set_title("Disagreement of replicas 0 and 1, per arm")
+    ax1.legend(fontsize=8, title="arm", title_fontsize=8)
+    return "dynamics", fig
+
+
+def _lmc(c: _Context):
+    """LMC error curves; arms whose barrier is tiny next to the largest get a zoomed panel of their own."""
+    import matplotlib.pyplot as plt
+
+    lmc = [(i, a, p["lmc_alphas"], p["lmc_curves"].mean(0) * 100) for i, a, p in _stored(c.run, c.arms, "pairs", "lmc_curves")]
+    if not lmc:
+        return None
+    barrier = {a: float(np.max(v - np.interp(al, [al[0], al[-1]], [v[0], v[-1]]))) for _, a, al, v in lmc}
+    top = max(barrier.values())
+    small = [a for a in barrier if barrier[a] < 0.1 * top] if top > 0 else []
+    panels = [("all arms", [a for _, a, _, _ in lmc])]
+    bn = "; BatchNorm recomputed" if _has_batch_norm(c.run) else ""
+    if 0 < len(small) < len(lmc):
+        panels.append((f"zoom: arms with a barrier under {0.1 * top:.2g} pp", small))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4), squeeze=False)
+    for ax, (title, show) in zip(axes[0], panels):
+        for i, a, alphas, curve in lmc:
+            if a in show:
+                ax.plot(alphas, curve, marker=MARKERS[i % len(MARKERS)], ms=4 + 1.5 * (i % 3), mfc="none",
+                        label=a, color=f"C{i}", ls=LINESTYLES[i % len(LINESTYLES)])
+        ax.set_xlabel(f"α (weights θb + α(θa − θb){bn})")
+        ax.set_ylabel("test error (%), mean over pairs")
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=8, title="arm", title_fontsize=8)
+    fig.suptitle("Linear interpolation between replicas")
+    return "lmc", fig
+
+
+def _instrument_dashboards(c: _Context):
+    """Cockpit-style dashboards of the arms trained with instruments."""
+    for arm in c.records:
+        path = RunPaths(c.run).arm_file("instruments", arm)
         if path.exists():
             from nondet_jax.instruments.dashboard import dashboard
 
             with np.load(path, allow_pickle=False) as f:
                 values = {k: f[k] for k in f.files}
-            save(dashboard(values, title=f"arm {arm}: instruments"), f"instruments_{arm}")
-    return made
+            yield f"instruments_{arm}", dashboard(values, title=f"arm {arm}: instruments")
 
 
 def _value_axis(ax) -> None:

@@ -14,6 +14,7 @@ from nondet_jax.analysis.task import QUANTITIES, task_of
 from nondet_jax.errors import UsageError
 from nondet_jax.instruments.dashboard import long_rows
 from nondet_jax.report.figures import make_figures
+from nondet_jax.report.frames import COLUMNS, FRAMES, csv_bytes
 from nondet_jax.report.optimizer import format_optimizer
 from nondet_jax.report.summary import (
     _ci,
@@ -25,7 +26,7 @@ from nondet_jax.report.summary import (
     format_table,
 )
 from nondet_jax.store.io import atomic_write_bytes, atomic_write_json, strict_json
-from nondet_jax.store.paths import RunPaths
+from nondet_jax.store.paths import TABLES, RunPaths
 from nondet_jax.store.run import check_layout
 
 _TESTS_LINE = ("Spread p: " + TESTS["spread_p"] + "; Holm p: " + TESTS["spread_p_holm"] + " (read this one); F-test p: "
@@ -105,9 +106,10 @@ def _findings(summary: dict) -> list[str]:
                  "lies above 1: more spread than all sources together")
         used = min(summary["arms"][x].get("replicas_used", summary["arms"][x]["replicas"]) for x in (arm, "all"))
         ci = f"[{lo:.2f}, {hi:.2f}]" if np.isfinite(lo) else f"is {na_reason('ratio', used) or 'n/a'}"
+        family = sum(1 for x in vs if summary["arms"].get(x, {}).get("varied", True))  # control: not tested
         out.append(f"- `{arm}`: {q.label} std is {a['ratio']:.2f}× the `all` arm's; the 95% CI "
                    f"{ci} {where} (permutation spread test p = {fmt_p(a.get('spread_p'))}, Holm-adjusted over "
-                   f"{len(vs)} arms {fmt_p(a.get('spread_p_holm'))}).")
+                   f"{family} arms {fmt_p(a.get('spread_p_holm'))}).")
     for arm in ("control", "hardware"):
         rec = summary["arms"].get(arm)
         if rec:
@@ -118,6 +120,42 @@ def _findings(summary: dict) -> list[str]:
     if "hardware" in summary["arms"] and summary["arms"]["hardware"].get("replicas_bitwise_identical"):
         out.append(f"- {summary.get('backend')} gave no hardware nondeterminism to measure: `batch_order` (the order "
                    "of examples, hence of floating-point reductions, inside each minibatch) is its simulated stand-in.")
+    return out
+
+
+FEW_TO_RANK = 5  # at 3-5 replicas per arm a std's interval spans a factor of 10 to 100
+
+
+def _span(summary: dict, q, arms) -> str:
+    """How many times its lower end the upper end of the arms' std intervals is, in words."""
+    cis = [(summary["arms"][a].get("metrics") or {}).get(q.name, {}).get("std_ci") or [None, None] for a in arms]
+    factors = [hi / lo for lo, hi in cis if lo is not None and hi is not None and np.isfinite(hi) and lo > 0]
+    if not factors:
+        return "the std intervals are n/a or reach down to 0"
+    lo, hi = min(factors), max(factors)
+    return f"the {q.label} std's 95% intervals span a factor of {lo:.0f}" + (f" to {hi:.0f}" if hi >= lo + 0.5 else "")
+
+
+def _caveats(summary: dict, records: dict[str, dict]) -> list[str]:
+    """Sentences where the numbers cannot carry a conclusion: too few replicas to rank the sources, and
+    a std whose interval is wider than the whole range of the replicas' scores."""
+    q = QUANTITIES[task_of(summary)][0]
+    out = []
+    used = {a: r.get("replicas_used", r["replicas"]) for a, r in summary["arms"].items() if r.get("varied")}
+    if len(used) > 1 and 2 <= min(used.values()) <= FEW_TO_RANK:
+        out.append(f"- **Too few replicas to rank the sources**: with {min(used.values())} replicas in an arm, "
+                   f"{_span(summary, q, used)}, so which source moves the {q.label} most is not read off these "
+                   f"numbers; a std interval spanning at most a factor 2 needs {replicas_for_std_factor(2.0)} replicas "
+                   "per arm (normal data).")
+    for arm, rec in records.items():
+        st = (summary["arms"][arm].get("metrics") or {}).get(q.name, {})
+        values = [row[q.row] for row in rec["rows"] if row.get("diverged_at_step", -1) < 0]
+        lo, hi = (np.nan if v is None else v for v in (st.get("std_ci") or [None, None]))
+        if len(values) > 1 and np.isfinite(lo) and np.isfinite(hi) and hi - lo > np.ptp(values) > 0:
+            out.append(f"- `{arm}`: the 95% interval of the {q.label} std, [{_fmt(lo * q.scale, 3)}, "
+                       f"{_fmt(hi * q.scale, 3)}], is wider than the whole range of its replicas' {q.label} "
+                       f"({_fmt(min(values) * q.scale, 3)} to {_fmt(max(values) * q.scale, 3)}): it cannot say how "
+                       "large this arm's spread is.")
     return out
 
 
@@ -239,6 +277,9 @@ def write_report(run: str | Path, command: str | None = None) -> dict:
     atomic_write_json(paths.summary, strict_json(summary), root=paths.root)
     _write_csv(paths.arms_csv, [strict_json(row) for row in arm_rows(summary)], root=paths.root)
     _write_instruments_csv(paths, records)
+    for kind in TABLES:  # the long tables (nondet_jax.report.frames); a kind with no rows: its header alone
+        atomic_write_bytes(paths.table(kind), csv_bytes(strict_json(FRAMES[kind](run, summary, records)),
+                                                        COLUMNS[kind]), root=paths.root)
     figures = make_figures(run, summary, records)
     model = _model_json(paths)
     if command is None and paths.command.is_file():
@@ -250,10 +291,12 @@ def write_report(run: str | Path, command: str | None = None) -> dict:
            f"{summary['backend']} ({summary['device_kind']}). Every number below is read from this folder's "
            "stored results (`python -m nondet_jax.report` rebuilds this page).", "",
            "## Per-arm table", "", "```", format_table(summary), "```", "",
-           "Full per-arm table: `arms.csv`; one row per replica: `replicas.csv`.", "",
+           "Full per-arm table: `arms.csv`; long tables (one number a row): `replicas.csv`, `curves.csv`, `best.csv`, "
+           "`decomposition.csv`, `pairs.csv` (columns: docs/api.md).", "",
            "## Spread relative to the `all` arm", "", *_comparison_md(summary),
            *_decomposition_md(summary),
-           "## What the numbers say", "", *(_findings(summary) or ["- (nothing to compare)"]), "",
+           "## What the numbers say", "",
+           *(_findings(summary) + _caveats(summary, records) or ["- (nothing to compare)"]), "",
            *_dynamics_md(summary),
            *_over_training_md(records),
            *_mitigations_md(summary),
@@ -271,8 +314,8 @@ def write_report(run: str | Path, command: str | None = None) -> dict:
                "- Regression: each replica's test MSE and MAE over every test example and output; std over replicas "
                "(ddof=1), 95% CI: " + METHODS["std"] + "; mean: " + METHODS["mean"] + ". The std's interval is n/a below R=3, the mean's below R=2.",
                "- Pairwise metrics (prediction distance: the RMS difference of two replicas' test predictions; "
-               "Pearson/Spearman of their flattened predictions; 2-model ensemble gain in MSE: the MSE of the "
-               f"pair's averaged predictions minus the members' mean, negative when averaging helps; linear CKA of "
+               "Pearson/Spearman of their flattened predictions; 2-model ensemble gain in MSE: the members' mean "
+               f"MSE minus the MSE of the pair's averaged predictions, positive when averaging helps; linear CKA of "
                f"{features} on the test set; weight distance ||θa−θb||/||θa||): mean over the R(R−1)/2 pairs; 95% "
                "CI: " + METHODS["pairwise"] + "; n/a below R=3.",
                "- Not computed for a regression: accuracy, disagreement, cross-entropy, the independent-errors "
@@ -284,7 +327,8 @@ def write_report(run: str | Path, command: str | None = None) -> dict:
     md += ["", "## Definitions", "",
            "- std: sample standard deviation over replicas (ddof=1); 95% CI: " + METHODS["std"] + "; mean: "
            + METHODS["mean"] + ". The std's interval is n/a below R=3, the mean's below R=2.",
-           "- Pairwise metrics (disagreement, Pearson/Spearman of flattened logits, 2-model ensemble gain, linear CKA "
+           "- Pairwise metrics (disagreement, Pearson/Spearman of flattened logits, 2-model ensemble gain (positive "
+           "when the pair's averaged logits beat its members' mean), linear CKA "
            f"of {features} on the test set, weight distance ||θa−θb||/||θa||): mean over the R(R−1)/2 pairs; 95% CI: "
            + METHODS["pairwise"] + "; n/a below R=3.",
            f"- LMC barrier: max over α of test error at θb+α(θa−θb), {bn}, minus the mean endpoint error; on "

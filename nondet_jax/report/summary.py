@@ -183,16 +183,6 @@ def arm_rows(summary: dict) -> list[dict]:
     return rows
 
 
-def replica_rows(rows: list[dict]) -> list[dict]:
-    """The stored per-replica rows (fractions, as in ``arms/<arm>.json``) in the tables' units: the
-    ``replicas.csv`` table and ``StudyResult.rows``."""
-    units = {"test_accuracy": "_pct", "train_accuracy": "_pct", "test_loss": "_nats", "train_loss": "_nats"}
-    if rows and "test_mse" in rows[0]:  # a regression: the loss is the user's (or MSE), in the targets' units
-        units = {}
-    return [{k + units.get(k, ""): (_x100(v) if units.get(k) == "_pct" else v) for k, v in row.items()}
-            for row in rows]
-
-
 def _write_csv(path: Path, rows: list[dict], root: Path | None = None) -> None:
 
     buf = io.StringIO()

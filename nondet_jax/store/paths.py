@@ -17,6 +17,8 @@ from nondet_jax.errors import UsageError
 
 # The per-replica scores a run folder holds for `compare`, and whether higher is better for each.
 RUN_METRICS = {"test_accuracy": True, "test_loss": False, "train_loss": False, "train_accuracy": True}
+# The long tables the report writes as <kind>.csv (nondet_jax.report.frames; instruments.csv is the study's).
+TABLES = ("replicas", "curves", "best", "decomposition", "pairs")
 ARM_FILES = ("arms/{}.json", "logits/{}.npy", "features/{}.npy", "history/{}.npz", "weights/{}.npz", "pairs/{}.npz")
 
 
@@ -87,12 +89,16 @@ class RunPaths:
         self.model = self.root / "model.json"  # what was imported and its parameter-shape fingerprint
         self.test_labels = self.root / "test_labels.npy"
         self.command = self.root / "command.txt"
-        self.replicas_csv = self.root / "replicas.csv"
         self.summary = self.root / "summary.json"
         self.arms_csv = self.root / "arms.csv"
         self.report = self.root / "report.md"
         self.figures = self.root / "figures"
         self.instruments_csv = self.root / "instruments.csv"  # every arm's instruments: arm,replica,step,quantity,value
+
+    def table(self, kind: str) -> Path:
+        """The CSV of a long table (``curves``, ``best``, ``pairs``, ...; :mod:`nondet_jax.report.frames`):
+        ``<kind>.csv`` at the folder's top level."""
+        return self.root / f"{kind}.csv"
 
     @staticmethod
     def rel(kind: str, arm: str, ext: str | None = None) -> str:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import csv
 import errno
 import fcntl
 import hashlib
-import io
 import json
 import os
 import stat
@@ -28,7 +26,7 @@ from nondet_jax.store.io import (
     npy_bytes,
     npz_bytes,
 )
-from nondet_jax.store.paths import ARM_EXT, TEST_LABELS, RunPaths, arm_name, record_files
+from nondet_jax.store.paths import ARM_EXT, TABLES, TEST_LABELS, RunPaths, arm_name, record_files
 
 LOCK = ".lock"
 
@@ -206,8 +204,9 @@ def check_layout(root: Path, arms: list[str]) -> None:
         if (folder.exists() or folder.is_symlink()) and not folder.is_dir():
             raise UsageError(f"{folder} is a file, where nondet_jax keeps a folder; move it away and rerun the same "
                              "command")
-    files = [paths.config, paths.environment, paths.model, paths.test_labels, paths.command, paths.replicas_csv,
-             paths.summary, paths.arms_csv, paths.report, paths.instruments_csv]
+    files = [paths.config, paths.environment, paths.model, paths.test_labels, paths.command, paths.summary,
+             paths.arms_csv, paths.report, paths.instruments_csv,
+             *(paths.table(kind) for kind in TABLES)]
     for arm in arms:
         files += [root / rel for rel in sorted(record_files(arm) - {TEST_LABELS})]
         files.append(root / RunPaths.rel("environments", arm, ".processes.json"))
@@ -361,13 +360,3 @@ class RunStore:
 
     def write_json(self, name: str, obj: Any) -> None:
         atomic_write_json(self.root / name, obj, root=self.root)
-
-    def write_rows(self, rows: list[dict]) -> None:
-        """Write ``replicas.csv`` (one row per arm and replica) atomically."""
-        if not rows:
-            return
-        buf = io.StringIO()
-        w = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
-        w.writeheader()
-        w.writerows(rows)
-        atomic_write_bytes(self.paths.replicas_csv, buf.getvalue().encode(), root=self.root)

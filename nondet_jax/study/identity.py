@@ -148,7 +148,9 @@ def part_identities(config, data, fns) -> dict[str, dict]:
     return {
         "data": {"name": data.name, **data_identity(data)},
         "model": {"name": config.model.name if not user_model or ":" in config.model.name else label_of(p.model),
-                  "sha256": h.hexdigest(), "parameters": n_params},
+                  "sha256": h.hexdigest(), "parameters": n_params,
+                  "shapes": {jax.tree_util.keystr(k, simple=True, separator="/"): list(a.shape)
+                             for k, a in jax.tree_util.tree_leaves_with_path(params)}},
         "optimizer": {"name": config.optim.name if p.optimizer is None or cfg.imported(config.optim.name)
                       else label_of(type(p.optimizer)) + " (user's)",
                       "sha256": opt.hexdigest(), "transforms": describe_optimizer(fns.tx, total)},
@@ -198,10 +200,29 @@ def _readable_diff(part: str, a: dict, b: dict) -> str:
     if a.get("name") != b.get("name"):
         return f"was {a.get('name')}, now {b.get('name')}"
     if part == "data":
-        return f"{b.get('name')} holds other arrays: sha256 {str(a.get('sha256'))[:8]} -> {str(b.get('sha256'))[:8]}"
+        return (f"{b.get('name')} holds other arrays: sha256 {str(a.get('sha256'))[:8]} -> {str(b.get('sha256'))[:8]}"
+                + _data_detail(a, b))
+    if part == "model" and isinstance(a.get("shapes"), dict) and a.get("shapes") == b.get("shapes"):
+        return (f"the same name, another computation with the same {b.get('parameters')} parameters in the same "
+                f"shapes: fingerprint {str(a.get('sha256'))[:8]} -> {str(b.get('sha256'))[:8]}")
     if part == "optimizer" and a.get("transforms") != b.get("transforms"):
         return _transforms_diff(a.get("transforms") or [], b.get("transforms") or [])
     return ""
+
+
+def _data_detail(a: dict, b: dict) -> str:
+    """What changed in the data, in words: an array's shape or dtype, or which split holds other values."""
+    sa, sb = a.get("shapes") or {}, b.get("shapes") or {}
+    changed = [f"{k} {tuple(sa[k][0])} {sa[k][1]} -> {tuple(sb[k][0])} {sb[k][1]}" for k in sb if k in sa and sa[k] != sb[k]]
+    if changed:
+        return "; " + ", ".join(changed)
+    if not sa or not sb:
+        return ""
+    if a.get("classes") != b.get("classes"):
+        return f"; {a.get('classes')} -> {b.get('classes')} classes"
+    test_same = a.get("test_sha256") == b.get("test_sha256")
+    return f"; same shapes, other values in the {'training' if test_same else 'test'} arrays" + (
+        "" if test_same else " (the training arrays may differ too)")
 
 
 def _num(v) -> str:

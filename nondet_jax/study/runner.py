@@ -19,7 +19,7 @@ from nondet_jax.machine.determinism import (
 from nondet_jax.models.parts import Parts
 from nondet_jax.replicas.choice import make_strategy, resolve_strategy
 from nondet_jax.report.markdown import write_report
-from nondet_jax.report.summary import format_table, replica_rows
+from nondet_jax.report.summary import format_table
 from nondet_jax.sources import Arm, arm_keys, perturbations
 from nondet_jax.store.io import atomic_write_bytes, check_no_links, check_path_name, guarded, npy_bytes
 from nondet_jax.store.paths import RunPaths
@@ -89,8 +89,7 @@ def batch_norm_note(config: Config, data, fns) -> str | None:
 
 
 def finish_study(store, log) -> dict:
-    """After the arms: ``replicas.csv`` over every finished arm of the folder, then the report."""
-    store.write_rows(replica_rows([row for a in store.arms if store.arm_done(a) for row in store.load_arm(a)["rows"]]))
+    """After the arms: the report (``replicas.csv`` and the other tables over every finished arm with it)."""
     summary = write_report(store.root)
     log(format_table(summary))
     log(f"report: {store.paths.report}")
