@@ -854,3 +854,103 @@ def compare_means(a, b, level: float = LEVEL, higher_is_better: bool = True, det
             "replicas_for_80pct_power": replicas_for_difference(w["difference"], pooled), "level": level,
             "higher_is_better": higher_is_better, "detect": detect,
             "replicas_for_detect": None if detect is None else replicas_for_difference(abs(detect), pooled)}
+
+
+def pitman_morgan(a, b, level: float = LEVEL) -> dict:
+    """Paired comparison of two spreads: ``std(a)/std(b)`` when ``a[i]`` and ``b[i]`` share a seed (replica i of
+    two arms of one study share the keys of every source neither varies, so their scores are correlated).
+
+    Pitman (1939) and Morgan (1939): σa = σb exactly when the sums ``a + b`` and the differences ``a − b`` are
+    uncorrelated, so the two-sided p is scipy's ``pearsonr(a + b, a − b).pvalue`` (t with n − 2 degrees of
+    freedom). The interval of the ratio λ inverts the same test (the correlation of ``a + λ·b`` and
+    ``a − λ·b``) at every λ: with ``F = sa²/sb²``, ``r`` the correlation of a and b and
+    ``K = t²(n−2; (1+level)/2)/(n−2)``, λ² lies in ``F·[1 + 2K(1−r²) ± 2√(K(1−r²)(1 + K(1−r²)))]``.
+    Exact for bivariate normal pairs; independent arms (r = 0) give an interval close to the F
+    interval, correlated ones a narrower one. Last axis: pairs; (nan, nan) below 3 pairs or when b is tied.
+    """
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    n = a.shape[-1]
+    if n < 3:
+        nan = _out(np.full(a.shape[:-1], np.nan))
+        return {"ratio": nan, "ci": [nan, nan], "p": nan, "correlation": nan}
+    da, db = a - a.mean(-1, keepdims=True), b - b.mean(-1, keepdims=True)
+    va, vb, cab = (da * da).sum(-1), (db * db).sum(-1), (da * db).sum(-1)
+    k = sps.t.ppf(0.5 + level / 2, n - 2) ** 2 / (n - 2)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        r2 = np.where((va > 0) & (vb > 0), cab * cab / (va * vb), 0.0)
+        f = np.where(vb > 0, va / np.where(vb > 0, vb, 1.0), np.nan)
+        g = k * (1 - r2)
+        root = 2 * np.sqrt(g * (1 + g))
+        lo, hi = np.sqrt(f * (1 + 2 * g - root)), np.sqrt(f * (1 + 2 * g + root))
+        # the sums' and differences' correlation, as scipy's pearsonr has it (var(a) − var(b) over their product)
+        num, den = va - vb, np.sqrt(np.maximum((va + vb) ** 2 - 4 * cab * cab, 0.0))
+        rho = np.where(den > 0, num / np.where(den > 0, den, 1.0), 0.0)
+        rho = np.clip(rho, -1.0, 1.0)
+        t = rho * np.sqrt((n - 2) / np.maximum(1 - rho * rho, 1e-300))
+        p = np.where(den > 0, 2 * sps.t.sf(np.abs(t), n - 2), np.where(va == vb, 1.0, 0.0))
+        corr = np.where((va > 0) & (vb > 0), cab / np.sqrt(va * vb), np.nan)
+    return {"ratio": _out(np.sqrt(f)), "ci": [_out(lo), _out(hi)], "p": _out(p), "correlation": _out(corr)}
+
+
+# A replica this many robust stds (1.4826·MAD) from its arm's median is named as failed (stats.failed_replicas).
+# Chosen by simulation (benchmarks/coverage.py, false alarms): at 6 no arm of 5-16 normal, skewed,
+# heavy-tailed (t, 5 df), near-ceiling or count-valued replicas is flagged in more than ~1% of studies,
+# and a run that failed to train (40% against 92% accuracy) is always flagged.
+FAILED_THRESHOLD = 6.0
+FAILED_MIN_REPLICAS = 5
+
+
+def failed_replicas(x, threshold: float = FAILED_THRESHOLD, resolution: float | None = None) -> list | np.ndarray:
+    """Replicas far outside the rest of their arm: ``|x_i − median| > threshold · 1.4826·MAD`` (the
+    median absolute deviation scaled to a normal's std; at least one step ``resolution`` of a count, so
+    counts whose replicas mostly tie flag only a replica ``threshold`` images away). A robust rule: one
+    failed run moves neither the median nor the MAD. Never more than a minority of replicas, never below
+    :data:`FAILED_MIN_REPLICAS` replicas (nothing to call "the rest"). Returns the indices (a 1-d ``x``) or
+    a boolean mask (last axis: replicas) of the replicas named."""
+    x = np.asarray(x, np.float64)
+    n = x.shape[-1]
+    if n < FAILED_MIN_REPLICAS:
+        mask = np.zeros(x.shape, bool)
+    else:
+        med = np.median(x, -1, keepdims=True)
+        scale = 1.4826 * np.median(np.abs(x - med), -1, keepdims=True)
+        if resolution:
+            scale = np.maximum(scale, resolution)
+        mask = (scale > 0) & (np.abs(x - med) > threshold * scale)
+        mask &= (mask.sum(-1, keepdims=True) < n / 2)
+    return [int(i) for i in np.flatnonzero(mask)] if x.ndim == 1 else mask
+
+
+# The paired ratio interval's share of 1 − level in its tails (1.0: z at 97.5%, Bonett as published), chosen by
+# benchmarks/coverage.py --power: the most powerful that keeps 93% in every realistic shared-seed scenario.
+PAIRED_TAIL = 1.0
+
+
+def paired_ratio_ci(a, b, level: float = LEVEL) -> tuple:
+    """Robust interval of std(a)/std(b) for arms that share seeds (pair i: replica i of each; last axis:
+    pairs): Bonett's log-variance interval (:func:`std_ratio_ci`) with the pairs' covariance of squared
+    deviations taken off its variance, so correlated arms get the narrower interval their pairing earns.
+
+    ``ln(σa²/σb²)`` lies in ``ln(sa²/sb²) ± z·se``, ``se² = [2(γ̂ − (n−3)/n) − 2(γ̂ab − 1)]/(n−1)``, ``γ̂``
+    the kurtosis pooled over both arms about their trimmed means (never below a normal's 3), ``γ̂ab =
+    n·Σ da²db² / (Σda²·Σdb²)`` the co-kurtosis of the pairs (1 + 2ρ² for normal pairs), z at
+    :data:`PAIRED_TAIL`; se never below the normal-theory ``√(4(1 − r²)/(n − 1))`` at the pairs'
+    correlation r. (nan, nan) below 5 pairs or when b is tied."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    n = a.shape[-1]
+    if n < MIN_REPLICAS["ratio"]:
+        return _nan2(a.shape[:-1])
+    va, vb = np.asarray(std(a)) ** 2, np.asarray(std(b)) ** 2
+    z = float(sps.norm.ppf(1 - PAIRED_TAIL * (1 - level) / 2))
+    ta, tb = a - _trimmed_mean(a)[..., None], b - _trimmed_mean(b)[..., None]
+    sa, sb = _squares(a), _squares(b)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        kurt = 2 * n * ((ta ** 4).sum(-1) + (tb ** 4).sum(-1)) / (sa + sb) ** 2
+        kurt = np.maximum(np.nan_to_num(kurt, nan=0.0), NORMAL_KURTOSIS)
+        da, db = a - a.mean(-1, keepdims=True), b - b.mean(-1, keepdims=True)
+        co = np.nan_to_num(n * (da * da * db * db).sum(-1) / (sa * sb), nan=1.0)
+        r2 = np.nan_to_num((da * db).sum(-1) ** 2 / (sa * sb), nan=0.0)
+        se = np.sqrt(np.maximum((2 * (kurt - (n - 3) / n) - 2 * (co - 1)) / (n - 1), 4 * (1 - r2) / (n - 1)))
+        f = np.where(vb > 0, va / np.where(vb > 0, vb, 1.0), np.nan)
+        lo, hi = np.sqrt(f * np.exp(-z * se)), np.sqrt(f * np.exp(z * se))
+    return _out(lo), _out(hi)
