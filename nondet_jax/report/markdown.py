@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from nondet_jax.analysis.mitigations import mitigation_table
+from nondet_jax.analysis.stats import FAILED_THRESHOLD as S_FAILED
 from nondet_jax.analysis.stats import METHODS, TESTS, format_ci, na_reason, replicas_for_std_factor
 from nondet_jax.analysis.task import QUANTITIES, task_of
 from nondet_jax.errors import UsageError
@@ -95,7 +96,9 @@ def _findings(summary: dict) -> list[str]:
             continue
         q = QUANTITIES[task_of(summary)][0]
         a = c[q.name]
-        lo, hi = (np.nan if v is None else v for v in a["ratio_ci"])
+        # the findings read the interval at level 1 − 0.05/m over the m arms (family-wise error ≤ 5%), paired
+        # where the two arms share seeds; older summaries have only the 95% one
+        lo, hi = (np.nan if v is None else v for v in a.get("family_ci", a["ratio_ci"]))
         if a["ratio"] is None or not np.isfinite(a["ratio"]):
             continue
         where = ("" if not np.isfinite(lo) else
@@ -104,9 +107,22 @@ def _findings(summary: dict) -> list[str]:
                  "lies above 1: more spread than all sources together")
         used = min(summary["arms"][x].get("replicas_used", summary["arms"][x]["replicas"]) for x in (arm, "all"))
         ci = f"[{lo:.2f}, {hi:.2f}]" if np.isfinite(lo) else f"is {na_reason('ratio', used) or 'n/a'}"
-        out.append(f"- `{arm}`: {q.label} std is {a['ratio']:.2f}× the `all` arm's; the 95% CI "
+        kind = (f"{100 * a['family_level']:.1f}% {'paired (the arms share seeds: ' + str(a.get('pairs')) + ' pairs)' if a.get('paired') else 'independent-arms'} "
+                f"interval (Bonferroni over {len(vs)} arms)" if "family_ci" in a else "95% CI")
+        out.append(f"- `{arm}`: {q.label} std is {a['ratio']:.2f}× the `all` arm's; the {kind} "
                    f"{ci} {where} (permutation spread test p = {fmt_p(a.get('spread_p'))}, Holm-adjusted over "
-                   f"{len(vs)} arms {fmt_p(a.get('spread_p_holm'))}).")
+                   f"{len(vs)} arms {fmt_p(a.get('spread_p_holm'))}"
+                   + (f"; Pitman-Morgan paired p = {fmt_p(a.get('paired_p'))}" if a.get("paired") else "") + ").")
+        failed = a.get("failed_replicas")
+        if failed:
+            w = a["without_failed"]
+            named = "; ".join(f"`{arm if side == 'arm' else 'all'}` replica{'s' if len(ix) > 1 else ''} "
+                              + ", ".join(map(str, ix)) for side, ix in failed.items() if ix)
+            out.append(f"  - **Failed replicas named** ({q.label} more than {S_FAILED:g} robust stds from their arm's "
+                       f"median): {named}. Without them the std ratio is "
+                       f"{'n/a' if w['ratio'] is None else format(w['ratio'], '.2f')}, 95% CI"
+                       f"{format_ci(w['ratio_ci'], 2)} (paired{format_ci(w['paired_ratio_ci'], 2)}); the numbers above "
+                       "include them.")
     for arm in ("control", "hardware"):
         rec = summary["arms"].get(arm)
         if rec:
