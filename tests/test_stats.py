@@ -148,7 +148,8 @@ def test_compare_spread_fields():
     assert set(out) == {"ratio", "ratio_ci", "ratio_ci_normal", "spread_p", "f_test_p", "brown_forsythe_p",
                         "replicas_for_ratio"}
     assert out["ratio_ci"][0] < out["ratio"] < out["ratio_ci"][1]
-    assert out["replicas_for_ratio"] == {"0.5": stats.replicas_for_power(0.5), "0.75": stats.replicas_for_power(0.75)}
+    assert out["replicas_for_ratio"] == {"0.5": stats.replicas_for_ratio_interval(0.5),
+                                         "0.75": stats.replicas_for_ratio_interval(0.75)}
 
 
 def test_pairwise_mean_ci_is_the_replica_jackknife():

@@ -51,7 +51,8 @@ def _comparison_md(summary: dict) -> list[str]:
     if needed:
         lines.append("Design (not a power computed from the observed ratio): to detect a true std ratio of "
                      + ", ".join(f"{k} ({n} replicas per arm)" for k, n in needed.items())
-                     + " with 80% power (F-test, normal data); a std interval spanning at most a factor 2 needs "
+                     + " with 80% power (the printed 95% ratio interval excludes 1 in 80% of simulated studies of normal data; the "
+                     "F-test alone would need fewer, but it is not what is printed); a std interval spanning at most a factor 2 needs "
                      f"{replicas_for_std_factor(2.0)} replicas (normal data). Other ratios: "
                      "rerun the sweep with `--set metrics.power_ratios=0.5,0.75` (finished arms are reused, only the report "
                      "is rebuilt).")
