@@ -163,13 +163,12 @@ def power_tables(trials: int, replicas: list, test_trials: int) -> dict:
 
 def power_markdown(stored: dict) -> str:
     """docs/statistics.md's power tables, from the stored power JSON (``--power --markdown``)."""
-    names = {**power.RATIO_METHODS, **power.PAIRED_METHODS}
-    lines = ["| std ratio 2, independent arms | R | " + " | ".join(names[m] for m in power.RATIO_METHODS) + " |",
+    lines = ["| std ratio 2, independent arms | R | " + " | ".join(power.RATIO_METHODS.values()) + " |",
              "|---|---|" + "---|" * len(power.RATIO_METHODS)]
     for row in stored["ratio"]:
         lines.append(f"| {row['scenario']}{'' if row['realistic'] else ' (stress)'} | {row['replicas']} | " + " | ".join(
             f"{100 * row[m]['coverage']:.1f}% / {100 * row[m]['power']:.1f}%" for m in power.RATIO_METHODS) + " |")
-    lines += ["", "| std ratio 0.5, arms sharing seeds | R | " + " | ".join(names[m] for m in power.PAIRED_METHODS) + " |",
+    lines += ["", "| std ratio 0.5, arms sharing seeds | R | " + " | ".join(power.PAIRED_METHODS.values()) + " |",
               "|---|---|" + "---|" * len(power.PAIRED_METHODS)]
     for row in stored["paired_ratio"]:
         lines.append(f"| {row['scenario']} | {row['replicas']} | " + " | ".join(
@@ -185,6 +184,21 @@ def power_markdown(stored: dict) -> str:
                 f"{100 * c[k]:.1f}%" for k in ("coverage", "power") if k in c) + (
                 f", width {360 * c['width']:.2f} images" if "width" in c else ""))
         lines.append(f"| paired compare | {row['replicas']} | {row['truth_images']:.2f} | " + " | ".join(cells) + " |")
+    lines += ["", "| permutation spread test (the p printed), true ratio 2 | R | power |", "|---|---|---|"]
+    lines += [f"| {row['scenario']} | {row['replicas']} | {100 * row['power']:.1f}% |" for row in stored["spread_test"]]
+    ts = list(stored["failed_rule"][0]["rate"])
+    lines += ["", "| failed-replica rule: arms with a replica named | R | " + " | ".join(f"{float(t):g} robust stds" for t in ts)
+              + " |", "|---|---|" + "---|" * len(ts)]
+    for row in stored["failed_rule"]:
+        what = " (a failed run not named)" if row["scenario"].startswith("1 in 8") else ""
+        lines.append(f"| {row['scenario']}{what} | {row['replicas']} | "
+                     + " | ".join(f"{100 * v:.1f}%" for v in row["rate"].values()) + " |")
+    lines += ["", "| findings over 6 arms: a difference found that is not there | R | 95% each | 1 − 0.05/6 each | "
+              "paired, 1 − 0.05/6 each |", "|---|---|---|---|---|"]
+    for row in stored["family"]:
+        paired = row.get("paired_bonferroni")
+        lines.append(f"| {row['scenario']} | {row['replicas']} | {100 * row['unadjusted']:.1f}% | "
+                     f"{100 * row['bonferroni']:.1f}% | {'—' if paired is None else f'{100 * paired:.1f}%'} |")
     return "\n".join(lines)
 
 

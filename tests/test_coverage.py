@@ -111,3 +111,21 @@ def test_power_beside_coverage_quick_run_writes_every_table(tmp_path):
     failing = next(r for r in stored["failed_rule"] if r["scenario"].startswith("1 in 8"))
     assert failing["rate"][str(stats.FAILED_THRESHOLD)] < 0.02  # a failed run is named
     assert "| std ratio 2, independent arms |" in bench.power_markdown(stored)
+
+
+def test_the_docs_power_tables_are_the_stored_simulation():
+    """docs/statistics.md's power tables are ``python benchmarks/coverage.py --power --markdown`` of the committed
+    JSON, and the methods chosen from them are the ones the docs name."""
+    import importlib.util
+    import json
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("coverage_benchmark", root / "benchmarks" / "coverage.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    stored = json.loads((root / "benchmarks" / "results" / "power.json").read_text())
+    assert bench.power_markdown(stored) in (root / "docs" / "statistics.md").read_text()
+    realistic = [r for r in stored["paired_ratio"] if r["realistic"]]
+    assert min(r["paired_bonett_98"]["coverage"] for r in realistic) >= 0.93  # stats.PAIRED_TAIL = 0.8 keeps 93%
+    assert stats.PAIRED_TAIL == 0.8 and min(r["paired_bonett_97.5"]["coverage"] for r in realistic) < 0.93
+    assert all(r["bonferroni"] <= 0.05 for r in stored["family"])

@@ -957,7 +957,7 @@ def failed_replicas(x, threshold: float = FAILED_THRESHOLD, resolution: float | 
 # studies per cell, R=8 and 16): z at 98% (0.8) covers 93.3-99.2% and detects a true ratio of 0.5 in 21.8% / 65.7% of
 # normal studies at R=8 / 16 (the independent arms' interval: 12.8% / 46.6%); z at 97.5% covered 92.3% of
 # accuracies on 360 images from a shared latent at R=8. Pitman-Morgan's normal-theory interval (46.7% / 83.7%)
-# covered 76-87% of skewed, bad-seed and 360-image arms.
+# covered 75-87% of skewed, bad-seed and 360-image arms.
 PAIRED_TAIL = 0.8
 
 
