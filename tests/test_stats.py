@@ -408,3 +408,20 @@ def test_compare_arms_pairs_replicas_sharing_seeds_and_names_failed_runs():
     assert d["failed_replicas"] == {"arm": [5], "reference": []}
     keep = np.delete(acc["data_order"], 5)
     assert d["without_failed"]["ratio"] == pytest.approx(keep.std(ddof=1) / acc["all"].std(ddof=1))
+
+
+def test_findings_name_the_failed_replica_and_read_the_paired_family_interval():
+    from nondet_jax.analysis.arm import compare_arms
+    from nondet_jax.report.markdown import _findings
+    rng = np.random.default_rng(10)
+    u = rng.normal(0.9, 0.01, 8)
+    acc = {"all": u + rng.normal(0, 0.01, 8), "init": u + rng.normal(0, 0.002, 8)}
+    acc["init"][6] = 0.35
+    records = {arm: {"rows": [{"replica": r, "test_accuracy": float(v[r]), "test_loss": 1.0} for r in range(8)]}
+               for arm, v in acc.items()}
+    summary = {"vs_all": compare_arms(records), "arms": {a: {"replicas": 8} for a in acc}, "backend": "cpu"}
+    text = "\n".join(_findings(summary))
+    assert "95.0% paired (the arms share seeds: 8 pairs) interval (Bonferroni over 1 arms; z at 98.00%, widened)" in text
+    assert "**Failed replicas named**" in text and "`init` replica 6" in text
+    keep = np.delete(acc["init"], 6)
+    assert f"Without them the std ratio is {keep.std(ddof=1) / acc['all'].std(ddof=1):.2f}" in text

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
+from nondet_jax.analysis import stats as S
 from nondet_jax.analysis.mitigations import mitigation_table
-from nondet_jax.analysis.stats import FAILED_THRESHOLD as S_FAILED
 from nondet_jax.analysis.stats import METHODS, TESTS, format_ci, na_reason, replicas_for_std_factor
 from nondet_jax.analysis.task import QUANTITIES, task_of
 from nondet_jax.errors import UsageError
@@ -108,8 +108,13 @@ def _findings(summary: dict) -> list[str]:
                  "lies above 1: more spread than all sources together")
         used = min(summary["arms"][x].get("replicas_used", summary["arms"][x]["replicas"]) for x in (arm, "all"))
         ci = f"[{lo:.2f}, {hi:.2f}]" if np.isfinite(lo) else f"is {na_reason('ratio', used) or 'n/a'}"
-        kind = (f"{100 * a['family_level']:.1f}% {'paired (the arms share seeds: ' + str(a.get('pairs')) + ' pairs)' if a.get('paired') else 'independent-arms'} "
-                f"interval (Bonferroni over {len(vs)} arms)" if "family_ci" in a else "95% CI")
+        kind = "95% CI"
+        if "family_ci" in a:  # its z, widened as the method's (stats.PAIRED_TAIL / SPREAD_TAIL), named with it
+            tail = S.PAIRED_TAIL if a.get("paired") else S.SPREAD_TAIL
+            z_at = 100 * (1 - tail * (1 - a["family_level"]) / 2)
+            kind = (f"{100 * a['family_level']:.1f}% " + (f"paired (the arms share seeds: {a.get('pairs')} pairs)"
+                                                         if a.get("paired") else "independent-arms")
+                    + f" interval (Bonferroni over {len(vs)} arms; z at {z_at:.2f}%, widened)")
         out.append(f"- `{arm}`: {q.label} std is {a['ratio']:.2f}× the `all` arm's; the {kind} "
                    f"{ci} {where} (permutation spread test p = {fmt_p(a.get('spread_p'))}, Holm-adjusted over "
                    f"{len(vs)} arms {fmt_p(a.get('spread_p_holm'))}"
@@ -119,7 +124,7 @@ def _findings(summary: dict) -> list[str]:
             w = a["without_failed"]
             named = "; ".join(f"`{arm if side == 'arm' else 'all'}` replica{'s' if len(ix) > 1 else ''} "
                               + ", ".join(map(str, ix)) for side, ix in failed.items() if ix)
-            out.append(f"  - **Failed replicas named** ({q.label} more than {S_FAILED:g} robust stds from their arm's "
+            out.append(f"  - **Failed replicas named** ({q.label} more than {S.FAILED_THRESHOLD:g} robust stds from their arm's "
                        f"median): {named}. Without them the std ratio is "
                        f"{'n/a' if w['ratio'] is None else format(w['ratio'], '.2f')}, 95% CI"
                        f"{format_ci(w['ratio_ci'], 2)} (paired{format_ci(w['paired_ratio_ci'], 2)}); the numbers above "
