@@ -121,6 +121,13 @@ def power_tables(trials: int, replicas: list, test_trials: int) -> dict:
                 v = power.spread_test_power(sc, r, test_trials, seed=r)
                 out["spread_test"].append({"scenario": sc, "replicas": r, "power": v})
                 print(f"permutation spread test, ratio 2, {sc}, R={r}: power {pct(v)} ({test_trials} studies)")
+    print("\none arm's std (and mean) interval as R grows, on the scenarios above")
+    rows = []
+    for sc in power.RATIO_SCENARIOS:
+        cov = {str(r): power.std_cell(sc, r, trials, seed=r) for r in sorted({*replicas, 32})}
+        rows.append({"scenario": sc, "realistic": power.RATIO_SCENARIOS[sc].realistic, "coverage": cov})
+        print(f"{sc:<34}" + "".join(f"  R={r}: std {pct(c['std'])} mean {pct(c['mean'])}" for r, c in cov.items()))
+    out["std_by_r"] = rows
     print("\nstd ratio of arms sharing seeds (a = u, b = u + w), true ratio 0.5: coverage / power; ratio 1: coverage / "
           "false alarms")
     rows = []
@@ -184,6 +191,11 @@ def power_markdown(stored: dict) -> str:
                 f"{100 * c[k]:.1f}%" for k in ("coverage", "power") if k in c) + (
                 f", width {360 * c['width']:.2f} images" if "width" in c else ""))
         lines.append(f"| paired compare | {row['replicas']} | {row['truth_images']:.2f} | " + " | ".join(cells) + " |")
+    rs = list(stored["std_by_r"][0]["coverage"])
+    lines += ["", "| one arm's std / mean interval | " + " | ".join(f"R={r}" for r in rs) + " |", "|---|" + "---|" * len(rs)]
+    for row in stored["std_by_r"]:
+        lines.append(f"| {row['scenario']}{'' if row['realistic'] else ' (stress)'} | " + " | ".join(
+            f"{100 * c['std']:.1f}% / {100 * c['mean']:.1f}%" for c in row["coverage"].values()) + " |")
     lines += ["", "| permutation spread test (the p printed), true ratio 2 | R | power |", "|---|---|---|"]
     lines += [f"| {row['scenario']} | {row['replicas']} | {100 * row['power']:.1f}% |" for row in stored["spread_test"]]
     ts = list(stored["failed_rule"][0]["rate"])

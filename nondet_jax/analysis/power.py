@@ -95,6 +95,8 @@ RATIO_SCENARIOS = {
                                         lambda rng, sh: rng.binomial(360, 0.95, sh) / 360, 0.95, 1 / 360),
     "near ceiling 99.4%": RatioScenario("accuracy ~99.4% on 10,000 images, gamma error rates", _ceiling, 0.994,
                                         1 / 10_000),
+    "near ceiling, harsh": RatioScenario("accuracy ~99.4% on 10,000 images, exponential error rates (skewness 2)",
+                                         lambda rng, sh: _ceiling(rng, sh, k=1.0), 0.994, 1 / 10_000, realistic=False),
     "1 in 8 failed, named and left out": RatioScenario("92% ± 0.5%, 1 run in 8 at 40%", _failing, 0.92, failed=True),
 }
 
@@ -155,6 +157,23 @@ def ratio_cell(scenario: str, replicas: int, trials: int = 2000, seed: int = 0, 
                 out[m][cov_key] += float(_cover(lo, hi, k).sum()) / trials
                 out[m][dec_key] += float(_decides(lo, hi).sum()) / trials
     return out
+
+
+def std_cell(scenario: str, replicas: int, trials: int = 2000, seed: int = 0) -> dict:
+    """Coverage of one arm's std interval (:func:`nondet_jax.analysis.stats.std_ci`) and mean interval on
+    ``scenario`` (named failed replicas left out first, for the failing scenario): how the std's coverage moves
+    as R grows."""
+    sc = RATIO_SCENARIOS[scenario]
+    x = sc.draw(np.random.default_rng(seed), (trials, replicas))
+    big = sc.draw(np.random.default_rng(99), (400_000,))
+    big = big[big >= 0.7] if sc.failed else big
+    hits = {"std": 0, "mean": 0}
+    for _, xk in (_drop_failed(x, sc.resolution) if sc.failed else [(None, x)]):
+        lo, hi = S.std_ci(xk, resolution=sc.resolution)
+        hits["std"] += int(_cover(lo, hi, big.std()).sum())
+        lo, hi = S.mean_ci(xk, resolution=sc.resolution)
+        hits["mean"] += int(_cover(lo, hi, big.mean()).sum())
+    return {k: v / trials for k, v in hits.items()}
 
 
 def spread_test_power(scenario: str, replicas: int, trials: int = 200, seed: int = 0, effect: float = 2.0) -> float:

@@ -40,7 +40,7 @@ METHODS = {
             "than 40 steps from their median: joined with Garwood's Poisson interval of those steps",
     "std": ("Bonett (2006) robust interval: exp(ln(c·s²) ± z·se)^½, se from the trimmed-mean kurtosis (never below a "
             "normal's), z at 98.75%, i.e. Bonett's 97.5% interval (widened from 95%: the 95% holds under skew and bad seeds "
-            "to R=16, by simulation); a tied "
+            "to R=16, by simulation; tails heavier than t with 5 df fall below 93% from R=16); a tied "
             "arm of counts: [0, the largest std that ties R replicas with probability 2.5%]"),
     "pairwise": ("replica jackknife (leave one replica and all its pairs out) of the mean over pairs, ± t(R−1; 98.25%)·se "
                  "(a 96.5% interval: widened as the mean's), on "
