@@ -54,7 +54,8 @@ METHODS = {
                                    "with the Hanley–McNeil variance (method 5)"),
     "decomposition": ("sum of the one-source arms' variance shares Σ σ²_s/σ²_all: Bonett's log-variance interval "
                       "extended to a sum (delta method, kurtosis pooled over the arms, z widened as the std's); each "
-                      "share alone: the std ratio's interval, squared"),
+                      "share alone: the std ratio's interval, squared, and beside it the paired ratio interval's (the arm shares "
+                      "its seeds with all), squared"),
     "paired_difference": ("paired t interval of mean(B_i − A_i) over runs sharing seeds, 95%, not widened: scipy's "
                           "ttest_rel(b, a).confidence_interval() (tied differences of counts: ± the largest mean shift "
                           "that ties them all)"),

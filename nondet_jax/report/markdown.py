@@ -154,6 +154,12 @@ def _mitigations_md(summary: dict) -> list[str]:
             mitigation_table(summary["mitigations"]), ""]
 
 
+def _paired_level() -> str:
+    """The paired ratio interval's level as scipy would state it, with its widened z (stats.PAIRED_TAIL)."""
+    q = 1 - S.PAIRED_TAIL * (1 - S.LEVEL) / 2
+    return f"{100 * (2 * q - 1):.0f}%: z at {100 * q:.0f}%, widened from 95%"
+
+
 def _decomposition_md(summary: dict) -> list[str]:
     """Each one-source arm's share of the all arm's variance, their sum and the non-additivity."""
     dec = summary.get("decomposition") or {}
@@ -169,10 +175,11 @@ def _decomposition_md(summary: dict) -> list[str]:
     for name, d in dec.items():
         arms = list(d["shares"])
         out += [f"**{labels.get(name, name)}** (`all`: R={d['reference_replicas']})", "",
-                "| source arm | share of Var(all) | 95% CI |", "|---|---|---|"]
-        out += [f"| {a} | {d['shares'][a]['share']:.3f} | {format_ci(d['shares'][a]['ci'], 3).strip()} |" for a in arms]
-        out += [f"| sum of shares | {d['sum']:.3f} | {format_ci(d['sum_ci'], 3).strip()} |",
-                f"| non-additivity 1 − sum | {d['non_additivity']:.3f} | {format_ci(d['non_additivity_ci'], 3).strip()} |",
+                f"| source arm | share of Var(all) | 95% CI | CI paired by seed ({_paired_level()}) |", "|---|---|---|---|"]
+        out += [f"| {a} | {d['shares'][a]['share']:.3f} | {format_ci(d['shares'][a]['ci'], 3).strip()} | "
+                f"{format_ci(d['shares'][a].get('paired_ci'), 3).strip()} |" for a in arms]
+        out += [f"| sum of shares | {d['sum']:.3f} | {format_ci(d['sum_ci'], 3).strip()} | — |",
+                f"| non-additivity 1 − sum | {d['non_additivity']:.3f} | {format_ci(d['non_additivity_ci'], 3).strip()} | — |",
                 ""]
     return out
 
