@@ -165,6 +165,17 @@ def power_tables(trials: int, replicas: list, test_trials: int) -> dict:
             print(f"{sc:<34} R={r:<3} 95% each: {pct(raw)}  at 1 − 0.05/6 each: {pct(adj)}"
                   + ("" if paired is None else f"  paired (arms sharing seeds), 1 − 0.05/6: {pct(paired)}"))
     out["family"] = rows
+    print("\nsequential paired compare (Pocock: rounds of 4 pairs from 8 to 32, stop when the paired t p < the per-look "
+          "level): rejections, mean pairs, coverage of the repeated interval at the stop, fixed pairs for the same power")
+    rows = []
+    for sc in ("normal", "360 images"):
+        for effect in (0.0, 0.5, 0.7, 1.0):
+            cell = power.sequential_cell(effect, 32, trials, seed=1, scenario=sc)
+            rows.append(cell)
+            print(f"{sc:<12} effect {effect:<4} reject {pct(cell['reject'])}  mean pairs {cell['mean_pairs']:.1f}  coverage "
+                  f"{pct(cell['coverage'])}" + (f"  fixed {cell['fixed_pairs_same_power']}, saved {pct(cell['saved'])}"
+                                                 if effect else ""))
+    out["sequential"] = rows
     return out
 
 
@@ -211,6 +222,12 @@ def power_markdown(stored: dict) -> str:
         paired = row.get("paired_bonferroni")
         lines.append(f"| {row['scenario']} | {row['replicas']} | {100 * row['unadjusted']:.1f}% | "
                      f"{100 * row['bonferroni']:.1f}% | {'—' if paired is None else f'{100 * paired:.1f}%'} |")
+    lines += ["", "| sequential paired compare (rounds of 4, 8 to 32 pairs) | standardised effect | rejections | mean pairs "
+              "| coverage at the stop | fixed pairs, same power | pairs saved |", "|---|---|---|---|---|---|---|"]
+    for row in stored.get("sequential", []):
+        fixed, saved = row.get("fixed_pairs_same_power"), row.get("saved")
+        lines.append(f"| {row['scenario']} | {row['effect']:g} | {100 * row['reject']:.1f}% | {row['mean_pairs']:.1f} | "
+                     f"{100 * row['coverage']:.1f}% | {fixed or '—'} | {'—' if saved is None else f'{100 * saved:.0f}%'} |")
     return "\n".join(lines)
 
 
