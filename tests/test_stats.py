@@ -425,3 +425,16 @@ def test_findings_name_the_failed_replica_and_read_the_paired_family_interval():
     assert "**Failed replicas named**" in text and "`init` replica 6" in text
     keep = np.delete(acc["init"], 6)
     assert f"Without them the std ratio is {keep.std(ddof=1) / acc['all'].std(ddof=1):.2f}" in text
+
+
+def test_a_tied_arm_of_counts_keeps_the_independent_interval_with_its_tie_bound():
+    from nondet_jax.analysis.arm import compare_arms
+    ref = np.array([330, 335, 338, 342, 344, 339, 333, 341]) / 360
+    records = {"all": {"rows": [{"replica": r, "test_accuracy": float(v), "test_loss": 1.0 + r}
+                                for r, v in enumerate(ref)]},
+               "hardware": {"rows": [{"replica": r, "test_accuracy": 340 / 360, "test_loss": 1.0 + r} for r in range(8)],
+                            "metrics": {"accuracy": {"resolution": 1 / 360}}}}
+    c = compare_arms(records)["hardware"]["accuracy"]
+    assert "paired" not in c  # nothing to pair: no replica moved
+    lo, hi = c["family_ci"]
+    assert lo == 0 < hi  # the tie bound, not a zero-width [0, 0]

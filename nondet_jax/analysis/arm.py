@@ -139,9 +139,8 @@ def compare_arms(records: dict[str, dict], reference: str = "all", ratios=S.POWE
         for arm in arms:
             c = out[arm][q.name]
             level = 1 - (1 - S.LEVEL) / max(len(arms), 1)
-            x, y = c.pop("_pairs") if c.get("paired") else c.pop("_arms")
-            c.pop("_pairs", None), c.pop("_arms", None)
-            ci = S.paired_ratio_ci(x, y, level) if c.get("paired") else S.std_ratio_ci(x, y, level)
+            pairs, (x, y, res) = c.pop("_pairs", None), c.pop("_arms")
+            ci = S.paired_ratio_ci(*pairs, level) if pairs is not None else S.std_ratio_ci(x, y, level, resolution=res)
             c["family_ci"], c["family_level"] = list(ci), level
     return out
 
@@ -151,8 +150,9 @@ def _paired_and_failed(rows: list[dict], ref: list[dict], key: str, resolution) 
     by_a, by_b = {row["replica"]: row[key] for row in rows}, {row["replica"]: row[key] for row in ref}
     common = sorted(set(by_a) & set(by_b))
     x, y = np.array([by_a[r] for r in common]), np.array([by_b[r] for r in common])
-    out: dict = {"_arms": (np.array(list(by_a.values())), np.array(list(by_b.values())))}
-    if len(common) >= S.MIN_REPLICAS["paired_ratio"]:
+    out: dict = {"_arms": (np.array(list(by_a.values())), np.array(list(by_b.values())), resolution)}
+    # a tied arm (a count no replica moved) keeps the independent interval, which has its tie bound
+    if len(common) >= S.MIN_REPLICAS["paired_ratio"] and np.ptp(x) > 0 and np.ptp(y) > 0:
         pm = S.pitman_morgan(x, y)
         out.update(paired=True, pairs=len(common), paired_ratio_ci=list(S.paired_ratio_ci(x, y)), paired_p=pm["p"],
                    pair_correlation=pm["correlation"], _pairs=(x, y))

@@ -71,8 +71,9 @@ def decompose(records: dict[str, dict], reference: str = "all") -> dict:
                          "ci": [float(lo) ** 2, float(hi) ** 2], "replicas": len(x)}
             pa, pr = _by_replica(records[a], q.row), _by_replica(records[reference], q.row)
             common = sorted(set(pa) & set(pr))
-            if len(common) >= S.MIN_REPLICAS["paired_ratio"]:
-                plo, phi = S.paired_ratio_ci(np.array([pa[r] for r in common]), np.array([pr[r] for r in common]))
+            px, py = np.array([pa[r] for r in common]), np.array([pr[r] for r in common])
+            if len(common) >= S.MIN_REPLICAS["paired_ratio"] and np.ptp(px) > 0 and np.ptp(py) > 0:  # tied: "ci" only
+                plo, phi = S.paired_ratio_ci(px, py)
                 shares[a]["paired_ci"] = [float(plo) ** 2, float(phi) ** 2]
         lo, hi = S.variance_sum_ratio_ci(list(xs.values()), ref, resolution=res)
         total = sum(s["share"] for s in shares.values())
