@@ -10,6 +10,12 @@ every arm drawn from one scenario, how often each spread test says "different" a
 the disagreement's jackknife alone) on the same data; last, what an n/a for arms that look strongly skewed
 would do to the strong-skew case (:func:`skew_flag`). Writes benchmarks/results/coverage.json.
 
+``--power`` instead measures power beside coverage (:mod:`nondet_jax.analysis.power`: std ratios of independent
+arms and of arms sharing seeds, paired compare on 360 images, the failed-replica rule's false alarms, the
+findings' family-wise error over 6 arms, the sequential design) into benchmarks/results/power.json: ``python
+benchmarks/coverage.py --power --trials 2000 --replicas 8 16 --test-trials 100`` (about 6 minutes on a loaded
+2-core box; ``--quick``: 300 studies at R=8, what the test runs); ``--power --markdown`` prints its tables.
+
 Run ``python benchmarks/coverage.py [--trials 4000] [--test-trials 300]`` (about 15 minutes on 2 cores,
 most of it the exact permutation tests at R=8); ``--markdown`` prints docs/statistics.md's coverage table from
 the JSON.
