@@ -10,6 +10,12 @@ every arm drawn from one scenario, how often each spread test says "different" a
 the disagreement's jackknife alone) on the same data; last, what an n/a for arms that look strongly skewed
 would do to the strong-skew case (:func:`skew_flag`). Writes benchmarks/results/coverage.json.
 
+``--power`` instead measures power beside coverage (:mod:`nondet_jax.analysis.power`: std ratios of independent
+arms and of arms sharing seeds, paired compare on 360 images, the failed-replica rule's false alarms, the
+findings' family-wise error over 6 arms, the sequential design) into benchmarks/results/power.json: ``python
+benchmarks/coverage.py --power --trials 2000 --replicas 8 16 --test-trials 100`` (about 6 minutes on a loaded
+2-core box; ``--quick``: 300 studies at R=8, what the test runs); ``--power --markdown`` prints its tables.
+
 Run ``python benchmarks/coverage.py [--trials 4000] [--test-trials 300]`` (about 15 minutes on 2 cores,
 most of it the exact permutation tests at R=8); ``--markdown`` prints docs/statistics.md's coverage table from
 the JSON.
@@ -28,7 +34,7 @@ from scipy import stats as sps
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from nondet_jax.analysis import coverage  # noqa: E402  (after the checkout is put on sys.path)
+from nondet_jax.analysis import coverage, power  # noqa: E402  (after the checkout is put on sys.path)
 from nondet_jax.analysis import stats as S  # noqa: E402
 from nondet_jax.analysis.stats import METHODS, MIN_REPLICAS  # noqa: E402
 from nondet_jax.store.io import atomic_write_json  # noqa: E402
@@ -97,6 +103,141 @@ def cells(cov: dict) -> str:
     return "".join(f"{'n/a':>8}" if c is None or c != c else f"{100 * c:>7.1f}%" for c in cov.values())
 
 
+THRESHOLDS = (5.0, 6.0, 8.0, 10.0, 12.0)
+
+
+def power_tables(trials: int, replicas: list, test_trials: int) -> dict:
+    """Power beside coverage (:mod:`nondet_jax.analysis.power`): prints each table and returns them for the JSON."""
+    out: dict = {"trials": trials, "replicas": replicas}
+    pct = lambda v: f"{100 * v:>6.1f}%"  # noqa: E731
+    print(f"\nstd ratio of independent arms, true ratio 2: coverage / power (interval excludes 1); at ratio 1: "
+          f"false alarms ({trials} studies per cell)")
+    rows = []
+    for sc in power.RATIO_SCENARIOS:
+        for r in replicas:
+            cell = power.ratio_cell(sc, r, trials, seed=r)
+            rows.append({"scenario": sc, "realistic": power.RATIO_SCENARIOS[sc].realistic, "replicas": r, **cell})
+            print(f"{sc:<34} R={r:<3}" + "".join(f"  {m}: {pct(c['coverage'])} / {pct(c['power'])} fa {pct(c['false_alarm'])}"
+                                                 for m, c in cell.items()))
+    out["ratio"] = rows
+    out["spread_test"] = []
+    for sc in ("normal", "skewed"):
+        for r in replicas:
+            if r <= 8:
+                v = power.spread_test_power(sc, r, test_trials, seed=r)
+                out["spread_test"].append({"scenario": sc, "replicas": r, "power": v})
+                print(f"permutation spread test, ratio 2, {sc}, R={r}: power {pct(v)} ({test_trials} studies)")
+    print("\none arm's std (and mean) interval as R grows, on the scenarios above")
+    rows = []
+    for sc in power.RATIO_SCENARIOS:
+        cov = {str(r): power.std_cell(sc, r, trials, seed=r) for r in sorted({*replicas, 32})}
+        rows.append({"scenario": sc, "realistic": power.RATIO_SCENARIOS[sc].realistic, "coverage": cov})
+        print(f"{sc:<34}" + "".join(f"  R={r}: std {pct(c['std'])} mean {pct(c['mean'])}" for r, c in cov.items()))
+    out["std_by_r"] = rows
+    print("\nstd ratio of arms sharing seeds (a = u, b = u + w), true ratio 0.5: coverage / power; ratio 1: coverage / "
+          "false alarms")
+    rows = []
+    for sc in power.PAIRED_SCENARIOS:
+        for r in replicas:
+            cell = power.paired_spread_cell(sc, r, trials, seed=r)
+            rows.append({"scenario": sc, "realistic": power.PAIRED_SCENARIOS[sc].realistic, "replicas": r, **cell})
+            print(f"{sc:<28} R={r:<3}" + "".join(f"  {m}: {pct(c['coverage'])}/{pct(c['power'])} null {pct(c['coverage_null'])}"
+                                                 for m, c in cell.items()))
+    out["paired_ratio"] = rows
+    print(f"\npaired compare on 360 images, gain {power.COMPARE_GAIN} (in images: truth below): coverage / power / mean width")
+    rows = []
+    for r in replicas:
+        cell = power.compare_cell(r, trials, seed=r)
+        rows.append({"replicas": r, **cell})
+        print(f"R={r:<3} gain {cell['truth_images']:.2f} images  " + "  ".join(
+            f"{m}: " + " / ".join(f"{k} {v:.4f}" for k, v in c.items()) for m, c in cell.items() if isinstance(c, dict)))
+    out["compare"] = rows
+    print("\nfailed-replica rule (median ± t·1.4826·MAD): share of healthy arms with a replica named; for the failing "
+          "scenario, arms whose failed runs are not exactly the ones named")
+    rows = []
+    for sc in power.RATIO_SCENARIOS:
+        for r in replicas:
+            rates = {str(t): power.failed_alarms(sc, r, t, trials, seed=r) for t in THRESHOLDS}
+            rows.append({"scenario": sc, "replicas": r, "rate": rates})
+            print(f"{sc:<34} R={r:<3}" + "".join(f"  t={t}: {pct(v)}" for t, v in rates.items()))
+    out["failed_rule"] = rows
+    print("\nfamily-wise error of the findings over 6 arms with the reference's spread (ratio interval excludes 1)")
+    rows = []
+    for sc in ("normal", "skewed", "near ceiling 99.4%", "bad seeds"):
+        for r in replicas:
+            raw, adj = (power.family_error(sc, r, 6, trials, seed=r, adjust=a) for a in (False, True))
+            paired = power.family_error_paired(sc, r, 6, trials, seed=r) if sc in power.COMPONENTS else None
+            rows.append({"scenario": sc, "replicas": r, "unadjusted": raw, "bonferroni": adj, "paired_bonferroni": paired})
+            print(f"{sc:<34} R={r:<3} 95% each: {pct(raw)}  at 1 − 0.05/6 each: {pct(adj)}"
+                  + ("" if paired is None else f"  paired (arms sharing seeds), 1 − 0.05/6: {pct(paired)}"))
+    out["family"] = rows
+    print("\nsequential paired compare (Pocock: rounds of 4 pairs from 8 to 32, stop when the paired t p < the per-look "
+          "level): rejections, mean pairs, coverage of the repeated interval at the stop, fixed pairs for the same power")
+    rows = []
+    for sc in ("normal", "360 images"):
+        for effect in (0.0, 0.5, 0.7, 1.0):
+            cell = power.sequential_cell(effect, 32, trials, seed=1, scenario=sc)
+            rows.append(cell)
+            print(f"{sc:<12} effect {effect:<4} reject {pct(cell['reject'])}  mean pairs {cell['mean_pairs']:.1f}  coverage "
+                  f"{pct(cell['coverage'])}" + (f"  fixed {cell['fixed_pairs_same_power']}, saved {pct(cell['saved'])}"
+                                                 if effect else ""))
+    out["sequential"] = rows
+    return out
+
+
+def power_markdown(stored: dict) -> str:
+    """docs/statistics.md's power tables, from the stored power JSON (``--power --markdown``)."""
+    lines = ["| std ratio 2, independent arms | R | " + " | ".join(power.RATIO_METHODS.values()) + " |",
+             "|---|---|" + "---|" * len(power.RATIO_METHODS)]
+    for row in stored["ratio"]:
+        lines.append(f"| {row['scenario']}{'' if row['realistic'] else ' (stress)'} | {row['replicas']} | " + " | ".join(
+            f"{100 * row[m]['coverage']:.1f}% / {100 * row[m]['power']:.1f}%" for m in power.RATIO_METHODS) + " |")
+    lines += ["", "| std ratio 0.5, arms sharing seeds | R | " + " | ".join(power.PAIRED_METHODS.values()) + " |",
+              "|---|---|" + "---|" * len(power.PAIRED_METHODS)]
+    for row in stored["paired_ratio"]:
+        lines.append(f"| {row['scenario']} | {row['replicas']} | " + " | ".join(
+            f"{100 * row[m]['coverage']:.1f}% / {100 * row[m]['power']:.1f}% (null {100 * row[m]['coverage_null']:.1f}%)"
+            for m in power.PAIRED_METHODS) + " |")
+    lines += ["", "| paired compare, 360 images | R | gain (images) | " + " | ".join(power.COMPARE_METHODS.values()) + " |",
+              "|---|---|---|" + "---|" * len(power.COMPARE_METHODS)]
+    for row in stored["compare"]:
+        cells = []
+        for m in power.COMPARE_METHODS:
+            c = row.get(m)
+            cells.append("n/a" if c is None else " / ".join(
+                f"{100 * c[k]:.1f}%" for k in ("coverage", "power") if k in c) + (
+                f", width {360 * c['width']:.2f} images" if "width" in c else ""))
+        lines.append(f"| paired compare | {row['replicas']} | {row['truth_images']:.2f} | " + " | ".join(cells) + " |")
+    rs = list(stored["std_by_r"][0]["coverage"])
+    lines += ["", "| one arm's std / mean interval | " + " | ".join(f"R={r}" for r in rs) + " |", "|---|" + "---|" * len(rs)]
+    for row in stored["std_by_r"]:
+        lines.append(f"| {row['scenario']}{'' if row['realistic'] else ' (stress)'} | " + " | ".join(
+            f"{100 * c['std']:.1f}% / {100 * c['mean']:.1f}%" for c in row["coverage"].values()) + " |")
+    lines += ["", "| permutation spread test (the p printed), true ratio 2 | R | power |", "|---|---|---|"]
+    lines += [f"| {row['scenario']} | {row['replicas']} | {100 * row['power']:.1f}% |" for row in stored["spread_test"]]
+    ts = list(stored["failed_rule"][0]["rate"])
+    lines += ["", "| failed-replica rule: arms with a replica named | R | " + " | ".join(f"{float(t):g} robust stds" for t in ts)
+              + " |", "|---|---|" + "---|" * len(ts)]
+    for row in stored["failed_rule"]:
+        what = " (a failed run not named)" if row["scenario"].startswith("1 in 8") else ""
+        lines.append(f"| {row['scenario']}{what} | {row['replicas']} | "
+                     + " | ".join(f"{100 * v:.1f}%" for v in row["rate"].values()) + " |")
+    lines += ["", "| findings over 6 arms: a difference found that is not there | R | 95% each | 1 − 0.05/6 each | "
+              "paired, 1 − 0.05/6 each |", "|---|---|---|---|---|"]
+    for row in stored["family"]:
+        paired = row.get("paired_bonferroni")
+        lines.append(f"| {row['scenario']} | {row['replicas']} | {100 * row['unadjusted']:.1f}% | "
+                     f"{100 * row['bonferroni']:.1f}% | {'—' if paired is None else f'{100 * paired:.1f}%'} |")
+    lines += ["", "| sequential paired compare (rounds of 4, 8 to 32 pairs) | standardised effect | rejections | mean pairs "
+              "| coverage at the stop | fixed pairs, same power | pairs saved |", "|---|---|---|---|---|---|---|"]
+    for row in stored.get("sequential", []):
+        fixed, saved = row.get("fixed_pairs_same_power"), row.get("saved")
+        lines.append(f"| {row['scenario']} | {row['effect']:g} | {100 * row['reject']:.1f}% | {row['mean_pairs']:.1f} | "
+                     f"{100 * row['coverage']:.1f}% | {fixed or '—'} | {'—' if saved is None else f'{100 * saved:.0f}%'} |")
+    return "\n".join(lines)
+
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trials", type=int, default=4000)
@@ -109,9 +250,24 @@ def main(argv=None) -> int:
                         "methods are kept)")
     p.add_argument("--markdown", action="store_true",
                    help="print the coverage table of docs/statistics.md from --out and exit (no simulation)")
+    p.add_argument("--power", action="store_true",
+                   help="power beside coverage (nondet_jax.analysis.power) instead, written to --power-out; with "
+                        "--markdown, its tables from --power-out")
+    p.add_argument("--power-out", type=Path, default=ROOT / "benchmarks" / "results" / "power.json")
+    p.add_argument("--quick", action="store_true",
+                   help="with --power: 300 studies per cell at R=8 only (about a minute; what the test runs)")
     args = p.parse_args(argv)
+    if args.power and args.markdown:
+        print(power_markdown(json.loads(args.power_out.read_text())))
+        return 0
     if args.markdown:
         print(markdown(json.loads(args.out.read_text())))
+        return 0
+    if args.power:
+        trials, reps, tests = (300, [8], 30) if args.quick else (args.trials, args.replicas, args.test_trials)
+        result = power_tables(trials, reps, tests)
+        atomic_write_json(args.power_out, result)
+        print(f"{trials} simulated studies per cell; wrote {args.power_out}")
         return 0
     rows = []
     print(f"{'interval: scenario':<50}" + "".join(f"{'R=' + str(r):>8}" for r in args.replicas) + "  data model")

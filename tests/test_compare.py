@@ -257,10 +257,11 @@ def test_plot_draws_the_intervals_it_prints(tmp_path):
     # the methods by name, each interval's method in its title, the score's name on its axis
     scores = fig.axes[0]
     assert [t.get_text() for t in scores.get_xticklabels()] == ["A: a.csv (acc)\nn=4", "B: b.csv (acc)\nn=4"]
-    assert scores.get_title() == "per-seed scores; mean, 95% CI (t at 98.25%)" and scores.get_ylabel() == "acc"
+    assert scores.get_title() == "per-seed scores; mean, 96.5% t interval (t at 98.25%: widened from 95%)"
+    assert scores.get_ylabel() == "acc"
     assert "Welch 95% CI" in diff.get_title() and "Newcombe 95% CI" in poi.get_title()
     paired = plot_result(compare(tmp_path / "a.csv", tmp_path / "b.csv", paired=True))
-    assert "paired t at 98.25%" in paired.axes[1].get_title() and "Wilson 95% CI" in paired.axes[2].get_title()
+    assert "95% CI: paired t, scipy's ttest_rel" in paired.axes[1].get_title() and "Wilson 95% CI" in paired.axes[2].get_title()
 
 
 def test_report_waits_for_no_sweep_it_refuses_a_locked_folder(runs, capsys):

@@ -85,3 +85,47 @@ def test_the_docs_coverage_table_is_the_stored_simulation():
     stored = json.loads((root / "benchmarks" / "results" / "coverage.json").read_text())
     assert {r["interval"] for r in stored["rows"]} == set(coverage.CASES)
     assert bench.markdown(stored) in (root / "docs" / "statistics.md").read_text()
+
+
+def test_power_beside_coverage_quick_run_writes_every_table(tmp_path):
+    """``benchmarks/coverage.py --power --quick``: every family simulated, and the numbers the docs rest on hold
+    in direction (a paired ratio interval has more power than the independent one on arms sharing seeds;
+    the paired t finds a real gain at least as often as the interval it replaced; Bonferroni keeps the family)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("coverage_benchmark", root / "benchmarks" / "coverage.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "power.json"
+    assert bench.main(["--power", "--quick", "--power-out", str(out)]) == 0
+    stored = json.loads(out.read_text())
+    assert {r["scenario"] for r in stored["ratio"]} == set(coverage.power.RATIO_SCENARIOS)
+    normal = next(r for r in stored["paired_ratio"] if r["scenario"] == "normal")
+    assert normal["pitman_morgan"]["power"] > normal["bonett_printed"]["power"]
+    assert normal["paired_bonett_98"]["coverage"] >= 0.93
+    cmp = stored["compare"][0]
+    assert cmp["paired_t"]["power"] >= cmp["joined"]["power"] and cmp["paired_t"]["coverage"] >= 0.9
+    assert all(r["bonferroni"] <= 0.06 for r in stored["family"])
+    failing = next(r for r in stored["failed_rule"] if r["scenario"].startswith("1 in 8"))
+    assert failing["rate"][str(stats.FAILED_THRESHOLD)] < 0.02  # a failed run is named
+    assert "| std ratio 2, independent arms |" in bench.power_markdown(stored)
+
+
+def test_the_docs_power_tables_are_the_stored_simulation():
+    """docs/statistics.md's power tables are ``python benchmarks/coverage.py --power --markdown`` of the committed
+    JSON, and the methods chosen from them are the ones the docs name."""
+    import importlib.util
+    import json
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("coverage_benchmark", root / "benchmarks" / "coverage.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    stored = json.loads((root / "benchmarks" / "results" / "power.json").read_text())
+    assert bench.power_markdown(stored) in (root / "docs" / "statistics.md").read_text()
+    realistic = [r for r in stored["paired_ratio"] if r["realistic"]]
+    assert min(r["paired_bonett_98"]["coverage"] for r in realistic) >= 0.93  # stats.PAIRED_TAIL = 0.8 keeps 93%
+    assert stats.PAIRED_TAIL == 0.8 and min(r["paired_bonett_97.5"]["coverage"] for r in realistic) < 0.93
+    assert all(r["bonferroni"] <= 0.05 for r in stored["family"])

@@ -27,6 +27,8 @@ def test_shares_are_variance_ratios_with_the_std_ratio_interval_squared():
         assert d["shares"][a]["share"] == pytest.approx(np.var(arms[a], ddof=1) / np.var(arms["all"], ddof=1))
         lo, hi = stats.std_ratio_ci(arms[a], arms["all"])
         assert d["shares"][a]["ci"] == pytest.approx([lo ** 2, hi ** 2])
+        lo, hi = stats.paired_ratio_ci(arms[a], arms["all"])  # replica r of both arms shares its seeds
+        assert d["shares"][a]["paired_ci"] == pytest.approx([lo ** 2, hi ** 2])
     assert d["sum"] == pytest.approx(sum(s["share"] for s in d["shares"].values()))
     assert d["non_additivity"] == pytest.approx(1 - d["sum"])
     lo, hi = d["sum_ci"]

@@ -148,7 +148,8 @@ def test_compare_spread_fields():
     assert set(out) == {"ratio", "ratio_ci", "ratio_ci_normal", "spread_p", "f_test_p", "brown_forsythe_p",
                         "replicas_for_ratio"}
     assert out["ratio_ci"][0] < out["ratio"] < out["ratio_ci"][1]
-    assert out["replicas_for_ratio"] == {"0.5": stats.replicas_for_power(0.5), "0.75": stats.replicas_for_power(0.75)}
+    assert out["replicas_for_ratio"] == {"0.5": stats.replicas_for_ratio_interval(0.5),
+                                         "0.75": stats.replicas_for_ratio_interval(0.75)}
 
 
 def test_pairwise_mean_ci_is_the_replica_jackknife():
@@ -335,3 +336,105 @@ def test_minority_predictions_and_the_poisson_interval_of_rare_disagreement():
     a, _ = __import__("nondet_jax.analysis.metrics", fromlist=["pair_indices"]).pair_indices(8)
     lo, hi = stats.disagreement_ci(np.zeros(len(a)), 8, minority=0, n_test=360)
     assert lo == 0 and hi == pytest.approx(2 * sps.chi2.ppf(0.975, 2) / 2 / (8 * 360))
+
+
+def test_pitman_morgan_is_pearsonr_of_sums_and_differences_and_its_interval_inverts_it():
+    rng = np.random.default_rng(5)
+    u = rng.normal(size=12)
+    a, b = u + rng.normal(0, 0.3, 12), u + rng.normal(0, 1.5, 12)
+    out = stats.pitman_morgan(a, b)
+    assert out["p"] == pytest.approx(sps.pearsonr(a + b, a - b).pvalue)
+    assert out["ratio"] == pytest.approx(a.std(ddof=1) / b.std(ddof=1))
+    assert out["correlation"] == pytest.approx(np.corrcoef(a, b)[0, 1])
+    lo, hi = out["ci"]
+    for lam in (lo, hi):  # each end is the ratio at which the test is exactly at 5%
+        assert sps.pearsonr(a + lam * b, a - lam * b).pvalue == pytest.approx(0.05)
+    # by hand: F·[1 + 2K(1−r²) ± 2√(K(1−r²)(1 + K(1−r²)))], K = t²/(n−2)
+    f, r2, k = a.var(ddof=1) / b.var(ddof=1), out["correlation"] ** 2, sps.t.ppf(0.975, 10) ** 2 / 10
+    g = k * (1 - r2)
+    assert (lo ** 2, hi ** 2) == pytest.approx((f * (1 + 2 * g - 2 * np.sqrt(g * (1 + g))),
+                                                f * (1 + 2 * g + 2 * np.sqrt(g * (1 + g)))))
+
+
+def test_paired_ratio_interval_is_narrower_for_correlated_arms_and_none_below_5_pairs():
+    rng = np.random.default_rng(6)
+    u = rng.normal(size=16)
+    a, b = u + rng.normal(0, 0.2, 16), u + rng.normal(0, 1.0, 16)
+    plo, phi = stats.paired_ratio_ci(a, b)
+    ilo, ihi = stats.std_ratio_ci(a, b)
+    assert plo < a.std(ddof=1) / b.std(ddof=1) < phi
+    assert np.log(phi / plo) < np.log(ihi / ilo)
+    assert all(np.isnan(stats.paired_ratio_ci(a[:4], b[:4])))
+
+
+def test_failed_replica_rule_names_a_planted_failure_and_not_a_normal_arm():
+    rng = np.random.default_rng(7)
+    healthy = rng.normal(0.92, 0.005, 8)
+    assert stats.failed_replicas(healthy) == []
+    planted = healthy.copy()
+    planted[3] = 0.40
+    assert stats.failed_replicas(planted) == [3]
+    assert stats.failed_replicas(planted[:4]) == []  # too few replicas to call the rest "the rest"
+    tied = np.full(8, 340 / 360)
+    tied[2] = 341 / 360  # one image off: a count, not a failure
+    assert stats.failed_replicas(tied, resolution=1 / 360) == []
+    assert stats.failed_replicas(rng.normal(size=(1000, 8))).any(-1).mean() < 0.05  # false alarms, normal arms
+
+
+def test_paired_difference_is_scipys_paired_t_interval():
+    rng = np.random.default_rng(8)
+    a = rng.normal(size=9)
+    b = a + 0.3 + rng.normal(0, 0.2, 9)
+    ci = sps.ttest_rel(b, a).confidence_interval()
+    assert stats.paired_difference(a, b)["ci"] == pytest.approx([ci.low, ci.high])
+
+
+def test_compare_arms_pairs_replicas_sharing_seeds_and_names_failed_runs():
+    from nondet_jax.analysis.arm import compare_arms
+    rng = np.random.default_rng(9)
+    u = rng.normal(0.9, 0.01, 8)  # the seed's shared effect: replica r of both arms
+    acc = {"all": u + rng.normal(0, 0.01, 8), "init": u.copy(), "data_order": rng.normal(0.9, 0.01, 8)}
+    acc["data_order"][5] = 0.4  # a run that failed to train
+    records = {arm: {"rows": [{"replica": r, "test_accuracy": float(v[r]), "test_loss": float(1 - v[r])}
+                              for r in range(8)], "metrics": {}} for arm, v in acc.items()}
+    out = compare_arms(records)
+    c = out["init"]["accuracy"]
+    assert c["paired"] and c["pairs"] == 8
+    assert c["paired_p"] == pytest.approx(sps.pearsonr(acc["init"] + acc["all"], acc["init"] - acc["all"]).pvalue)
+    assert c["family_level"] == pytest.approx(1 - 0.05 / 2)
+    assert c["family_ci"] == pytest.approx(list(stats.paired_ratio_ci(acc["init"], acc["all"], 1 - 0.05 / 2)))
+    assert "failed_replicas" not in c
+    d = out["data_order"]["accuracy"]
+    assert d["failed_replicas"] == {"arm": [5], "reference": []}
+    keep = np.delete(acc["data_order"], 5)
+    assert d["without_failed"]["ratio"] == pytest.approx(keep.std(ddof=1) / acc["all"].std(ddof=1))
+
+
+def test_findings_name_the_failed_replica_and_read_the_paired_family_interval():
+    from nondet_jax.analysis.arm import compare_arms
+    from nondet_jax.report.markdown import _findings
+    rng = np.random.default_rng(10)
+    u = rng.normal(0.9, 0.01, 8)
+    acc = {"all": u + rng.normal(0, 0.01, 8), "init": u + rng.normal(0, 0.002, 8)}
+    acc["init"][6] = 0.35
+    records = {arm: {"rows": [{"replica": r, "test_accuracy": float(v[r]), "test_loss": 1.0} for r in range(8)]}
+               for arm, v in acc.items()}
+    summary = {"vs_all": compare_arms(records), "arms": {a: {"replicas": 8} for a in acc}, "backend": "cpu"}
+    text = "\n".join(_findings(summary))
+    assert "95.0% paired (the arms share seeds: 8 pairs) interval (Bonferroni over 1 arms; z at 98.00%, widened)" in text
+    assert "**Failed replicas named**" in text and "`init` replica 6" in text
+    keep = np.delete(acc["init"], 6)
+    assert f"Without them the std ratio is {keep.std(ddof=1) / acc['all'].std(ddof=1):.2f}" in text
+
+
+def test_a_tied_arm_of_counts_keeps_the_independent_interval_with_its_tie_bound():
+    from nondet_jax.analysis.arm import compare_arms
+    ref = np.array([330, 335, 338, 342, 344, 339, 333, 341]) / 360
+    records = {"all": {"rows": [{"replica": r, "test_accuracy": float(v), "test_loss": 1.0 + r}
+                                for r, v in enumerate(ref)]},
+               "hardware": {"rows": [{"replica": r, "test_accuracy": 340 / 360, "test_loss": 1.0 + r} for r in range(8)],
+                            "metrics": {"accuracy": {"resolution": 1 / 360}}}}
+    c = compare_arms(records)["hardware"]["accuracy"]
+    assert "paired" not in c  # nothing to pair: no replica moved
+    lo, hi = c["family_ci"]
+    assert lo == 0 < hi  # the tie bound, not a zero-width [0, 0]

@@ -102,6 +102,14 @@ def compare_arms(records: dict[str, dict], reference: str = "all", ratios=S.POWE
     """Each arm's spread of the task's two per-replica scores (accuracy and cross-entropy, or test MSE
     and MAE) relative to the ``reference`` arm (:func:`nondet_jax.analysis.stats.compare_spread`), with
     the permutation spread test's p Holm-adjusted over the arms (``spread_p_holm``, per quantity).
+
+    Arms of one study share seeds (replica r of every arm has the same keys for the sources it does not
+    vary), so replicas with the same index in both arms are compared as pairs: ``paired_ratio_ci``
+    (:func:`nondet_jax.analysis.stats.paired_ratio_ci`), Pitman-Morgan's ``paired_p``. ``family_ci`` is the
+    interval the findings read: the paired one (else the independent one) at level 1 − 0.05/m over the m arms
+    compared (Bonferroni: the findings' family-wise error at most 5%). ``failed_replicas``: the replica
+    indices of either arm that :func:`nondet_jax.analysis.stats.failed_replicas` names (runs that failed to
+    train), and ``without_failed`` the ratio and its intervals with them left out.
     Empty when the reference arm is absent. ``quantities``: other scores than the task's (``replicate``'s)."""
     if reference not in records:
         return {}
@@ -118,11 +126,13 @@ def compare_arms(records: dict[str, dict], reference: str = "all", ratios=S.POWE
         rows = healthy(rec["rows"])
         if len(rows) < 2:
             continue
-        out[arm] = {q.name: S.compare_spread(np.array([row[q.row] for row in rows]),
-                                             np.array([row[q.row] for row in ref]),
-                                             resolution=(rec.get("metrics") or {}).get(q.name, {}).get("resolution"),
-                                             ratios=ratios)
-                    for q in quantities}
+        out[arm] = {}
+        for q in quantities:
+            res = (rec.get("metrics") or {}).get(q.name, {}).get("resolution")
+            x, y = np.array([row[q.row] for row in rows]), np.array([row[q.row] for row in ref])
+            c = S.compare_spread(x, y, resolution=res, ratios=ratios)
+            c.update(_paired_and_failed(rows, ref, q.row, res))
+            out[arm][q.name] = c
         if not rec.get("varied", True):  # control varies nothing: its spread is 0 by design, no test can mean anything
             for c in out[arm].values():
                 c.update({"spread_p": None, "f_test_p": None, "brown_forsythe_p": None})
@@ -130,6 +140,38 @@ def compare_arms(records: dict[str, dict], reference: str = "all", ratios=S.POWE
         arms = list(out)  # control's p is None: left out of the Holm family
         for arm, p in zip(arms, S.holm([out[a][q.name]["spread_p"] for a in arms])):
             out[arm][q.name]["spread_p_holm"] = p
+        family = sum(1 for a in arms if records[a].get("varied", True))  # the arms the findings test
+        for arm in arms:
+            c = out[arm][q.name]
+            level = 1 - (1 - S.LEVEL) / max(family, 1)
+            pairs, (x, y, res) = c.pop("_pairs", None), c.pop("_arms")
+            ci = S.paired_ratio_ci(*pairs, level) if pairs is not None else S.std_ratio_ci(x, y, level, resolution=res)
+            c["family_ci"], c["family_level"] = list(ci), level
+    return out
+
+
+def _paired_and_failed(rows: list[dict], ref: list[dict], key: str, resolution) -> dict:
+    """The paired ratio of replicas with the same index in both arms, and the failed replicas named."""
+    by_a, by_b = {row["replica"]: row[key] for row in rows}, {row["replica"]: row[key] for row in ref}
+    common = sorted(set(by_a) & set(by_b))
+    x, y = np.array([by_a[r] for r in common]), np.array([by_b[r] for r in common])
+    out: dict = {"_arms": (np.array(list(by_a.values())), np.array(list(by_b.values())), resolution)}
+    # a tied arm (a count no replica moved) keeps the independent interval, which has its tie bound
+    if len(common) >= S.MIN_REPLICAS["paired_ratio"] and np.ptp(x) > 0 and np.ptp(y) > 0:
+        pm = S.pitman_morgan(x, y)
+        out.update(paired=True, pairs=len(common), paired_ratio_ci=list(S.paired_ratio_ci(x, y)), paired_p=pm["p"],
+                   pair_correlation=pm["correlation"], _pairs=(x, y))
+    failed = {"arm": [list(by_a)[i] for i in S.failed_replicas(list(by_a.values()), resolution=resolution)],
+              "reference": [list(by_b)[i] for i in S.failed_replicas(list(by_b.values()), resolution=resolution)]}
+    if failed["arm"] or failed["reference"]:
+        xa = np.array([v for r, v in by_a.items() if r not in failed["arm"]])
+        xb = np.array([v for r, v in by_b.items() if r not in failed["reference"]])
+        keep = [r for r in common if r not in failed["arm"] and r not in failed["reference"]]
+        out["failed_replicas"] = failed
+        out["without_failed"] = {"ratio": S.std(xa) / S.std(xb) if S.std(xb) > 0 else None,
+                                 "ratio_ci": list(S.std_ratio_ci(xa, xb, resolution=resolution)),
+                                 "paired_ratio_ci": list(S.paired_ratio_ci(np.array([by_a[r] for r in keep]),
+                                                                           np.array([by_b[r] for r in keep])))}
     return out
 
 

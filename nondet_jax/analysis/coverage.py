@@ -21,6 +21,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 from scipy import stats as sps
 
+from nondet_jax.analysis import power
 from nondet_jax.analysis import stats as S
 from nondet_jax.analysis.metrics import PAIRWISE_RANGE, PAIRWISE_SCALE, pair_indices
 
@@ -302,6 +303,15 @@ def _decomposition_counts(rng, r, t, n_test=360):
     return _hit(S.variance_sum_ratio_ci(xs, ref, resolution=1 / n_test), sum(flips) / 60)
 
 
+def _paired_ratio(rng, r, t, scenario):
+    """The paired ratio interval (:func:`nondet_jax.analysis.stats.paired_ratio_ci`) on two arms sharing seeds
+    (:data:`nondet_jax.analysis.power.PAIRED_SCENARIOS`), at their true ratio of 0.5."""
+    sc = power.PAIRED_SCENARIOS[scenario]
+    truth = sc.truth if np.isfinite(sc.truth) else power._truth(sc.draw)
+    a, b = sc.draw(rng, (t, r), False)
+    return _hit(S.paired_ratio_ci(a, b), truth)
+
+
 # name -> (interval kind in stats.METHODS, data model, simulator); "(stress)" cases are recorded, not required
 CASES = {
     **{f"{kind}: {name}": (kind, sc.description, _interval_case(kind, sc))
@@ -340,6 +350,8 @@ CASES = {
     "paired probability of improvement, ties": ("paired_probability_of_improvement",
                                                 "accuracies on 360 images, shared borderline images",
                                                 _paired_poi_counts),
+    **{f"paired ratio: {name}": ("paired_ratio", sc.description, functools.partial(_paired_ratio, scenario=name))
+       for name, sc in power.PAIRED_SCENARIOS.items()},
 }
 
 

@@ -15,9 +15,11 @@ finding) and positive when sources only produce spread together (an interaction)
 cannot tell apart: which pairs of sources interact (a factorial design over them can), and how σ²_s
 depends on the draw at which the other sources are held (it is measured at one draw of each).
 
-Intervals: each share is the square of the std ratio's interval (``stats.std_ratio_ci``); the sum of
-the shares, and so the non-additivity, has ``stats.variance_sum_ratio_ci``'s; both are simulated in
-``nondet_jax.analysis.coverage``.
+Intervals: each share is the square of the std ratio's interval (``stats.std_ratio_ci``) and, as the arm
+shares its seeds with the reference (replica r of both has the same keys for the sources the arm does not
+vary), of the paired one (``stats.paired_ratio_ci``: ``paired_ci``, narrower when the pairs correlate); the
+sum of the shares, and so the non-additivity, has ``stats.variance_sum_ratio_ci``'s (arms taken as
+independent: conservative when they share seeds); all are simulated in ``nondet_jax.analysis.coverage``.
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ def _scores(record: dict, row: str) -> np.ndarray:
     return np.array([r[row] for r in record["rows"] if r.get("diverged_at_step", -1) < 0], np.float64)
 
 
+def _by_replica(record: dict, row: str) -> dict:
+    return {r["replica"]: r[row] for r in record["rows"] if r.get("diverged_at_step", -1) < 0 and "replica" in r}
+
+
 def decompose(records: dict[str, dict], reference: str = "all", quantities=None, own: tuple[str, ...] = ()) -> dict:
     """Per score of the task (or of ``quantities``), each one-source arm's variance share of the
     ``reference`` arm's with its interval, their sum and the non-additivity 1 − sum with theirs. Empty
@@ -63,6 +69,12 @@ def decompose(records: dict[str, dict], reference: str = "all", quantities=None,
             lo, hi = S.std_ratio_ci(x, ref, resolution=res)
             shares[a] = {"share": float(S.std(x) ** 2 / v_ref) if v_ref > 0 else float("nan"),
                          "ci": [float(lo) ** 2, float(hi) ** 2], "replicas": len(x)}
+            pa, pr = _by_replica(records[a], q.row), _by_replica(records[reference], q.row)
+            common = sorted(set(pa) & set(pr))
+            px, py = np.array([pa[r] for r in common]), np.array([pr[r] for r in common])
+            if len(common) >= S.MIN_REPLICAS["paired_ratio"] and np.ptp(px) > 0 and np.ptp(py) > 0:  # tied: "ci" only
+                plo, phi = S.paired_ratio_ci(px, py)
+                shares[a]["paired_ci"] = [float(plo) ** 2, float(phi) ** 2]
         lo, hi = S.variance_sum_ratio_ci(list(xs.values()), ref, resolution=res)
         total = sum(s["share"] for s in shares.values())
         out[q.name] = {"shares": shares, "sum": total, "sum_ci": [float(lo), float(hi)],

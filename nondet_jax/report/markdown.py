@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from nondet_jax.analysis import stats as S
 from nondet_jax.analysis.mitigations import mitigation_table
 from nondet_jax.analysis.stats import METHODS, TESTS, format_ci, na_reason, replicas_for_std_factor
 from nondet_jax.analysis.task import QUANTITIES, task_of
@@ -52,7 +53,8 @@ def _comparison_md(summary: dict) -> list[str]:
     if needed:
         lines.append("Design (not a power computed from the observed ratio): to detect a true std ratio of "
                      + ", ".join(f"{k} ({n} replicas per arm)" for k, n in needed.items())
-                     + " with 80% power (F-test, normal data); a std interval spanning at most a factor 2 needs "
+                     + " with 80% power (the printed 95% ratio interval excludes 1 in 80% of simulated studies of normal data; the "
+                     "F-test alone would need fewer, but it is not what is printed); a std interval spanning at most a factor 2 needs "
                      f"{replicas_for_std_factor(2.0)} replicas (normal data). Other ratios: "
                      "rerun the sweep with `--set metrics.power_ratios=0.5,0.75` (finished arms are reused, only the report "
                      "is rebuilt).")
@@ -97,7 +99,9 @@ def _findings(summary: dict) -> list[str]:
             continue
         q = QUANTITIES[task_of(summary)][0]
         a = c[q.name]
-        lo, hi = (np.nan if v is None else v for v in a["ratio_ci"])
+        # the findings read the interval at level 1 − 0.05/m over the m arms (family-wise error ≤ 5%), paired
+        # where the two arms share seeds; older summaries have only the 95% one
+        lo, hi = (np.nan if v is None else v for v in a.get("family_ci", a["ratio_ci"]))
         if a["ratio"] is None or not np.isfinite(a["ratio"]):
             continue
         where = ("" if not np.isfinite(lo) else
@@ -107,9 +111,27 @@ def _findings(summary: dict) -> list[str]:
         used = min(summary["arms"][x].get("replicas_used", summary["arms"][x]["replicas"]) for x in (arm, "all"))
         ci = f"[{lo:.2f}, {hi:.2f}]" if np.isfinite(lo) else f"is {na_reason('ratio', used) or 'n/a'}"
         family = sum(1 for x in vs if summary["arms"].get(x, {}).get("varied", True))  # control: not tested
-        out.append(f"- `{arm}`: {q.label} std is {a['ratio']:.2f}× the `all` arm's; the 95% CI "
+        kind = "95% CI"
+        if "family_ci" in a:  # its z, widened as the method's (stats.PAIRED_TAIL / SPREAD_TAIL), named with it
+            tail = S.PAIRED_TAIL if a.get("paired") else S.SPREAD_TAIL
+            z_at = 100 * (1 - tail * (1 - a["family_level"]) / 2)
+            kind = (f"{100 * a['family_level']:.1f}% " + (f"paired (the arms share seeds: {a.get('pairs')} pairs)"
+                                                         if a.get("paired") else "independent-arms")
+                    + f" interval (Bonferroni over {family} arms; z at {z_at:.2f}%, widened)")
+        out.append(f"- `{arm}`: {q.label} std is {a['ratio']:.2f}× the `all` arm's; the {kind} "
                    f"{ci} {where} (permutation spread test p = {fmt_p(a.get('spread_p'))}, Holm-adjusted over "
-                   f"{family} arms {fmt_p(a.get('spread_p_holm'))}).")
+                   f"{family} arms {fmt_p(a.get('spread_p_holm'))}"
+                   + (f"; Pitman-Morgan paired p = {fmt_p(a.get('paired_p'))}" if a.get("paired") else "") + ").")
+        failed = a.get("failed_replicas")
+        if failed:
+            w = a["without_failed"]
+            named = "; ".join(f"`{arm if side == 'arm' else 'all'}` replica{'s' if len(ix) > 1 else ''} "
+                              + ", ".join(map(str, ix)) for side, ix in failed.items() if ix)
+            out.append(f"  - **Failed replicas named** ({q.label} more than {S.FAILED_THRESHOLD:g} robust stds from their arm's "
+                       f"median): {named}. Without them the std ratio is "
+                       f"{'n/a' if w['ratio'] is None else format(w['ratio'], '.2f')}, 95% CI"
+                       f"{format_ci(w['ratio_ci'], 2)} (paired{format_ci(w['paired_ratio_ci'], 2)}); the numbers above "
+                       "include them.")
     for arm in ("control", "hardware"):
         rec = summary["arms"].get(arm)
         if rec:
@@ -171,6 +193,12 @@ def _mitigations_md(summary: dict) -> list[str]:
             mitigation_table(summary["mitigations"]), ""]
 
 
+def _paired_level() -> str:
+    """The paired ratio interval's level as scipy would state it, with its widened z (stats.PAIRED_TAIL)."""
+    q = 1 - S.PAIRED_TAIL * (1 - S.LEVEL) / 2
+    return f"{100 * (2 * q - 1):.0f}%: z at {100 * q:.0f}%, widened from 95%"
+
+
 def _decomposition_md(summary: dict) -> list[str]:
     """Each one-source arm's share of the all arm's variance, their sum and the non-additivity."""
     dec = summary.get("decomposition") or {}
@@ -186,10 +214,11 @@ def _decomposition_md(summary: dict) -> list[str]:
     for name, d in dec.items():
         arms = list(d["shares"])
         out += [f"**{labels.get(name, name)}** (`all`: R={d['reference_replicas']})", "",
-                "| source arm | share of Var(all) | 95% CI |", "|---|---|---|"]
-        out += [f"| {a} | {d['shares'][a]['share']:.3f} | {format_ci(d['shares'][a]['ci'], 3).strip()} |" for a in arms]
-        out += [f"| sum of shares | {d['sum']:.3f} | {format_ci(d['sum_ci'], 3).strip()} |",
-                f"| non-additivity 1 − sum | {d['non_additivity']:.3f} | {format_ci(d['non_additivity_ci'], 3).strip()} |",
+                f"| source arm | share of Var(all) | 95% CI | CI paired by seed ({_paired_level()}) |", "|---|---|---|---|"]
+        out += [f"| {a} | {d['shares'][a]['share']:.3f} | {format_ci(d['shares'][a]['ci'], 3).strip()} | "
+                f"{format_ci(d['shares'][a].get('paired_ci'), 3).strip()} |" for a in arms]
+        out += [f"| sum of shares | {d['sum']:.3f} | {format_ci(d['sum_ci'], 3).strip()} | — |",
+                f"| non-additivity 1 − sum | {d['non_additivity']:.3f} | {format_ci(d['non_additivity_ci'], 3).strip()} | — |",
                 ""]
     return out
 
