@@ -362,7 +362,8 @@ def _run_methods(methods, baseline, parts: dict, dataset, data_name, study: dict
         finally:
             release_compiled()
 
-    folder = M.run_methods(base, planned, baseline, out, run_one=run_one, log=log)
+    folder = M.run_methods(base, planned, baseline, out, run_one=run_one, log=log,
+                           command=f"nondet_jax.run_study(..., methods={list(methods)})")
     return MethodsResult(folder)
 
 

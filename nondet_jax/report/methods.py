@@ -108,6 +108,10 @@ def write_methods_report(root: str | Path, command: str | None = None, log=print
     if summaries:
         _write_csv(paths.methods_csv, [strict_json(r) for r in methods_table(summaries, comparisons)], root=root)
     figures = _figures(root, comparisons)
+    if command:
+        atomic_write_bytes(paths.command, (command + "\n").encode(), root=root)
+    elif paths.command.is_file():
+        command = paths.command.read_text().strip()
     baseline, names = summary["baseline"], list(summary["methods"])
     md = [f"# Methods compared: {summary['model']} on {summary['dataset']}", ""]
     if command:

@@ -163,7 +163,7 @@ def write_methods(root: Path, base: cfg.Config, methods: list[Method], baseline:
 
 
 def run_methods(base: cfg.Config, methods: list[Method], baseline: str, out: str | Path | None, *,
-                run_one, log=print) -> Path:
+                run_one, log=print, command: str | None = None) -> Path:
     """Train every method into ``out/methods/<name>`` (``run_one(method, folder)`` runs one ordinary study
     there and returns its summary), record ``methods.json``, then write the report across methods.
     Returns the folder."""
@@ -183,7 +183,7 @@ def run_methods(base: cfg.Config, methods: list[Method], baseline: str, out: str
         atomic_write_json(RunPaths(out).methods_json, record, root=out)
     from nondet_jax.report.methods import write_methods_report
 
-    write_methods_report(out, log=log)
+    write_methods_report(out, command=command, log=log)
     return out
 
 
