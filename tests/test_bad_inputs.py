@@ -189,6 +189,14 @@ CASES: list[tuple[str, str]] = [
     ("API", "replicate(lambda keys: {'w': jnp.zeros(3)}, lambda s, b, keys: {'w': s['w'].astype(jnp.int32)}, steps=2)"),
     ("API", "replicate(lambda keys: {'w': jnp.zeros(3)}, lambda s, b, keys: {'w': jnp.zeros(4)}, steps=2)"),
     ("CLI", "--arms control,augmentation --augment os:system"),
+    ("CLI", "--method base: --method base:optim.lr=0.1"),
+    ("CLI", "--method base: --method 2x:optim.lr=0.1"),
+    ("CLI", "--method base: --method lr2:optim.lrr=0.2"),
+    ("CLI", "--method base: --method s1:study.seed=1"),
+    ("CLI", "--method base: --method lr2:optim.lr=0.2 --baseline lr3"),
+    ("CLI", "--method base"),
+    ("CLI", "--method base: --baseline base"),
+    ("API", "run_study(model='mlp', methods={'base': {}, 'lr2': {'lr': 0.2}})"),
 ]
 
 class Linear:  # a user's model without dropout (built lazily: flax is imported by the cases that use it)

@@ -107,12 +107,14 @@ def plan(base: cfg.Config, methods: dict, baseline: str | None = None, *, api: b
             if key in SHARED_KEYS:
                 raise UsageError(f"method '{name}' sets {key}, which every method shares (the study's arms, replicas "
                                  f"and seed pair the methods seed by seed); set it for the whole study, not per method")
-            if key not in cfg.valid_keys():
-                hint = f" or one of run_study's parts ({', '.join(PART_KEYS)})" if api else ""
-                try:
-                    cfg.from_flat({key: settings[key]}, base)
-                except UsageError as e:
-                    raise UsageError(f"method '{name}': {e}{hint}") from None
+            if key not in cfg.valid_keys() and api:
+                import difflib
+
+                keys = [*PART_KEYS, *cfg.valid_keys()]
+                close = [k for k in cfg.valid_keys() if k.split(".")[-1] == key] or difflib.get_close_matches(key, keys, 1)
+                raise UsageError(f"method '{name}' sets '{key}', which is neither one of run_study's parts "
+                                 f"({', '.join(PART_KEYS)}) nor a config key; "
+                                 + (f"did you mean '{close[0]}'?" if close else "config keys are listed in docs/cli.md"))
         try:
             cfg.from_flat(settings, base)
         except UsageError as e:
