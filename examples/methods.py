@@ -1,8 +1,9 @@
 """Is my improvement real? Three methods on digits in one study, paired by seed, and the decision.
 
 Plain cross-entropy (the baseline), label smoothing (a loss of your own) and a larger learning rate (a
-config key), each trained for 7 replicas (the fewest whose sign-flip p, Holm-adjusted over two methods, can fall below 0.05) under the same keys: replica r of every method starts from the same
-initial weights and sees the same data order, so each method is compared with the baseline seed by seed.
+config key), each trained for 7 replicas under the same keys: replica r of every method starts from the same
+initial weights and sees the same data order, so each method is compared with the baseline seed by seed
+(7 pairs: the fewest whose sign-flip p, Holm-adjusted over two methods, can fall below 0.05).
 (``python examples/methods.py [OUT]``)
 """
 
