@@ -91,10 +91,41 @@ def test_adding_a_method_to_a_finished_study_trains_only_the_new_one(methods_run
         for arm in ("control", "all"):
             assert f"arm {arm}: already finished in {out / 'methods' / name}, reusing it" in proc.stdout
     assert all((p.read_bytes(), p.stat().st_mtime_ns) == was for p, was in before.items())
-    assert proc.stdout.count("compiled") >= 1 and (out / "methods" / "nomom" / "arms" / "all.json").is_file()
+    new = proc.stdout.split("method nomom")[1]  # the new method is trained, both arms
+    assert "arm control: test accuracy" in new and "arm all: test accuracy" in new and "reusing" not in new
+    assert (out / "methods" / "nomom" / "arms" / "all.json").is_file()
     summary = json.loads((out / "summary.json").read_text())
     assert sorted(c["method_b"] for c in summary["comparisons"]) == ["lr2", "nomom", "same"]
     assert {c["holm_family"] for c in summary["comparisons"]} == {3}
+    # report rebuilds every method's report and the one across them, from the stored results alone
+    from nondet_jax.cli import report
+
+    (out / "report.md").unlink()
+    (out / "methods" / "nomom" / "report.md").unlink()
+    assert report.main([str(out)]) == 0
+    assert "| nomom | base | all |" in (out / "report.md").read_text()
+    assert (out / "methods" / "nomom" / "report.md").is_file()
+    assert json.loads((out / "summary.json").read_text())["comparisons"] == summary["comparisons"]
+
+
+def test_methods_from_a_config_file_and_flags(tmp_path):
+    from nondet_jax.cli import sweep
+
+    f = tmp_path / "m.yaml"
+    f.write_text("model: {name: mlp}\nmethods:\n  base: {}\n  lr2: {optim.lr: 0.2}\n  nomom: {optim: {momentum: 0}}\n"
+                 "baseline: lr2\n")
+    args = sweep.build_parser().parse_args(["--config", str(f)])
+    config = sweep.config_from_args(args)  # the methods section is not a config key
+    methods, baseline = sweep.methods_from_args(args, config)
+    assert [(m.name, m.settings) for m in methods] == [("base", {}), ("lr2", {"optim.lr": 0.2}),
+                                                       ("nomom", {"optim.momentum": 0})]
+    assert baseline == "lr2" and config.model.name == "mlp"
+    args = sweep.build_parser().parse_args(["--config", str(f), "--method", "a:", "--method",
+                                            "b:metrics.tta=flip,crop3,optim.lr=0.1"])
+    methods, baseline = sweep.methods_from_args(args, sweep.config_from_args(args))  # flags replace the file's
+    assert [(m.name, m.settings) for m in methods] == [("a", {}), ("b", {"metrics.tta": "flip,crop3",
+                                                                         "optim.lr": "0.1"})]
+    assert baseline == "a"
 
 
 def test_api_methods_with_parts_and_frames(tmp_path):

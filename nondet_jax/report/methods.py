@@ -13,6 +13,7 @@ from nondet_jax.analysis import stats as S
 from nondet_jax.analysis.compare import verdict
 from nondet_jax.analysis.methods import compare_methods, compared_arms, default_metric, finished, read_record
 from nondet_jax.analysis.task import QUANTITIES, task_of
+from nondet_jax.errors import UsageError
 from nondet_jax.report.summary import _write_csv, arm_rows
 from nondet_jax.store.io import atomic_write_bytes, atomic_write_json, strict_json
 from nondet_jax.store.paths import RunPaths
@@ -51,7 +52,7 @@ def methods_summary(root: str | Path) -> tuple[dict, dict[str, dict], list[dict]
             warnings.simplefilter("ignore", RuntimeWarning)
             try:
                 comparisons = compare_methods(root)
-            except Exception as e:  # noqa: BLE001 - UsageError (too few replicas, no varying arm): said in the report
+            except UsageError as e:  # too few replicas, no arm whose replicas vary: said in the report
                 note = str(e)
     else:
         note = "fewer than two methods (or no baseline) have finished; rerun the sweep to finish them"
