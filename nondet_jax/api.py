@@ -262,7 +262,8 @@ def run_study(model=None, data=None, optimizer=None, loss: Callable | None = Non
               features: str | None = None, task: str | None = None, settings: dict | None = None,
               init_params: dict | str | Path | None = None,
               config: cfg.Config | None = None, progress: bool = False, log: Callable = print,
-              methods: dict[str, dict] | None = None, baseline: str | None = None) -> StudyResult:
+              methods: dict[str, dict] | None = None, baseline: str | None = None,
+              batch_methods: bool = False) -> StudyResult:
     """Train ``replicas`` replicas per arm of your own parts and write a run folder and report.
 
     Args:
@@ -303,6 +304,9 @@ def run_study(model=None, data=None, optimizer=None, loss: Callable | None = Non
         method: adding a method to a finished study trains only the new one), ``methods.json`` and a
         report across methods. Returns a :class:`MethodsResult`.
       baseline: the method the others are compared with (default: the first).
+      batch_methods: train the methods that differ only in ``optim.lr``, ``optim.momentum`` or
+        ``optim.weight_decay`` (no part of their own) together, the hyper-parameters per replica in one
+        program per arm (:mod:`nondet_jax.study.batched`); equal to each trained alone up to float rounding.
 
     Returns:
       A :class:`StudyResult`: ``result.logits[arm]`` (R, n_test, classes), ``result.table`` (one row
@@ -319,7 +323,7 @@ def run_study(model=None, data=None, optimizer=None, loss: Callable | None = Non
         return _run_methods(methods, baseline, dict(model=model, optimizer=optimizer, loss=loss, augment=augment,
                                                     init_params=init_params), dataset, data_name,
                             dict(epochs=epochs, batch_size=batch_size, arms=arms, replicas=replicas, seed=seed,
-                                 strategy=strategy), settings, config, out, features, progress, log)
+                                 strategy=strategy), settings, config, out, features, progress, log, batch_methods)
     config = study_config(model=model, data_name=data_name, optimizer=optimizer, epochs=epochs,
                           batch_size=batch_size, arms=arms, replicas=replicas, seed=seed, strategy=strategy,
                           settings=settings, base=config)
@@ -334,7 +338,7 @@ def run_study(model=None, data=None, optimizer=None, loss: Callable | None = Non
 
 
 def _run_methods(methods, baseline, parts: dict, dataset, data_name, study: dict, settings, config, out, features,
-                 progress, log) -> "MethodsResult":
+                 progress, log, batch_methods: bool = False) -> "MethodsResult":
     """:func:`run_study` with ``methods=``: each method checked (:func:`nondet_jax.study.methods.plan`) before
     anything is trained, then trained into its own folder of the study."""
     from nondet_jax.study import methods as M
@@ -351,8 +355,7 @@ def _run_methods(methods, baseline, parts: dict, dataset, data_name, study: dict
     def run_one(m, folder):
         own = {**parts, **m.parts}
         model = own["model"]
-        method_config = study_config(model=model, data_name=data_name, optimizer=own["optimizer"],
-                                     settings={**(settings or {}), **m.settings}, base=config, **study)
+        method_config = config_of(m)
         try:
             return runner.run(method_config, folder, progress=progress, log=log, data=dataset,
                               parts=Parts(model=None if model is None or isinstance(model, str) else model,
@@ -362,7 +365,25 @@ def _run_methods(methods, baseline, parts: dict, dataset, data_name, study: dict
         finally:
             release_compiled()
 
+    def config_of(m):
+        own = {**parts, **m.parts}
+        return study_config(model=own["model"], data_name=data_name, optimizer=own["optimizer"],
+                            settings={**(settings or {}), **m.settings}, base=config, **study)
+
+    def batch(folder):
+        from nondet_jax.study.batched import train_batched
+
+        model = parts["model"]
+        try:
+            train_batched({m.name: config_of(m) for m in planned}, {m.name: m.parts for m in planned}, folder,
+                          Parts(model=None if model is None or isinstance(model, str) else model,
+                                optimizer=parts["optimizer"], loss=parts["loss"], augment=parts["augment"],
+                                features=features, init_params=parts["init_params"]), dataset, log)
+        finally:
+            release_compiled()
+
     folder = M.run_methods(base, planned, baseline, out, run_one=run_one, log=log,
+                           batch=batch if batch_methods else None,
                            command=f"nondet_jax.run_study(..., methods={list(methods)})")
     return MethodsResult(folder)
 

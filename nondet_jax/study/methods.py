@@ -165,16 +165,19 @@ def write_methods(root: Path, base: cfg.Config, methods: list[Method], baseline:
 
 
 def run_methods(base: cfg.Config, methods: list[Method], baseline: str, out: str | Path | None, *,
-                run_one, log=print, command: str | None = None) -> Path:
+                run_one, log=print, command: str | None = None, batch=None) -> Path:
     """Train every method into ``out/methods/<name>`` (``run_one(method, folder)`` runs one ordinary study
     there and returns its summary), record ``methods.json``, then write the report across methods.
-    Returns the folder."""
+    ``batch(out)``, when given, first trains the methods that can train together
+    (:mod:`nondet_jax.study.batched`); ``run_one`` then finds their arms finished. Returns the folder."""
     out = Path(out) if out is not None else default_out(base)
     check_path_name(out, "--out")
     check_no_links(out)
     check_folder(out)
     out.mkdir(parents=True, exist_ok=True)
     write_methods(out, base, methods, baseline)
+    if batch is not None:
+        batch(out)
     for m in methods:
         log(f"method {m.name}" + (f" ({', '.join(f'{k}={v}' for k, v in m.settings.items())}"
                                   f"{', ' if m.settings and m.parts else ''}{', '.join(m.parts)})"
