@@ -151,3 +151,34 @@ def test_api_methods_with_parts_and_frames(tmp_path):
     # the method's loss is part of its identity: the same folder with another loss is refused, naming the part
     with pytest.raises(nj.UsageError, match="loss"):
         nj.run_study(**kw, methods={"ce": {}, "smooth": {"loss": lambda lo, y: smoothed(lo, y) * 2}})
+
+
+def test_batched_methods_equal_each_method_alone(tmp_path):
+    import jax
+    import optax
+
+    import nondet_jax as nj
+
+    def smoothed(logits, labels):
+        return optax.softmax_cross_entropy(logits, optax.smooth_labels(jax.nn.one_hot(labels, logits.shape[-1]), 0.1))
+
+    kw = dict(model="mlp", data="digits", epochs=1, batch_size=256, arms="control,all", replicas=2,
+              settings={"train.checkpoint_seconds": 0, "metrics.lmc_pairs": 0})
+    methods = {"base": {}, "lr2": {"optim.lr": 0.1}, "plain": {"optim.momentum": 0.0, "optim.weight_decay": 0.0},
+               "smooth": {"loss": smoothed}}  # smooth has a part of its own: trained alone
+    said = []
+    batched = nj.run_study(**kw, out=tmp_path / "b", methods=methods, batch_methods=True, log=said.append)
+    assert any("3 methods (base, lr2, plain) batched" in str(s) for s in said)
+    alone = nj.run_study(**kw, out=tmp_path / "a", methods={n: methods[n] for n in ("base", "lr2", "plain")},
+                         log=lambda *a: None)
+    for name in ("base", "lr2", "plain"):
+        record = json.loads((batched.out / "methods" / name / "arms" / "all.json").read_text())
+        assert "batched with 3 methods" in record["strategy_reason"]
+        for arm in ("control", "all"):
+            b, a = batched.methods[name].logits[arm], alone.methods[name].logits[arm]
+            np.testing.assert_allclose(b, a, rtol=0, atol=1e-5)  # float rounding: lr x unit schedule, traced
+        control = batched.methods[name].logits["control"]
+        assert np.array_equal(control[0], control[1])  # the control arm is still bitwise one run
+    smooth = json.loads((batched.out / "methods" / "smooth" / "arms" / "all.json").read_text())
+    assert "batched" not in smooth["strategy_reason"]
+    assert not np.allclose(batched.methods["lr2"].logits["all"], batched.methods["base"].logits["all"])

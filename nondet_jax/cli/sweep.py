@@ -118,6 +118,10 @@ def build_parser(prog: str = "python -m nondet_jax.sweep") -> argparse.ArgumentP
                         "for that method, e.g. --method base: --method lr2:optim.lr=0.2. Every method runs the same "
                         "arms, replicas and seed, so replica r of each is paired with replica r of the others; OUT "
                         "holds methods/NAME/ per method and a report comparing each with the baseline")
+    p.add_argument("--batch-methods", action="store_true",
+                   help="train the methods that differ only in optim.lr, optim.momentum or optim.weight_decay together, "
+                        "the hyper-parameters per replica, in one program per arm (results equal to each method alone "
+                        "up to float rounding; no mid-arm checkpoints)")
     p.add_argument("--baseline", metavar="NAME", help="the method the others are compared with (default: the first "
                    "--method)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the study in RUN_DIR with the config stored there "
@@ -205,9 +209,10 @@ def methods_from_args(args: argparse.Namespace, config: Config) -> tuple[list, s
         named = dict(parsed)
     baseline = args.baseline or (file_baseline if not args.method else None)
     if not named:
-        if args.baseline:
-            raise UsageError(f"--baseline {args.baseline} names one of the study's methods, and there are none; add "
-                             "--method NAME:KEY=VALUE for each (at least two), or drop --baseline")
+        if args.baseline or args.batch_methods:
+            option = f"--baseline {args.baseline}" if args.baseline else "--batch-methods"
+            raise UsageError(f"{option} is for a study of methods, and there are none; add --method NAME:KEY=VALUE for "
+                             f"each (at least two), or drop {option.split()[0]}")
         return None
     for option, given in (("--resume", args.resume), ("--recompute", args.recompute),
                           ("--num-processes", args.num_processes), ("--distributed", args.distributed)):
@@ -373,7 +378,14 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                 return runner.run(cfg.from_flat(m.settings, config), folder, progress=progress,
                                   command=f"{command}  (method {m.name})", after_arm=after_arm)
 
-            methods.run_methods(config, *planned, args.out, run_one=run_one, command=command)
+            def batch(out):
+                from nondet_jax.study.batched import train_batched
+
+                train_batched({m.name: cfg.from_flat(m.settings, config) for m in planned[0]},
+                              {m.name: m.parts for m in planned[0]}, out, command=command)
+
+            methods.run_methods(config, *planned, args.out, run_one=run_one, command=command,
+                                batch=batch if args.batch_methods else None)
         elif procs.count > 1:
             if recompute:
                 raise UsageError("--recompute runs in a single process; rerun it without --num-processes first")
