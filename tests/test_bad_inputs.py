@@ -197,6 +197,7 @@ CASES: list[tuple[str, str]] = [
     ("CLI", "--method base"),
     ("CLI", "--method base: --baseline base"),
     ("API", "run_study(model='mlp', methods={'base': {}, 'lr2': {'lr': 0.2}})"),
+    ("CLI", "--batch-methods"),
 ]
 
 class Linear:  # a user's model without dropout (built lazily: flax is imported by the cases that use it)
