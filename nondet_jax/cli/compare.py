@@ -70,9 +70,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         if methods and args.b is not None:
             raise UsageError(f"{args.a} is a study of methods: compare its methods with --method-a/--method-b, not "
                              f"with a second folder ({args.b})")
-        if not methods and (args.b is None or args.method_a or args.method_b):
-            raise UsageError(f"{args.a} is not a study of methods (no methods.json): pass two run folders or two CSV "
-                             "files" + ("" if args.b is None else ", without --method-a/--method-b"))
+        if not methods and args.b is None:
+            raise UsageError(f"compare takes two run folders or two CSV files (A B), or one study of methods; {args.a} "
+                             "alone is not a study of methods (no methods.json): add B")
+        if not methods and (args.method_a or args.method_b):
+            raise UsageError(f"--method-a/--method-b pick methods of one study of methods, and {args.a} is none (no "
+                             "methods.json); drop them to compare A with B")
         from nondet_jax.analysis.compare import compare_many, format_many  # scipy: once the arguments are good
 
         if methods:
