@@ -198,6 +198,8 @@ CASES: list[tuple[str, str]] = [
     ("CLI", "--method base: --baseline base"),
     ("API", "run_study(model='mlp', methods={'base': {}, 'lr2': {'lr': 0.2}})"),
     ("CLI", "--batch-methods"),
+    ("CLI", "--method base: --method lr2:optim.lr=0.2 --recompute all"),
+    ("CLI", "--method base: --method lr2:optim.lr=0.2 --num-processes 2"),
 ]
 
 class Linear:  # a user's model without dropout (built lazily: flax is imported by the cases that use it)

@@ -217,8 +217,9 @@ def methods_from_args(args: argparse.Namespace, config: Config) -> tuple[list, s
     for option, given in (("--resume", args.resume), ("--recompute", args.recompute),
                           ("--num-processes", args.num_processes), ("--distributed", args.distributed)):
         if given:
-            fix = (f"rerun the same command to resume, or {option} on one method's folder OUT/methods/NAME"
-                   if option in ("--resume", "--recompute") else "run each method's folder with it separately")
+            fix = {"--resume": "rerun the same command to resume a study of methods",
+                   "--recompute": "to train arms of one method again, run --resume OUT/methods/NAME --recompute ARMS"
+                   }.get(option, "train the methods one by one, each with its own --out")
             raise UsageError(f"{option} cannot be combined with --method (a study of methods); {fix}")
     return methods.plan(config, named, baseline)
 
