@@ -16,6 +16,7 @@ import importlib
 __version__ = "0.1.0"
 
 _API = {"run_study": "nondet_jax.api", "replicate": "nondet_jax.api", "decompose": "nondet_jax.api", "StudyResult": "nondet_jax.api",
+        "MethodsResult": "nondet_jax.api",
         "Parts": "nondet_jax.models.parts", "Config": "nondet_jax.config", "UsageError": "nondet_jax.errors",
         "steps_per_epoch": "nondet_jax.train", "load_params": "nondet_jax.models.pretrained"}
 __all__ = [*_API, "metrics", "stats"]

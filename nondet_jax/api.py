@@ -103,18 +103,83 @@ class StudyResult:
         folder's ``<kind>.csv``. Needs pandas (``pip install "nondet_jax[frame]"``)."""
         kinds = ("arms", *FRAMES)
         if kind not in kinds:
-            raise UsageError(f"to_frame({kind!r}): choose one of {', '.join(map(repr, kinds))}")
-        try:
-            import pandas as pd
-        except ImportError:
-            raise UsageError('to_frame needs pandas, which nondet_jax does not require; pip install '
-                             '"nondet_jax[frame]" (or pandas)') from None
+            hint = "; 'methods' is for a study of methods (run_study(methods=...))" if kind == "methods" else ""
+            raise UsageError(f"to_frame({kind!r}): choose one of {', '.join(map(repr, kinds))}{hint}")
+        pd = _pandas()
         if kind == "arms":
             return pd.DataFrame(self.table).set_index("arm")
         return pd.DataFrame(self._long(kind), columns=list(FRAME_COLUMNS[kind]))
 
     def _long(self, kind: str) -> list[dict]:
         return FRAMES[kind](self.out, self.summary, {a: self._record(a) for a in self.summary["arms"]})
+
+
+class MethodsResult(StudyResult):
+    """What :func:`run_study` with ``methods=`` made: a study of methods, read back from its folder.
+
+    Attributes:
+      out, report: the folder and its ``report.md`` (across methods).
+      methods: ``methods[name]``, each method's own :class:`StudyResult` (its folder ``methods/<name>``).
+      baseline: the method the others are compared with.
+      comparisons: each method against the baseline on each arm whose replicas vary, paired by seed
+        (:func:`nondet_jax.analysis.methods.compare_methods`: difference, ``difference_ci``, ``p``,
+        ``p_holm`` over the methods, ``probability_of_improvement``: the share of seeds where it wins).
+      table, rows: :class:`StudyResult`'s, with a ``method`` column first, over every method.
+      logits, load_replica: the baseline's (``result.methods[name].logits`` for another method's).
+    """
+
+    def __init__(self, out: Path):  # noqa: D107 - StudyResult's, read from a study of methods
+
+        from nondet_jax.report.methods import methods_summary, methods_table
+
+        self.out = Path(out)
+        self._paths = RunPaths(out)
+        self.summary, _, self.comparisons = methods_summary(self.out)
+        self.report = self._paths.report
+        self.baseline = self.summary["baseline"]
+        self.methods = {n: StudyResult(self._paths.method(n), s) for n, s in _finished(self.out).items()}
+        self.table = methods_table({n: r.summary for n, r in self.methods.items()}, self.comparisons)
+        self.rows = [{"method": n, **row} for n, r in self.methods.items() for row in r.rows]
+        if self.baseline not in self.methods:
+            raise UsageError(f"the baseline '{self.baseline}' of {self.out} has not finished; rerun the study")
+        base = self.methods[self.baseline]
+        self.logits, self._record, self._classes = base.logits, base._record, base._classes
+
+    def __repr__(self) -> str:
+        return f"MethodsResult(out={str(self.out)!r}, methods={list(self.methods)}, baseline={self.baseline!r})"
+
+    def load_replica(self, arm: str, replica: int, model=None, method: str | None = None):
+        """:meth:`StudyResult.load_replica` of ``method`` (default: the baseline)."""
+        name = self.baseline if method is None else method
+        if name not in self.methods:
+            raise UsageError(f"method '{name}' is not in this study (methods: {', '.join(self.methods)}); pick one")
+        return self.methods[name].load_replica(arm, replica, model)
+
+    def to_frame(self, what: str = "methods"):
+        """``"methods"`` (also ``"arms"``): :attr:`table`, one row per method and arm with the paired comparison
+        with the baseline, indexed by method and arm; ``"replicas"``: :attr:`rows`, indexed by method, arm
+        and replica. Needs pandas."""
+        if what not in ("methods", "arms", "replicas"):
+            raise UsageError(f"to_frame('{what}'): choose 'methods' (one row per method and arm) or 'replicas'")
+        pd = _pandas()
+        if what == "replicas":
+            return pd.DataFrame(self.rows).set_index(["method", "arm", "replica"])
+        return pd.DataFrame(self.table).set_index(["method", "arm"])
+
+
+def _finished(out: Path) -> dict:
+    from nondet_jax.analysis.methods import finished
+
+    return finished(out)
+
+
+def _pandas():
+    try:
+        import pandas as pd
+    except ImportError:
+        raise UsageError('to_frame needs pandas, which nondet_jax does not require; pip install '
+                         '"nondet_jax[frame]" (or pandas)') from None
+    return pd
 
 
 class _LazyArrays(dict):
@@ -208,7 +273,9 @@ def run_study(model=None, data=None, optimizer=None, loss: Callable | None = Non
               replicas: int = 4, seed: int = 0, out: str | Path | None = None, strategy: str = "auto",
               features: str | None = None, task: str | None = None, settings: dict | None = None,
               init_params: dict | str | Path | None = None,
-              config: cfg.Config | None = None, progress: bool = False, log: Callable = print) -> StudyResult:
+              config: cfg.Config | None = None, progress: bool = False, log: Callable = print,
+              methods: dict[str, dict] | None = None, baseline: str | None = None,
+              batch_methods: bool = False) -> StudyResult:
     """Train ``replicas`` replicas per arm of your own parts and write a run folder and report.
 
     Args:
@@ -241,6 +308,17 @@ def run_study(model=None, data=None, optimizer=None, loss: Callable | None = Non
       settings: further config keys, dotted (``{"optim.lr": 0.1, "metrics.lmc_pairs": 0}``).
       config: a base :class:`~nondet_jax.config.Config` the above apply on top of.
       progress, log: a progress bar; where messages go (``log=lambda *a: None`` for silence).
+      methods: several methods in one study, paired by seed: ``{name: overrides}``, each value a dict of
+        run_study's own parts (``model``, ``optimizer``, ``loss``, ``augment``, ``init_params``) and config
+        keys (dotted) replacing the study's for that method (``{}``: the study's own). Every method runs
+        the same arms, replicas and seed, so replica r of every method gets the same keys for every
+        source. One folder: ``methods/<name>/`` per method (an ordinary run folder, reused and resumed per
+        method: adding a method to a finished study trains only the new one), ``methods.json`` and a
+        report across methods. Returns a :class:`MethodsResult`.
+      baseline: the method the others are compared with (default: the first).
+      batch_methods: train the methods that differ only in ``optim.lr``, ``optim.momentum`` or
+        ``optim.weight_decay`` (no part of their own) together, the hyper-parameters per replica in one
+        program per arm (:mod:`nondet_jax.study.batched`); equal to each trained alone up to float rounding.
 
     Returns:
       A :class:`StudyResult`: ``result.logits[arm]`` (R, n_test, classes), ``result.table`` (one row
@@ -253,6 +331,12 @@ def run_study(model=None, data=None, optimizer=None, loss: Callable | None = Non
     """
     _check_parts(optimizer, loss, augment)
     dataset, data_name = _dataset(data, task)
+    if methods is not None or baseline is not None:
+        with api_words():
+            return _run_methods(methods, baseline, dict(model=model, optimizer=optimizer, loss=loss, augment=augment,
+                                                        init_params=init_params), dataset, data_name,
+                                dict(epochs=epochs, batch_size=batch_size, arms=arms, replicas=replicas, seed=seed,
+                                     strategy=strategy), settings, config, out, features, progress, log, batch_methods)
     with api_words():
         config = study_config(model=model, data_name=data_name, optimizer=optimizer, epochs=epochs,
                               batch_size=batch_size, arms=arms, replicas=replicas, seed=seed, strategy=strategy,
@@ -280,6 +364,57 @@ def api_words():
         text = re.sub(r"--(out|arms|replicas|epochs|seed|strategy|batch-size)( (?=[\d/.~]))?",
                       lambda m: m.group(1).replace("-", "_") + "=", text)
         raise UsageError(text.replace("rerun the sweep", "rerun the study")) from None
+
+
+def _run_methods(methods, baseline, parts: dict, dataset, data_name, study: dict, settings, config, out, features,
+                 progress, log, batch_methods: bool = False) -> "MethodsResult":
+    """:func:`run_study` with ``methods=``: each method checked (:func:`nondet_jax.study.methods.plan`) before
+    anything is trained, then trained into its own folder of the study."""
+    from nondet_jax.study import methods as M
+
+    if methods is None:
+        raise UsageError("baseline= names one of methods=; pass methods={name: overrides, ...} too")
+    base = study_config(model=parts["model"], data_name=data_name, optimizer=parts["optimizer"], settings=settings,
+                        base=config, **study)
+    planned, baseline = M.plan(base, methods, baseline, api=True)
+    for m in planned:
+        own = {**parts, **m.parts}
+        _check_parts(own["optimizer"], own["loss"], own["augment"])
+
+    def run_one(m, folder):
+        own = {**parts, **m.parts}
+        model = own["model"]
+        method_config = config_of(m)
+        try:
+            return runner.run(method_config, folder, progress=progress, log=log, data=dataset,
+                              parts=Parts(model=None if model is None or isinstance(model, str) else model,
+                                          optimizer=own["optimizer"], loss=own["loss"], augment=own["augment"],
+                                          features=features, init_params=own["init_params"]),
+                              command=f"nondet_jax.run_study(..., methods={list(methods)}) method {m.name}")
+        finally:
+            release_compiled()
+
+    def config_of(m):
+        own = {**parts, **m.parts}
+        return study_config(model=own["model"], data_name=data_name, optimizer=own["optimizer"],
+                            settings={**(settings or {}), **m.settings}, base=config, **study)
+
+    def batch(folder):
+        from nondet_jax.study.batched import train_batched
+
+        model = parts["model"]
+        try:
+            train_batched({m.name: config_of(m) for m in planned}, {m.name: m.parts for m in planned}, folder,
+                          Parts(model=None if model is None or isinstance(model, str) else model,
+                                optimizer=parts["optimizer"], loss=parts["loss"], augment=parts["augment"],
+                                features=features, init_params=parts["init_params"]), dataset, log)
+        finally:
+            release_compiled()
+
+    folder = M.run_methods(base, planned, baseline, out, run_one=run_one, log=log,
+                           batch=batch if batch_methods else None,
+                           command=f"nondet_jax.run_study(..., methods={list(methods)})")
+    return MethodsResult(folder)
 
 
 def _check_parts(optimizer, loss, augment) -> None:

@@ -308,7 +308,7 @@ def test_cli_takes_model_and_dataset(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["digits_cnn.py", "wine_mlp.py", "own_step.py", "finetune.py"])
+@pytest.mark.parametrize("script", ["digits_cnn.py", "wine_mlp.py", "own_step.py", "finetune.py", "methods.py"])
 def test_examples_run(script, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / script), str(tmp_path / "run")],

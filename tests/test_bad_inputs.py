@@ -195,6 +195,18 @@ CASES: list[tuple[str, str]] = [
     ("API", "replicate(lambda keys: jnp.zeros(()), lambda s, b, keys: s, steps=2, arms='control').to_frame()"),
     ("API", "replicate(lambda keys: jnp.zeros(()), lambda s, b, keys: s, steps=2, arms='control', "
             "score=lambda s: s).compare('control', 'init')"),
+    # issue 44: a study of methods
+    ("CLI", "--method base: --method base:optim.lr=0.1"),
+    ("CLI", "--method base: --method 2x:optim.lr=0.1"),
+    ("CLI", "--method base: --method lr2:optim.lrr=0.2"),
+    ("CLI", "--method base: --method s1:study.seed=1"),
+    ("CLI", "--method base: --method lr2:optim.lr=0.2 --baseline lr3"),
+    ("CLI", "--method base"),
+    ("CLI", "--method base: --baseline base"),
+    ("API", "run_study(model='mlp', methods={'base': {}, 'lr2': {'lr': 0.2}})"),
+    ("CLI", "--batch-methods"),
+    ("CLI", "--method base: --method lr2:optim.lr=0.2 --recompute all"),
+    ("CLI", "--method base: --method lr2:optim.lr=0.2 --num-processes 2"),
 ]
 
 class Linear:  # a user's model without dropout (built lazily: flax is imported by the cases that use it)

@@ -9,7 +9,7 @@ from pathlib import Path
 from nondet_jax.cli import prog_name
 from nondet_jax.errors import OneLineParser, UsageError
 from nondet_jax.store.io import check_output_file, check_path_name
-from nondet_jax.store.paths import RUN_METRICS
+from nondet_jax.store.paths import RUN_METRICS, RunPaths
 
 
 def _plot_path(path: str) -> Path:
@@ -38,9 +38,14 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
     prog = prog or prog_name("nondet_jax compare", "nondet-jax-compare")
     p = OneLineParser(prog=prog, description=__doc__.splitlines()[0].replace("``", ""))
-    p.add_argument("a", help="method A: a run folder or a CSV file of per-seed scores")
-    p.add_argument("b", help="method B: same kind as A")
-    p.add_argument("--arm", default="all", help="arm of each run folder (default: all); several, comma-separated "
+    p.add_argument("a", help="method A: a run folder or a CSV file of per-seed scores; or a study of methods (a "
+                   "sweep's --out with --method), alone: each method against its baseline, paired by seed")
+    p.add_argument("b", nargs="?", help="method B: same kind as A")
+    p.add_argument("--method-a", help="a study of methods: the method compared with (default: its baseline)")
+    p.add_argument("--method-b", help="a study of methods: the one method compared with --method-a (default: every "
+                   "other method, p-values also Holm-adjusted over them)")
+    p.add_argument("--arm", default=None, help="arm of each run folder (default: all; a study of methods: every arm "
+                   "whose replicas vary); several, comma-separated "
                    "(init,data_order,all): each compared, p-values also Holm-adjusted over them")
     p.add_argument("--arm-b", default=None, help="a different arm for B (default: --arm)")
     p.add_argument("--metric", default="test_accuracy", help=f"run folders: one of {', '.join(RUN_METRICS)}")
@@ -58,14 +63,35 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = p.parse_args(argv)
     try:
         plot = _plot_path(args.plot) if args.plot else None
-        arms, columns = _names(args.arm, "--arm"), _names(args.column, "--column")
+        arms, columns = _names(args.arm or "all", "--arm"), _names(args.column, "--column")
         if plot is not None and max(len(arms or []), len(columns or [])) > 1:
             raise UsageError("--plot draws one comparison; give one --arm or --column with it")
+        methods = RunPaths(args.a).methods_json.is_file() and not RunPaths(args.a).config.exists()
+        if methods and args.b is not None:
+            raise UsageError(f"{args.a} is a study of methods: compare its methods with --method-a/--method-b, not "
+                             f"with a second folder ({args.b})")
+        if not methods and args.b is None:
+            raise UsageError(f"compare takes two run folders or two CSV files (A B), or one study of methods; {args.a} "
+                             "alone is not a study of methods (no methods.json): add B")
+        if not methods and (args.method_a or args.method_b):
+            raise UsageError(f"--method-a/--method-b pick methods of one study of methods, and {args.a} is none (no "
+                             "methods.json); drop them to compare A with B")
         from nondet_jax.analysis.compare import compare_many, format_many  # scipy: once the arguments are good
 
-        results = compare_many(args.a, args.b, arms=arms, columns=columns, arm_b=args.arm_b, metric=args.metric,
-                               higher_is_better=False if args.lower_is_better else None, detect=args.detect,
-                               paired=args.paired)
+        if methods:
+            from nondet_jax.analysis.methods import compare_methods
+
+            if args.column or args.arm_b or args.lower_is_better:
+                raise UsageError("--column, --arm-b and --lower-is-better are not for a study of methods; choose "
+                                 "--arm, --metric, --method-a and --method-b")
+            results = compare_methods(args.a, args.method_a, args.method_b, arms=_names(args.arm, "--arm"),
+                                      metric=args.metric, detect=args.detect)
+            if plot is not None and len(results) > 1:
+                raise UsageError("--plot draws one comparison; name --method-b and one --arm with it")
+        else:
+            results = compare_many(args.a, args.b, arms=arms, columns=columns, arm_b=args.arm_b, metric=args.metric,
+                                   higher_is_better=False if args.lower_is_better else None, detect=args.detect,
+                                   paired=args.paired)
         r = results[0]
         if plot is not None:
             import io

@@ -23,6 +23,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = p.parse_args(argv)
     try:
         run = Path(args.run_dir)
+        if RunPaths(run).methods_json.is_file() and not RunPaths(run).config.exists():
+            return _methods(run, args, prog)
         if not RunPaths(run).config.is_file():
             raise UsageError(f"{run} is not a nondet_jax run folder (no config.json); pass the --out folder of a sweep")
         from nondet_jax.report.markdown import write_report  # JAX and scipy: once the folder is a run folder
@@ -44,6 +46,26 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
     print(format_table(summary))
     print(f"report: {RunPaths(args.run_dir).report}")
+    return 0
+
+
+def _methods(run: Path, args, prog: str) -> int:
+    """A study of methods: each finished method's report rebuilt, then the report across methods."""
+    from nondet_jax.analysis.methods import finished
+    from nondet_jax.report.markdown import write_report
+    from nondet_jax.report.methods import write_methods_report
+    from nondet_jax.store.run import release_lock, take_lock
+
+    if args.tensorboard:
+        raise UsageError(f"--tensorboard exports one run folder; pass a method's folder {run}/methods/NAME")
+    for name in finished(run):
+        folder = RunPaths(run).method(name)
+        fd = take_lock(folder, "wait for it to finish, then rebuild the report")
+        try:
+            write_report(folder)
+        finally:
+            release_lock(fd)
+    write_methods_report(run)
     return 0
 
 

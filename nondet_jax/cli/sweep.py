@@ -20,6 +20,7 @@ from nondet_jax.config import Config
 from nondet_jax.errors import OneLineParser, UsageError
 from nondet_jax.machine.determinism import CACHE_ENV, DETERMINISM_ON, check_flags, with_flags
 from nondet_jax.store.paths import RunPaths, arm_name
+from nondet_jax.study import methods
 
 # JAX, flax and scipy (through the study, the report and TensorBoard's export) are imported only once the
 # arguments and the config have passed their checks: a refused argument costs the interpreter and the config,
@@ -112,6 +113,17 @@ def build_parser(prog: str = "python -m nondet_jax.sweep") -> argparse.ArgumentP
     p.add_argument("--set", action="append", default=[], nargs="+", metavar="KEY=VALUE",
                    help="override any config key, e.g. --set optim.nesterov=true or --set optim.lr 0.1 "
                         "(repeatable; keys: docs/cli.md)")
+    p.add_argument("--method", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE...]",
+                   help="a method of a study of methods (repeatable; at least two): config keys replacing the study's "
+                        "for that method, e.g. --method base: --method lr2:optim.lr=0.2. Every method runs the same "
+                        "arms, replicas and seed, so replica r of each is paired with replica r of the others; OUT "
+                        "holds methods/NAME/ per method and a report comparing each with the baseline")
+    p.add_argument("--batch-methods", action="store_true",
+                   help="train the methods that differ only in optim.lr, optim.momentum or optim.weight_decay together, "
+                        "the hyper-parameters per replica, in one program per arm (results equal to each method alone "
+                        "up to float rounding; no mid-arm checkpoints)")
+    p.add_argument("--baseline", metavar="NAME", help="the method the others are compared with (default: the first "
+                   "--method)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the study in RUN_DIR with the config stored there "
                    "(finished arms are kept, an arm in training continues from its last checkpoint)")
     p.add_argument("--recompute", metavar="ARMS", help="comma list of arms whose results (and checkpoints) are "
@@ -164,18 +176,52 @@ def set_pairs(groups: list[list[str]]) -> list[str]:
     return out
 
 
-def config_from_args(args: argparse.Namespace) -> Config:
-    """Preset (default: sources unless --config is given), then --config, then flags, then --set."""
+def _file_keys(args: argparse.Namespace) -> dict:
+    """The keys of the preset (default: sources unless --config is given), then --config."""
     preset = args.preset or (None if args.config else DEFAULT_PRESET)
     flat = cfg.load_file(preset_path(preset)) if preset else {}
     if args.config:
         flat.update(cfg.load_file(args.config))
+    return flat
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """Preset (default: sources unless --config is given), then --config, then flags, then --set (a file's
+    ``methods:`` and ``baseline:`` are :func:`methods_from_args`'s)."""
+    flat = _file_keys(args)
+    methods.from_file(flat)
     for flag, key in FLAGS.items():
         value = getattr(args, flag)
         if value is not None:
             flat[key] = value
     flat.update(cfg.parse_overrides(set_pairs(args.set)))
     return cfg.from_flat(flat)
+
+
+def methods_from_args(args: argparse.Namespace, config: Config) -> tuple[list, str] | None:
+    """The study's methods, checked (:func:`nondet_jax.study.methods.plan`): the ``--method`` flags, else the
+    preset's or --config file's ``methods:`` section; ``--baseline`` or the file's ``baseline:``. None for a
+    study of one method."""
+    named, file_baseline = methods.from_file(_file_keys(args)) if not args.resume else ({}, None)
+    if args.method:
+        parsed = [methods.parse_method(spec) for spec in args.method]
+        methods.duplicate_check([name for name, _ in parsed])
+        named = dict(parsed)
+    baseline = args.baseline or (file_baseline if not args.method else None)
+    if not named:
+        if args.baseline or args.batch_methods:
+            option = f"--baseline {args.baseline}" if args.baseline else "--batch-methods"
+            raise UsageError(f"{option} is for a study of methods, and there are none; add --method NAME:KEY=VALUE for "
+                             f"each (at least two), or drop {option.split()[0]}")
+        return None
+    for option, given in (("--resume", args.resume), ("--recompute", args.recompute),
+                          ("--num-processes", args.num_processes), ("--distributed", args.distributed)):
+        if given:
+            fix = {"--resume": "rerun the same command to resume a study of methods",
+                   "--recompute": "to train arms of one method again, run --resume OUT/methods/NAME --recompute ARMS"
+                   }.get(option, "train the methods one by one, each with its own --out")
+            raise UsageError(f"{option} cannot be combined with --method (a study of methods); {fix}")
+    return methods.plan(config, named, baseline)
 
 
 # Config keys whose PACKAGE.MODULE:ATTR value is imported (and run), by the flag that sets each.
@@ -197,6 +243,10 @@ def config_for_resume(args: argparse.Namespace, log=print) -> Config:
             raise ValueError("not a file")
         stored = cfg.loads_json(path.read_text(), path)
     except FileNotFoundError:
+        if RunPaths(args.resume).methods_json.exists():
+            raise UsageError(f"--resume {args.resume} is a study of methods; rerun the command that made it (its "
+                             "methods resume one by one), or --resume one method's folder "
+                             f"{RunPaths(args.resume).root / 'methods' / 'NAME'}") from None
         raise UsageError(f"--resume {args.resume} is not a nondet_jax run folder (no config.json); pass the --out "
                          "folder of an earlier sweep") from None
     except (OSError, ValueError):  # JSONDecodeError and UnicodeDecodeError (a binary file) are ValueErrors
@@ -312,6 +362,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             args.out = args.resume
         else:
             config = config_from_args(args)
+        planned = methods_from_args(args, config)
         enable_compile_cache(args.compile_cache)  # JAX starts here, once the arguments and the config are good
         if config.study.xla_determinism:
             set_determinism_flags()
@@ -323,7 +374,20 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
         after_arm = tensorboard_logger() if args.log == "tensorboard" else None
         procs = multihost.initialize(args.coordinator, args.num_processes, args.process_id, args.distributed == "auto")
-        if procs.count > 1:
+        if planned is not None:
+            def run_one(m, folder):
+                return runner.run(cfg.from_flat(m.settings, config), folder, progress=progress,
+                                  command=f"{command}  (method {m.name})", after_arm=after_arm)
+
+            def batch(out):
+                from nondet_jax.study.batched import train_batched
+
+                train_batched({m.name: cfg.from_flat(m.settings, config) for m in planned[0]},
+                              {m.name: m.parts for m in planned[0]}, out, command=command)
+
+            methods.run_methods(config, *planned, args.out, run_one=run_one, command=command,
+                                batch=batch if args.batch_methods else None)
+        elif procs.count > 1:
             if recompute:
                 raise UsageError("--recompute runs in a single process; rerun it without --num-processes first")
             summary = runner.run_distributed(config, args.out, procs, progress=progress, command=command)

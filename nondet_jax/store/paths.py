@@ -10,6 +10,7 @@ used by :func:`nondet_jax.store.io.guarded`, the one helper through which anythi
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from nondet_jax.arms import parse_arm
@@ -44,6 +45,25 @@ def arm_name(arm: object, where: str = "") -> str:
     raise UsageError(f"{where} names arm {shown}, which is not an arm name (control, all, a source, a '+'-joined "
                      "combination, @snapshotK): the folder was edited or was not written by nondet_jax, and nothing "
                      "in it was touched; restore it, or start a new study with another --out")
+
+
+METHOD_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
+
+
+def method_name(name: object, where: str = "") -> str:
+    """``name`` checked as a method's name (a multi-method study's ``methods/<name>/`` folder): a letter, then
+    up to 63 letters, digits, ``_`` or ``-``, so never a ``/``, ``..`` or an absolute path, the same gate for the
+    command line, the API and a name read from a folder's ``methods.json`` (``where`` names that file);
+    UsageError otherwise."""
+    if isinstance(name, str) and METHOD_NAME.fullmatch(name):
+        return name
+    shown = repr(name) if len(repr(name)) <= 60 else repr(name)[:57] + "..."
+    if where:
+        raise UsageError(f"{where} names method {shown}, which is not a method name: the folder was edited or was "
+                         "not written by nondet_jax, and nothing in it was touched; restore it, or start a new study "
+                         "with another --out")
+    raise UsageError(f"method name {shown} is not a name: start with a letter, then at most 63 letters, digits, _ or "
+                     "-, e.g. base, smooth or lr_0p2")
 
 
 def contained(root: str | Path, target: str | Path) -> Path:
@@ -94,11 +114,21 @@ class RunPaths:
         self.report = self.root / "report.md"
         self.figures = self.root / "figures"
         self.instruments_csv = self.root / "instruments.csv"  # every arm's instruments: arm,replica,step,quantity,value
+        self.methods_json = self.root / "methods.json"  # a multi-method study: its methods, baseline, base config
+        self.methods_csv = self.root / "methods.csv"  # ... one row per method and arm, with the paired comparison
 
     def table(self, kind: str) -> Path:
         """The CSV of a long table (``curves``, ``best``, ``pairs``, ...; :mod:`nondet_jax.report.frames`):
         ``<kind>.csv`` at the folder's top level."""
         return self.root / f"{kind}.csv"
+
+    def method(self, name: str) -> Path:
+        """A multi-method study's method ``name``: an ordinary run folder, ``methods/<name>``."""
+        return self.root / "methods" / method_name(name)
+
+    def method_figure(self, name: str) -> Path:
+        """The figure of method ``name`` against the baseline, ``figures/method-<name>.png``."""
+        return self.figures / f"method-{method_name(name)}.png"
 
     @staticmethod
     def rel(kind: str, arm: str, ext: str | None = None) -> str:

@@ -1,0 +1,101 @@
+"""Each method of a multi-method study against the baseline, seed by seed (:mod:`nondet_jax.study.methods`).
+
+Every method trained replica r under the same keys for every source, so the comparison is
+:func:`nondet_jax.analysis.compare.compare` with ``paired=True`` on two methods' folders, and the p-values
+of the methods compared with one baseline on one arm are Holm-adjusted over that family
+(:func:`nondet_jax.analysis.stats.holm`). No statistics of its own.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from nondet_jax.analysis import stats as S
+from nondet_jax.analysis.compare import compare
+from nondet_jax.errors import UsageError
+from nondet_jax.store.paths import RUN_METRICS, RunPaths, method_name
+
+
+def read_record(root: str | Path) -> dict:
+    """``methods.json`` of a multi-method study, its names checked; UsageError where there is none."""
+    path = RunPaths(root).methods_json
+    try:
+        record = json.loads(path.read_text())
+        names, baseline = list(record["methods"]), record["baseline"]
+    except FileNotFoundError:
+        raise UsageError(f"{root} is not a study of methods (no methods.json); pass the --out folder of a sweep "
+                         "with --method") from None
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UsageError(f"{path} is unreadable or not a methods record; restore it, or start a new study with "
+                         "another --out") from None
+    for n in names:
+        method_name(n, str(path))
+    method_name(baseline, f"{path} baseline")
+    return record
+
+
+def finished(root: str | Path, record: dict | None = None) -> dict[str, dict]:
+    """``{method: summary}`` of every method whose folder holds a finished study (``summary.json``), in the
+    order of ``methods.json``."""
+    record = record or read_record(root)
+    out = {}
+    for name in record["methods"]:
+        path = RunPaths(RunPaths(root).method(name)).summary
+        if path.is_file():
+            try:
+                out[name] = json.loads(path.read_text())
+            except (OSError, ValueError):
+                raise UsageError(f"{path} is unreadable or corrupt; rebuild it with python -m nondet_jax report "
+                                 f"{RunPaths(root).method(name)}") from None
+    return out
+
+
+def compared_arms(summaries: dict[str, dict]) -> list[str]:
+    """The arms every method has whose replicas differ (not ``control``: its replicas are all one run)."""
+    first = next(iter(summaries.values()))
+    return [a for a, s in first["arms"].items() if s.get("varied") and all(a in m["arms"] for m in summaries.values())]
+
+
+def default_metric(summaries: dict[str, dict]) -> str:
+    """The score compared: test accuracy for classification, else the test loss."""
+    first = next(iter(summaries.values()))
+    return "test_accuracy" if first.get("task", "classification") == "classification" else "test_loss"
+
+
+def compare_methods(root: str | Path, a: str | None = None, b: str | None = None, arms: list[str] | None = None,
+                    metric: str | None = None, detect: float | None = None) -> list[dict]:
+    """Method ``b`` against ``a`` (default: every method against the baseline), paired by seed, on each of
+    ``arms`` (default: :func:`compared_arms`). Each result is :func:`nondet_jax.analysis.compare.compare`'s,
+    plus ``method_a``, ``method_b``, ``arm``, ``p_holm`` (Holm over the methods compared with ``a`` on that
+    arm) and ``holm_family``."""
+    root = Path(root)
+    record = read_record(root)
+    summaries = finished(root, record)
+    names = list(record["methods"])
+    for option, n in (("--method-a", a), ("--method-b", b)):
+        if n is not None and n not in names:
+            raise UsageError(f"{option} {n} is not a method of {root} (methods: {', '.join(names)}); name one of those")
+        if n is not None and n not in summaries:
+            raise UsageError(f"method '{n}' has no finished study in {root}; rerun the sweep to finish it")
+    a = a or record["baseline"]
+    if a not in summaries:
+        raise UsageError(f"the baseline '{a}' has no finished study in {root}; rerun the sweep to finish it")
+    others = [b] if b is not None else [n for n in summaries if n != a]
+    if not others or others == [a]:
+        raise UsageError(f"nothing to compare method '{a}' with in {root}; name another with --method-b")
+    metric = metric or default_metric(summaries)
+    if metric not in RUN_METRICS:
+        raise UsageError(f"unknown --metric '{metric}' for a run folder; use one of {', '.join(RUN_METRICS)}")
+    arms = arms or compared_arms({n: summaries[n] for n in (a, *others)})
+    if not arms:
+        raise UsageError(f"the methods of {root} share no arm whose replicas vary (control's are one run); train an "
+                         "arm such as all")
+    results = []
+    for arm in arms:
+        family = [compare(RunPaths(root).method(a), RunPaths(root).method(n), arm=arm, metric=metric, detect=detect,
+                          paired=True) for n in others]
+        for n, r, q in zip(others, family, S.holm([r["p"] for r in family])):
+            r.update(method_a=a, method_b=n, arm=arm, p_holm=q, holm_family=len(family))
+        results += family
+    return results

@@ -1,0 +1,199 @@
+"""Methods in a study: "is method B really better than A, or was it the seed?" as one run folder.
+
+A multi-method study is a folder holding ``methods.json`` (the methods, in order, their settings, the
+baseline and the study's base config) and one ordinary run folder per method, ``methods/<name>/``. Every
+method runs the same arms, replicas and ``study.seed``, so replica r of every method trains under the same
+keys for every source: methods are paired seed by seed by construction. Reuse, resume and the refusals of a
+changed config or changed parts work per method exactly as for one study (:func:`nondet_jax.study.runner.run`
+on each folder), so adding a method to a finished study trains only the new one.
+
+Checked before JAX starts (no JAX at module level): the command line refuses a bad ``--method`` before
+training anything.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from nondet_jax import config as cfg
+from nondet_jax.errors import UsageError
+from nondet_jax.store.io import atomic_write_json, check_no_links, check_path_name
+from nondet_jax.store.paths import RunPaths, method_name
+
+# run_study's own parts a method may replace (the others are config keys, dotted).
+PART_KEYS = ("model", "optimizer", "loss", "augment", "init_params")
+# What pairs the methods: every method runs the study's arms, replicas and seed.
+SHARED_KEYS = ("study.seed", "study.replicas", "study.arms")
+
+
+class Method(NamedTuple):
+    """One method of a study: its name, its config keys (dotted, on top of the study's config) and the
+    parts it replaces (``run_study``'s ``model``, ``optimizer``, ...; empty on the command line)."""
+
+    name: str
+    settings: dict
+    parts: dict
+
+
+def parse_method(spec: str) -> tuple[str, dict[str, str]]:
+    """``--method NAME:KEY=VALUE[,KEY=VALUE...]`` -> ``(NAME, {KEY: VALUE})``. A value may hold commas
+    (``metrics.tta=flip,crop5``): items split only before a ``section.key=``."""
+    name, colon, rest = spec.partition(":")
+    if not colon:
+        raise UsageError(f"--method {spec!r} has no ':'; write --method NAME:KEY=VALUE[,KEY=VALUE...] "
+                         "(--method base: for the study's own settings)")
+    method_name(name.strip())
+    settings: dict[str, str] = {}
+    for item in re.split(r",(?=\s*[A-Za-z_][A-Za-z0-9_]*\.[A-Za-z_][A-Za-z0-9_]*\s*=)", rest) if rest.strip() else []:
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise UsageError(f"--method {spec!r}: {item!r} is not KEY=VALUE; write e.g. --method "
+                             f"{name.strip()}:optim.lr=0.2")
+        if key.strip() in settings:
+            raise UsageError(f"--method {spec!r} sets {key.strip()} twice; set it once")
+        settings[key.strip()] = value.strip()
+    return name.strip(), settings
+
+
+def from_file(flat: dict[str, Any]) -> tuple[dict[str, dict], str | None]:
+    """The ``methods:`` section (``{NAME: {KEY: VALUE}}``, keys dotted or in sections) and ``baseline:`` of a
+    preset or config file, taken out of its flattened keys (:func:`nondet_jax.config.load_file`), which
+    keep the rest. Returns ``(methods, baseline)``."""
+    methods: dict[str, dict] = {}
+    for key in [k for k in flat if k.startswith("methods.")]:
+        name, value = key.removeprefix("methods."), flat.pop(key)
+        if value is None:
+            value = {}
+        if not isinstance(value, dict):
+            raise UsageError(f"methods: {name} holds {value!r}, not a mapping of config keys; write e.g. "
+                             f"methods: {{{name}: {{optim.lr: 0.2}}}} (or {{}} for the study's own settings)")
+        settings = {}
+        for k, v in value.items():
+            for k2, v2 in (v.items() if isinstance(v, dict) else [(None, v)]):
+                settings[f"{k}.{k2}" if k2 is not None else str(k)] = v2
+        methods[name] = settings
+    if "methods" in flat:
+        raise UsageError(f"methods: holds {flat['methods']!r}, not a mapping of method names; write e.g. "
+                         "methods: {base: {}, lr2: {optim.lr: 0.2}}")
+    baseline = flat.pop("baseline", None)
+    return methods, None if baseline is None else str(baseline)
+
+
+def plan(base: cfg.Config, methods: dict, baseline: str | None = None, *, api: bool = False) -> tuple[list[Method], str]:
+    """The methods checked, before anything is built or trained: names (:func:`method_name`), at least
+    two, each method's keys (config keys, or with ``api`` also :data:`PART_KEYS`), none of
+    :data:`SHARED_KEYS`, each method's config valid on top of ``base``, and the baseline one of them
+    (default: the first). Returns ``(methods, baseline)``."""
+    where = "methods=" if api else "--method"
+    if not isinstance(methods, dict) or len(methods) < 2:
+        raise UsageError(f"a study of methods needs at least two methods (the baseline and one to compare with it), "
+                         f"got {len(methods) if isinstance(methods, dict) else methods!r}; add one, e.g. "
+                         + ('methods={"base": {}, "lr2": {"optim.lr": 0.2}}' if api else
+                            "--method base: --method lr2:optim.lr=0.2"))
+    out = []
+    for name, over in methods.items():
+        method_name(name)
+        if over is None:
+            over = {}
+        if not isinstance(over, dict):
+            raise UsageError(f"{where} method '{name}' holds a {type(over).__name__}; give a dict of overrides, e.g. "
+                             f"{{'optim.lr': 0.2}} or {{}} for the study's own settings")
+        parts = {k: v for k, v in over.items() if api and k in PART_KEYS}
+        settings = {str(k): v for k, v in over.items() if k not in parts}
+        for key in settings:
+            if key in SHARED_KEYS:
+                raise UsageError(f"method '{name}' sets {key}, which every method shares (the study's arms, replicas "
+                                 f"and seed pair the methods seed by seed); set it for the whole study, not per method")
+            if key not in cfg.valid_keys() and api:
+                import difflib
+
+                keys = [*PART_KEYS, *cfg.valid_keys()]
+                close = [k for k in cfg.valid_keys() if k.split(".")[-1] == key] or difflib.get_close_matches(key, keys, 1)
+                raise UsageError(f"method '{name}' sets '{key}', which is neither one of run_study's parts "
+                                 f"({', '.join(PART_KEYS)}) nor a config key; "
+                                 + (f"did you mean '{close[0]}'?" if close else "config keys are listed in docs/cli.md"))
+        try:
+            cfg.from_flat(settings, base)
+        except UsageError as e:
+            raise UsageError(f"method '{name}': {e}") from None
+        out.append(Method(name, settings, parts))
+    names = [m.name for m in out]
+    baseline = names[0] if baseline is None else baseline
+    if baseline not in names:
+        raise UsageError(f"baseline '{baseline}' is not one of the methods ({', '.join(names)}); name one of those")
+    return out, baseline
+
+
+def duplicate_check(names: list[str]) -> None:
+    """A method named twice (the command line's repeated ``--method``; a dict cannot hold one twice)."""
+    twice = next((n for n in names if names.count(n) > 1), None)
+    if twice is not None:
+        raise UsageError(f"method '{twice}' is named twice; name each method once")
+
+
+def default_out(base: cfg.Config) -> Path:
+    """``runs/<dataset>-<model>-methods-<hash>``, the hash over the study's base config: the same
+    study, the same folder, so a method added later joins it."""
+    from nondet_jax.store.run import config_digest
+
+    name = lambda s: re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(s).stem if s.endswith(".npz") else s)  # noqa: E731
+    return Path("runs") / f"{name(base.data.name)}-{name(base.model.name)}-methods-{config_digest(cfg.to_dict(base))[:8]}"
+
+
+def check_folder(root: Path) -> None:
+    """Refuse a folder that is an ordinary (single-method) run folder as a multi-method study's ``--out``."""
+    if RunPaths(root).config.exists():
+        raise UsageError(f"{root} holds a single study (config.json), not a study of methods; choose another --out "
+                         "for the methods")
+
+
+def write_methods(root: Path, base: cfg.Config, methods: list[Method], baseline: str) -> dict:
+    """``methods.json``: the methods of earlier runs of this folder kept (in their order), this run's
+    added or updated, its baseline."""
+    from nondet_jax.analysis.methods import read_record
+
+    old = read_record(root) if RunPaths(root).methods_json.exists() else {"methods": {}}
+    record = {"baseline": baseline, "config": cfg.to_dict(base), "methods": dict(old["methods"])}
+    for m in methods:
+        record["methods"][m.name] = {"settings": {k: str(v) for k, v in m.settings.items()},
+                                     "parts": sorted(m.parts), "folder": f"methods/{m.name}"}
+    atomic_write_json(RunPaths(root).methods_json, record, root=root)
+    return record
+
+
+def run_methods(base: cfg.Config, methods: list[Method], baseline: str, out: str | Path | None, *,
+                run_one, log=print, command: str | None = None, batch=None) -> Path:
+    """Train every method into ``out/methods/<name>`` (``run_one(method, folder)`` runs one ordinary study
+    there and returns its summary), record ``methods.json``, then write the report across methods.
+    ``batch(out)``, when given, first trains the methods that can train together
+    (:mod:`nondet_jax.study.batched`); ``run_one`` then finds their arms finished. Returns the folder."""
+    out = Path(out) if out is not None else default_out(base)
+    check_path_name(out, "--out")
+    check_no_links(out)
+    check_folder(out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_methods(out, base, methods, baseline)
+    if batch is not None:
+        batch(out)
+    for m in methods:
+        log(f"method {m.name}" + (f" ({', '.join(f'{k}={v}' for k, v in m.settings.items())}"
+                                  f"{', ' if m.settings and m.parts else ''}{', '.join(m.parts)})"
+                                  if m.settings or m.parts else " (the study's own settings)"))
+        run_one(m, RunPaths(out).method(m.name))
+        record = json.loads(RunPaths(out).methods_json.read_text())
+        record["methods"][m.name]["identity_sha256"] = _identity(out, m.name)
+        atomic_write_json(RunPaths(out).methods_json, record, root=out)
+    from nondet_jax.report.methods import write_methods_report
+
+    write_methods_report(out, command=command, log=log)
+    return out
+
+
+def _identity(root: Path, name: str) -> str | None:
+    try:
+        return json.loads((RunPaths(root).method(name) / "model.json").read_text()).get("identity_sha256")
+    except (OSError, ValueError):
+        return None
