@@ -157,13 +157,13 @@ class MethodsResult(StudyResult):
 
     def to_frame(self, what: str = "methods"):
         """``"methods"`` (also ``"arms"``): :attr:`table`, one row per method and arm with the paired comparison
-        with the baseline, indexed by method and arm; ``"replicas"``: :attr:`rows`, indexed by method, arm
-        and replica. Needs pandas."""
+        with the baseline, indexed by method and arm; ``"replicas"``: :attr:`rows`, the long ``replicas`` table
+        of every method with ``method`` first (one number a row). Needs pandas."""
         if what not in ("methods", "arms", "replicas"):
             raise UsageError(f"to_frame('{what}'): choose 'methods' (one row per method and arm) or 'replicas'")
         pd = _pandas()
         if what == "replicas":
-            return pd.DataFrame(self.rows).set_index(["method", "arm", "replica"])
+            return pd.DataFrame(self.rows)
         return pd.DataFrame(self.table).set_index(["method", "arm"])
 
 

@@ -194,6 +194,6 @@ def run_methods(base: cfg.Config, methods: list[Method], baseline: str, out: str
 
 def _identity(root: Path, name: str) -> str | None:
     try:
-        return json.loads((RunPaths(root).method(name) / "model.json").read_text()).get("identity_sha256")
+        return json.loads(RunPaths(RunPaths(root).method(name)).model.read_text()).get("identity_sha256")
     except (OSError, ValueError):
         return None
