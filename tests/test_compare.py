@@ -260,6 +260,8 @@ def test_plot_draws_the_intervals_it_prints(tmp_path):
     assert scores.get_title() == "per-seed scores; mean, 96.5% t interval (t at 98.25%: widened from 95%)"
     assert scores.get_ylabel() == "acc"
     assert "Welch 95% CI" in diff.get_title() and "Newcombe 95% CI" in poi.get_title()
+    assert "b.csv (acc) − a.csv (acc)" in diff.get_title() and "(B: b.csv (acc))" in poi.get_title()
+    assert diff.get_xlabel() == "acc, B − A" and poi.get_xlabel() == "probability"
     paired = plot_result(compare(tmp_path / "a.csv", tmp_path / "b.csv", paired=True))
     assert "95% CI: paired t, scipy's ttest_rel" in paired.axes[1].get_title() and "Wilson 95% CI" in paired.axes[2].get_title()
 

@@ -152,7 +152,9 @@ def compare_arms(records: dict[str, dict], reference: str = "all", ratios=S.POWE
 
 def _paired_and_failed(rows: list[dict], ref: list[dict], key: str, resolution) -> dict:
     """The paired ratio of replicas with the same index in both arms, and the failed replicas named."""
-    by_a, by_b = {row["replica"]: row[key] for row in rows}, {row["replica"]: row[key] for row in ref}
+    # a row without its replica index (an older record, a hand-built one) is paired by position
+    by_a = {row.get("replica", i): row[key] for i, row in enumerate(rows)}
+    by_b = {row.get("replica", i): row[key] for i, row in enumerate(ref)}
     common = sorted(set(by_a) & set(by_b))
     x, y = np.array([by_a[r] for r in common]), np.array([by_b[r] for r in common])
     out: dict = {"_arms": (np.array(list(by_a.values())), np.array(list(by_b.values())), resolution)}

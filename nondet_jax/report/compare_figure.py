@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import textwrap
+
 import numpy as np
 
 from nondet_jax.analysis import stats as S
@@ -47,13 +49,14 @@ def plot_result(r: dict):
     t_level = f"{100 * (1 - S.MEAN_TAIL * (1 - S.LEVEL) / 2):.2f}%"  # the widened t's quantile
     as_scipy = f"{100 * (1 - S.MEAN_TAIL * (1 - S.LEVEL)):.1f}%"  # the level scipy's t.interval gives it at
     ax.set_title(f"per-seed scores; mean, {as_scipy} t interval (t at {t_level}: widened from 95%)", fontsize=9)
-    for axis, value, (lo, hi), null, title in (
+    b_minus_a = f"{b_name} − {a_name}"
+    for axis, value, (lo, hi), null, title, unit in (
             (ad, r["difference"], r["difference_ci"], 0.0,
-             "mean difference B − A over seed pairs\n(95% CI: paired t, scipy's ttest_rel)" if paired else
-             "difference of means B − A\n(Welch 95% CI)"),
+             f"mean difference over seed pairs\n{b_minus_a}\n(95% CI: paired t, scipy's ttest_rel)" if paired else
+             f"difference of means\n{b_minus_a}\n(Welch 95% CI)", f"{what}, B − A"),
             (ap, r["probability_of_improvement"], r["probability_of_improvement_ci"], 0.5,
-             f"share of seeds with B {op} A\n(Wilson 95% CI)" if paired else
-             f"P(B {op} A), one run each\n(Newcombe 95% CI)")):
+             f"share of seeds with B {op} A\n(B: {b_name})\n(Wilson 95% CI)" if paired else
+             f"P(B {op} A), one run each\n(B: {b_name})\n(Newcombe 95% CI)", "probability")):
         axis.errorbar([value], [0], xerr=[[value - lo], [hi - value]], fmt="o", color="k", capsize=5)
         axis.axvline(null, color="C3", lw=1, ls="--", label="no difference")
         left, right = min(lo, null), max(hi, null)
@@ -62,8 +65,9 @@ def plot_result(r: dict):
         axis.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(4))
         axis.set_yticks([])
         axis.set_title(title, fontsize=9)
+        axis.set_xlabel(unit, fontsize=8)
     ap.set_xlim(-0.02, 1.02)
     ap.legend(fontsize=8, loc="lower left")
-    fig.suptitle(verdict(r), fontsize=9)
+    fig.suptitle(textwrap.fill(verdict(r), 150), fontsize=9)  # a long verdict on lines, not cut at the edges
     fig.tight_layout()
     return fig
