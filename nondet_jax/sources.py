@@ -31,10 +31,12 @@ Example::
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # The arm grammar lives in nondet_jax.arms (no JAX); these names are part of this module's interface too.
 from nondet_jax.arms import (  # noqa: F401
@@ -87,21 +89,36 @@ def replica_key(seed: int, source: str, replica: int, varies: bool) -> jax.Array
     return jax.random.fold_in(stream(seed, source), replica + 1 if varies else 0)
 
 
-def arm_keys(seed: int, varied: frozenset[str], replicas: int) -> ReplicaKeys:
-    """Keys of every implemented source for replicas 0..R-1 of an arm, each with leading axis R."""
-    idx = jnp.arange(replicas, dtype=jnp.uint32)
-    keys = {}
-    for source in IMPLEMENTED:
-        r = idx + 1 if source in varied else jnp.zeros_like(idx)
-        keys[source] = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(stream(seed, source), r)
-    return ReplicaKeys(**keys)
+def arm_keys(seed: int, varied: frozenset[str], replicas: int, first: int = 0) -> ReplicaKeys:
+    """Keys of every implemented source for replicas ``first``..``replicas``-1 of an arm, each with a leading
+    replica axis (one compiled program per seed and replica range, whatever the arm)."""
+    return ReplicaKeys(*_fold_streams(seed, tuple(source_id(s) for s in IMPLEMENTED),
+                                      np.array([s in varied for s in IMPLEMENTED]), first, replicas))
 
 
 def own_keys(seed: int, names: tuple[str, ...], varied: frozenset[str], replicas: int) -> dict[str, jax.Array]:
     """Keys of your own sources for replicas 0..R-1 of an arm, by the same rule as :func:`arm_keys`."""
-    idx = jnp.arange(replicas, dtype=jnp.uint32)
-    return {n: jax.vmap(jax.random.fold_in, in_axes=(None, 0))(stream(seed, n), idx + 1 if n in varied
-                                                                else jnp.zeros_like(idx)) for n in names}
+    if not names:
+        return {}
+    keys = _fold_streams(seed, tuple(source_id(n) for n in names), np.array([n in varied for n in names]), 0,
+                         replicas)
+    return dict(zip(names, keys))
+
+
+@partial(jax.jit, static_argnums=(0, 1, 3, 4))
+def _fold_streams(seed, ids, varies, first, stop):
+    """Per source id, the keys of replicas first..stop-1: ``fold_in(stream, r + 1)`` where ``varies``, else
+    ``fold_in(stream, 0)`` (the rule in this module's docstring)."""
+    idx = jnp.arange(first, stop, dtype=jnp.uint32)
+    root = jax.random.key(seed)
+    return tuple(jax.vmap(jax.random.fold_in, in_axes=(None, 0))(jax.random.fold_in(root, sid),
+                                                                  jnp.where(varies[i], idx + 1, 0).astype(jnp.uint32))
+                 for i, sid in enumerate(ids))
+
+
+def abstract_keys() -> ReplicaKeys:
+    """The shapes of one replica's keys (no replica axis), for ``jax.eval_shape``: nothing is compiled."""
+    return jax.eval_shape(lambda: ReplicaKeys(*(jax.random.key(0) for _ in IMPLEMENTED)))
 
 
 def replica_slice(keys: ReplicaKeys, r: int) -> ReplicaKeys:

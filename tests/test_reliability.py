@@ -126,6 +126,9 @@ def test_corrupt_or_foreign_checkpoint_is_detected_and_half_saved_one_discarded(
     target = jax.eval_shape(strategy.init, keys, perturb, small_digits.x_train[:1])
     with pytest.raises(CorruptCheckpoint, match="different run"):
         ArmCheckpoints(tmp_path / "ck").restore_latest(target, {"k": 2})
+    # a checkpoint from before the epoch shape was recorded (or of another shape) is another run's
+    with pytest.raises(CorruptCheckpoint, match="epoch_shape differs: it was written with another epoch shape"):
+        ArmCheckpoints(tmp_path / "ck").restore_latest(target, {"k": 1, "epoch_shape": "step"})
     data = max((p for p in (tmp_path / "ck" / "orbax" / "2").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])  # truncate the biggest file
     with pytest.raises(CorruptCheckpoint, match="does not match its sha256 manifest"):

@@ -42,6 +42,12 @@ def resolve_strategy(requested: str, replicas: int, backend: str | None = None) 
     return "vmap", f"auto: on {backend} vmap beat a loop from {least} replicas on ({rule['source']})"
 
 
+def strategy_epoch_shape(fns: TrainFns, strategy: str) -> str:
+    """The epoch shape a strategy runs: ``fns.epoch_shape`` for ``sequential`` and ``vmap`` (one step program
+    driven from Python, or one scan program per epoch); the ``unrolled`` and ``sharded`` strategies always scan."""
+    return fns.epoch_shape if strategy in ("sequential", "vmap") else "scan"
+
+
 STRATEGY_BUILDERS = {"vmap": vmap_strategy, "sequential": sequential_strategy, "unrolled": unrolled_strategy}
 
 

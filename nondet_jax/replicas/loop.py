@@ -101,10 +101,11 @@ def train_replicas(strategy: Strategy, keys: ReplicaKeys, perturb: Perturbations
     epoch end (for the divergence curves), whatever the strategy.
     """
     t0 = time.perf_counter()
-    x_tr, y_tr, x_te = (jnp.asarray(a) for a in (data.x_train, data.y_train, data.x_test))
+    # device_put, not jnp.asarray: a host array moves without compiling a copy program per shape
+    x_tr, y_tr, x_te = jax.device_put((data.x_train, data.y_train, data.x_test))
     r_count = jax.tree.leaves(keys)[0].shape[0]
     if start is None:
-        state = strategy.init(keys, perturb, x_tr[:1])
+        state = strategy.init(keys, perturb, jax.device_put(np.asarray(data.x_train[:1])))
         start = EpochState(0, state, {}, _distances(state.params)[None])
     state, steps, distances = start.state, start.steps, [start.weight_distance]
     snapshots = [] if start.snapshots is None else list(np.moveaxis(np.asarray(start.snapshots), 1, 0))
@@ -112,7 +113,7 @@ def train_replicas(strategy: Strategy, keys: ReplicaKeys, perturb: Perturbations
     for e in range(start.epoch, epochs):
         if fault is not None and fault[1] == e:
             state = inject_fault(state, fault[0])
-        state, m = strategy.epoch(state, x_tr, y_tr, keys, perturb, jnp.int32(e), progress)
+        state, m = strategy.epoch(state, x_tr, y_tr, keys, perturb, np.int32(e), progress)
         m = jax.tree.map(np.asarray, m)
         steps = m if not steps else jax.tree.map(lambda a, b: np.concatenate([a, b], 1), steps, m)
         distances.append(_distances(state.params)[None])

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 _PLUMBING = ("chain", "named_chain", "with_extra_args_support", "init_empty_state", "identity")
 _SCALAR = (bool, int, float, str, type(None))
@@ -22,10 +24,19 @@ def schedule_steps(total: int) -> list[int]:
 
 
 def _schedule_values(fn, steps: list[int]) -> dict[str, float] | None:
+    """The schedule's values at ``steps``: one compiled program for all of them (evaluated step by step, every
+    operation of the schedule compiled a program of its own), step by step where it cannot be traced."""
+    at = np.asarray(steps, np.int32)
     try:
-        return {str(s): float(fn(jnp.asarray(s, jnp.int32))) for s in steps}
-    except Exception:  # noqa: BLE001 - not a schedule after all: leave it out of the record
+        values = np.asarray(jax.jit(jax.vmap(fn))(at))
+    except Exception:  # noqa: BLE001 - not traceable over a batch of steps: evaluate them one by one
+        try:
+            values = np.asarray([fn(jnp.asarray(s, jnp.int32)) for s in at])
+        except Exception:  # noqa: BLE001 - not a schedule after all: leave it out of the record
+            return None
+    if values.shape != (len(steps),):
         return None
+    return {str(s): float(v) for s, v in zip(steps, values)}
 
 
 def describe_optimizer(tx, total_steps: int) -> list[dict]:

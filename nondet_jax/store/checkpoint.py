@@ -90,7 +90,8 @@ def verify_latest(root: Path, expect: dict | None = None) -> None:
 
 
 _META_WHAT = {"config_sha256": "another config", "identity_sha256": "another study's data, model, optimiser, loss or "
-              "augmentation", "keys_sha256": "other replica keys", "strategy": "another strategy"}
+              "augmentation", "keys_sha256": "other replica keys", "strategy": "another strategy",
+              "epoch_shape": "another epoch shape (train.epoch_shape, or an older nondet_jax)"}
 
 
 def _check_meta(folder: Path, meta: dict, expect: dict) -> None:

@@ -25,7 +25,7 @@ from nondet_jax.config import Config
 from nondet_jax.errors import UsageError
 from nondet_jax.instruments.dashboard import tidy_rows
 from nondet_jax.machine.determinism import provenance
-from nondet_jax.replicas.choice import make_strategy, resolve_strategy
+from nondet_jax.replicas.choice import make_strategy, resolve_strategy, strategy_epoch_shape
 from nondet_jax.replicas.loop import EpochState, _take, train_replicas
 from nondet_jax.sources import Arm, arm_keys, perturbations
 from nondet_jax.store.checkpoint import (
@@ -94,7 +94,7 @@ def fit_arm(config: Config, data, fns, store, arm: Arm, progress, log=print, blo
     block = block or range(study.replicas)
     strategy_name, reason = resolve_strategy(study.strategy, len(block))
     strategy = make_strategy(fns, strategy_name)
-    keys = jax.tree.map(lambda k: k[block.start:block.stop], arm_keys(study.seed, arm.varied, study.replicas))
+    keys = arm_keys(study.seed, arm.varied, block.stop, first=block.start)
     perturb = perturbations(arm.varied)
     folder = store.paths.checkpoints(arm.name)
     if len(block) != study.replicas:
@@ -102,6 +102,7 @@ def fit_arm(config: Config, data, fns, store, arm: Arm, progress, log=print, blo
     ckpt = ArmCheckpoints(folder, config.train.checkpoint_every, seconds=config.train.checkpoint_seconds)
     # The study that wrote a checkpoint (its config and parts by content): another one is never resumed.
     meta = {"arm": arm.name, "keys_sha256": key_fingerprint(keys), "strategy": strategy_name,
+            "epoch_shape": strategy_epoch_shape(fns, strategy_name),
             "config_sha256": config_digest(cfg.to_dict(config)), "identity_sha256": store.identity}
     try:
         restored = ckpt.restore_latest(jax.eval_shape(strategy.init, keys, perturb, data.x_train[:1]),

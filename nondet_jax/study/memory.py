@@ -22,7 +22,7 @@ from nondet_jax.errors import UsageError
 from nondet_jax.machine.memory import host_available
 from nondet_jax.machine.memory import human as _human
 from nondet_jax.replicas import sharded as sharding
-from nondet_jax.sources import arm_keys, perturbations, replica_slice
+from nondet_jax.sources import abstract_keys, perturbations
 from nondet_jax.train import make_train, steps_per_epoch
 
 
@@ -65,7 +65,7 @@ def estimate(config: Config, spec, n_test: int, replicas: int | None = None, fns
     """
     fns = fns or make_train(config, spec)
     r = config.study.replicas if replicas is None else replicas
-    keys = replica_slice(arm_keys(0, frozenset(), 1), 0)
+    keys = abstract_keys()
     x = jax.ShapeDtypeStruct((1, *spec.image_shape), spec.x_dtype)
     state = jax.eval_shape(fns.init, keys, perturbations(frozenset()), x)
     logits, feats = jax.eval_shape(fns.evaluate, state, jax.ShapeDtypeStruct((n_test, *spec.image_shape), spec.x_dtype))

@@ -22,7 +22,7 @@ from nondet_jax.models.parts import (
     label_of,
     shape_fingerprint,
 )
-from nondet_jax.sources import Arm, arm_keys, parse_arm, perturbations, replica_slice
+from nondet_jax.sources import Arm, abstract_keys, parse_arm, perturbations
 from nondet_jax.study.identity import (
     check_identity,
     identity_sha256,
@@ -78,7 +78,7 @@ def check_arms_active(config: Config, arms: list[Arm], fns) -> None:
 def _variables_shape(fns):
     """The model's variables as shapes (traced, not run)."""
     x1 = jax.ShapeDtypeStruct((1, *fns.spec.image_shape), fns.spec.x_dtype)
-    return jax.eval_shape(fns.model.init, jax.random.key(0), x1)
+    return jax.eval_shape(lambda x: fns.model.init(jax.random.key(0), x), x1)
 
 
 def _params_shape(fns):
@@ -258,7 +258,7 @@ def model_record(config: Config, data, fns) -> dict:
     of the model's parameter shapes, and every part's identity by content
     (:func:`nondet_jax.study.identity.part_identities`) with their combined ``identity_sha256``."""
     p = fns.parts
-    keys = replica_slice(arm_keys(0, frozenset(), 1), 0)
+    keys = abstract_keys()
     x = jax.ShapeDtypeStruct((1, *fns.spec.image_shape), np.asarray(data.x_train[:1]).dtype)
     params = jax.eval_shape(fns.init, keys, perturbations(frozenset()), x).params
     parts = part_identities(config, data, fns)

@@ -17,7 +17,7 @@ from nondet_jax.machine.determinism import (
     check_flags,
 )
 from nondet_jax.models.parts import Parts
-from nondet_jax.replicas.choice import make_strategy, resolve_strategy
+from nondet_jax.replicas.choice import make_strategy, resolve_strategy, strategy_epoch_shape
 from nondet_jax.report.markdown import write_report
 from nondet_jax.report.summary import format_table
 from nondet_jax.sources import Arm, arm_keys, perturbations
@@ -48,9 +48,7 @@ def write_run_files(store, config: Config, data, fns, command: str | None, model
     env = environment()
     env["strategy"] = {"requested": study.strategy, "chosen": strategy, "reason": reason}
     env["scan_unroll"] = fns.unroll
-    # scan: one program per epoch; step: one step program driven from Python (sequential and vmap; the unrolled
-    # and sharded strategies always scan)
-    env["epoch_shape"] = fns.epoch_shape if strategy in ("sequential", "vmap") else "scan"
+    env["epoch_shape"] = strategy_epoch_shape(fns, strategy)
     env["processes"] = processes
     note = batch_norm_note(config, data, fns)
     if note:
