@@ -3,8 +3,8 @@
 Each candidate trains R replicas of one model for ``--epochs`` epochs of ``--steps`` steps (batch 128,
 augmentation on, random inputs), and is timed per epoch after the first (which compiles; its excess over
 the median is the compile time). The epoch has the shape a study gives it on this backend
-(``train.epoch_shape`` and ``train.unroll`` auto: on CPU a ``lax.scan`` fully unrolled up to 16 steps and
-stepped from Python beyond, a rolled scan elsewhere), unless a candidate names another. Candidates:
+(``train.epoch_shape`` and ``train.unroll`` auto: on CPU stepped from Python, a rolled ``lax.scan``
+elsewhere), unless a candidate names another. Candidates:
 
 * ``loop``: the ``sequential`` strategy, R single-replica epochs run one after another: the loop a study
   really runs (the baseline every ratio is taken against);

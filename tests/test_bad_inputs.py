@@ -207,6 +207,8 @@ CASES: list[tuple[str, str]] = [
     ("CLI", "--batch-methods"),
     ("CLI", "--method base: --method lr2:optim.lr=0.2 --recompute all"),
     ("CLI", "--method base: --method lr2:optim.lr=0.2 --num-processes 2"),
+    # issue 42: epochs stepped on CPU at every length
+    ("run folder", "--out <run>  (its arms' epochs ran as one scan: an older nondet_jax)"),
 ]
 
 class Linear:  # a user's model without dropout (built lazily: flax is imported by the cases that use it)
@@ -400,6 +402,9 @@ def run_case(where: str, text: str, ctx: Context, capsys) -> tuple[str, int, boo
 
         shutil.rmtree(folder / "figures")
         (folder / "figures").write_text("x")
+    if note.startswith("its arms' epochs ran as one scan"):
+        env = json.loads((folder / "environment.json").read_text())
+        (folder / "environment.json").write_text(json.dumps({**env, "epoch_shape": "scan"}, indent=2) + "\n")
     if note.startswith("environment.json not JSON"):
         (folder / "environment.json").write_text("{ not json")
     if note.startswith("arms/init.json") and not note.startswith("arms/init.json corrupted"):

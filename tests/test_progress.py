@@ -4,8 +4,8 @@ compile events) or programs loaded from the persistent compilation cache."""
 from __future__ import annotations
 
 import jax
-import pytest
 import jax.numpy as jnp
+import pytest
 
 from nondet_jax.study.progress import Progress
 

@@ -7,6 +7,7 @@ optimiser's computation (:mod:`nondet_jax.study.identity`), not on this descript
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 import jax
@@ -23,12 +24,18 @@ def schedule_steps(total: int) -> list[int]:
     return sorted({0, 1, total // 4, total // 2, (3 * total) // 4, total - 1} & set(range(total)))
 
 
+@lru_cache(maxsize=64)
+def _over_steps(fn):
+    """``fn`` over a vector of steps, compiled once per schedule (describing the optimiser again compiles nothing)."""
+    return jax.jit(jax.vmap(fn))
+
+
 def _schedule_values(fn, steps: list[int]) -> dict[str, float] | None:
     """The schedule's values at ``steps``: one compiled program for all of them (evaluated step by step, every
     operation of the schedule compiled a program of its own), step by step where it cannot be traced."""
     at = np.asarray(steps, np.int32)
     try:
-        values = np.asarray(jax.jit(jax.vmap(fn))(at))
+        values = np.asarray(_over_steps(fn)(at))
     except Exception:  # noqa: BLE001 - not traceable over a batch of steps: evaluate them one by one
         try:
             values = np.asarray([fn(jnp.asarray(s, jnp.int32)) for s in at])

@@ -287,6 +287,25 @@ def holds_results(paths) -> bool:
     return arms.is_dir() and any(p.is_file() for p in arms.glob("*.json"))
 
 
+def check_epoch_shape(paths, shape: str, recompute=()) -> None:
+    """Refuse to add to a folder whose finished arms ran their epochs in another shape than ``shape`` (what
+    ``environment.json`` recorded; folders from before the shape was recorded ran a scan): the programs differ, so
+    the new arms' last bits would not be those the old ones' version computes. Arms in ``recompute`` are
+    trained again, so they do not count."""
+    kept = {p.stem for p in (paths.root / "arms").glob("*.json") if p.is_file()} - set(recompute)
+    if not holds_results(paths) or not kept or not paths.environment.is_file():
+        return
+    try:
+        env = json.loads(paths.environment.read_text())
+        old = env.get("epoch_shape", "scan") if isinstance(env, dict) else None
+    except (OSError, ValueError):
+        return  # unreadable: the arms' own records and checks stand
+    if isinstance(old, str) and old != shape:
+        raise UsageError(f"--out {paths.root} holds arms whose epochs ran as '{old}' (an older nondet_jax), and this "
+                         f"version runs them as '{shape}' (train.epoch_shape), which changes results in their last "
+                         "bits; choose another --out, or retrain every finished arm with --recompute ARM")
+
+
 def check_model(paths, record: dict) -> None:
     """Refuse to continue a study whose stored ``model.json`` names another model or parameter
     shapes, or whose parts differ by content (each changed part named). A folder without a finished

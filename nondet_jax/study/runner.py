@@ -28,6 +28,7 @@ from nondet_jax.study import multihost as mh
 from nondet_jax.study.arm import arm_setup, finish_arm, fit_arm, train_arm
 from nondet_jax.study.child import run_in_child
 from nondet_jax.study.prepare import (
+    check_epoch_shape,
     check_model,
     default_out,
     model_record,
@@ -137,6 +138,8 @@ def run(config: Config, out: str | Path | None = None, progress: bool | None = N
     out = Path(out) if out is not None else default_out(config, model["identity_sha256"])
     check_no_links(out)  # no link or FIFO in the folder: model.json is read before the folder is opened
     check_model(RunPaths(out), model)
+    check_epoch_shape(RunPaths(out), strategy_epoch_shape(fns, resolve_strategy(study.strategy, study.replicas)[0]),
+                      recompute)
     if progress is None:
         progress = sys.stderr.isatty()
     backend = jax.default_backend()
@@ -203,6 +206,7 @@ def run_distributed(config: Config, out: str | Path | None, procs, progress: boo
     out = Path(out) if out is not None else default_out(config, model["identity_sha256"])
     check_no_links(out)  # no link or FIFO in the folder: model.json is read before the folder is opened
     check_model(RunPaths(out), model)
+    check_epoch_shape(RunPaths(out), strategy_epoch_shape(fns, resolve_strategy(study.strategy, study.replicas)[0]))
     log = log if procs.leader else (lambda *a, **k: None)
     store = RunStore(out, config, locked_by_parent=not procs.leader, identity=model["identity_sha256"])
     error, strategy = None, None
