@@ -31,7 +31,6 @@ Example::
 
 from __future__ import annotations
 
-from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -53,6 +52,7 @@ from nondet_jax.arms import (  # noqa: F401
     split_variant,
 )
 from nondet_jax.errors import UsageError
+from nondet_jax.machine.quick import once
 
 
 class ReplicaKeys(NamedTuple):
@@ -105,7 +105,7 @@ def own_keys(seed: int, names: tuple[str, ...], varied: frozenset[str], replicas
     return dict(zip(names, keys))
 
 
-@partial(jax.jit, static_argnums=(0, 1, 3, 4))
+@once(static_argnums=(0, 1, 3, 4))
 def _fold_streams(seed, ids, varies, first, stop):
     """Per source id, the keys of replicas first..stop-1: ``fold_in(stream, r + 1)`` where ``varies``, else
     ``fold_in(stream, 0)`` (the rule in this module's docstring)."""
@@ -126,7 +126,7 @@ def replica_slice(keys: ReplicaKeys, r: int) -> ReplicaKeys:
     return _replica_slice(keys, r)
 
 
-@jax.jit
+@once
 def _replica_slice(keys, r):
     return jax.tree.map(lambda k: k[r], keys)
 

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nondet_jax.data.pipeline import epoch_indices
+from nondet_jax.machine.quick import once
 from nondet_jax.sources import Perturbations, ReplicaKeys
 from nondet_jax.train import TrainFns, TrainState
 
@@ -62,7 +63,7 @@ def divergence_trace(fns: TrainFns, keys: ReplicaKeys, perturb: Perturbations, d
 
         return jax.lax.scan(body, state, (jnp.arange(steps), jnp.swapaxes(idx, 0, 1)), unroll=fns.unroll)
 
-    state = jax.jit(jax.vmap(fns.init, in_axes=(0, None, None)))(keys, perturb, x_tr[:1])
+    state = once(jax.vmap(fns.init, in_axes=(0, None, None)))(keys, perturb, x_tr[:1])
     dist = [float(_pair_distance(state.params))]
     dis = [float(disagreement(state))]
     for e in range(epochs):

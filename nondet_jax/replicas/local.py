@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nondet_jax.machine.quick import once as quick
 from nondet_jax.replicas.loop import Strategy, _stack, _take
 from nondet_jax.sources import replica_slice
 from nondet_jax.train import TrainFns, stepped_epoch
@@ -25,7 +26,7 @@ def epoch_program(fns: TrainFns, lift):
 
 def sequential_strategy(fns: TrainFns) -> Strategy:
     """The single-replica programs, each compiled once, in a Python loop over replicas."""
-    init, evaluate = jax.jit(fns.init), jax.jit(fns.evaluate)
+    init, evaluate = quick(fns.init), jax.jit(fns.evaluate)
     epoch_fn = epoch_program(fns, lambda fn, in_axes: jax.jit(fn))
 
     def init_all(keys, perturb, x):
@@ -50,15 +51,16 @@ def sequential_strategy(fns: TrainFns) -> Strategy:
 
 
 @lru_cache(maxsize=32)
-def _jit_vmap(fn, in_axes):
+def _jit_vmap(fn, in_axes, once: bool = False):
     """``jax.jit(jax.vmap(fn, in_axes))``, one per function: the arms of a study (each builds its strategy) share
-    the compiled programs instead of compiling their own copies (a 4-arm study: 49 programs, 39 for one arm)."""
-    return jax.jit(jax.vmap(fn, in_axes=in_axes))
+    the compiled programs instead of compiling their own copies (a 4-arm study: 49 programs, 39 for one arm).
+    ``once``: a program that runs once per replica, compiled quickly (:func:`nondet_jax.machine.quick.once`)."""
+    return (quick if once else jax.jit)(jax.vmap(fn, in_axes=in_axes))
 
 
 def vmap_strategy(fns: TrainFns) -> Strategy:
     """One jitted program over the replica axis per epoch."""
-    init = _jit_vmap(fns.init, (0, None, None))
+    init = _jit_vmap(fns.init, (0, None, None), once=True)
     epoch_fn = epoch_program(fns, _jit_vmap)
     evaluate = _jit_vmap(fns.evaluate, (0, None))
 
@@ -79,7 +81,7 @@ def unrolled_strategy(fns: TrainFns) -> Strategy:
     def count(keys) -> int:
         return jax.tree.leaves(keys)[0].shape[0]
 
-    @jax.jit
+    @quick
     def init_all(keys, perturb, x):
         return _stack([fns.init(replica_slice(keys, r), perturb, x) for r in range(count(keys))])
 

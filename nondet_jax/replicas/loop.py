@@ -12,6 +12,7 @@ import numpy as np
 
 from nondet_jax.analysis.health import flag_nonfinite_outputs
 from nondet_jax.analysis.metrics import flatten_weights, weight_distance
+from nondet_jax.machine.quick import once
 from nondet_jax.sources import Perturbations, ReplicaKeys
 from nondet_jax.train import TrainState
 
@@ -55,12 +56,12 @@ class Strategy(NamedTuple):
     evaluate: Callable  # (state, x) -> (logits, features), each (R, ...)
 
 
-@jax.jit
+@once
 def _stack_trees(trees: list[Any]) -> Any:
     return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
 
 
-@jax.jit
+@once
 def _take_tree(tree: Any, r) -> Any:
     return jax.tree.map(lambda a: a[r], tree)
 

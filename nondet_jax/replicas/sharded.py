@@ -61,6 +61,7 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from nondet_jax.machine.quick import once
 from nondet_jax.replicas.loop import ArmResult, Strategy, train_replicas
 from nondet_jax.sources import Perturbations, ReplicaKeys
 from nondet_jax.train import TrainFns
@@ -129,12 +130,11 @@ def programs(fns: TrainFns, devices: tuple, width: int) -> tuple:
     ``width`` replicas per device; cached, so every strategy (every arm) shares their compilations."""
     mesh = make_mesh(list(devices))
 
-    def sharded(fn, in_axes):
+    def sharded(fn, in_axes, jit=jax.jit):
         in_specs = tuple(P(AXIS) if ax == 0 else P() for ax in in_axes)
-        return jax.jit(jax.shard_map(_per_device(fn, width, in_axes), mesh=mesh, in_specs=in_specs,
-                                     out_specs=P(AXIS)))
+        return jit(jax.shard_map(_per_device(fn, width, in_axes), mesh=mesh, in_specs=in_specs, out_specs=P(AXIS)))
 
-    return (mesh, sharded(fns.init, (0, None, None)), sharded(fns.train_epoch, (0, None, None, 0, None, None)),
+    return (mesh, sharded(fns.init, (0, None, None), once), sharded(fns.train_epoch, (0, None, None, 0, None, None)),
             sharded(fns.evaluate, (0, None)))
 
 

@@ -15,6 +15,7 @@ from nondet_jax.machine.determinism import (
     NONDETERMINISTIC_BACKENDS,
     tree_ulp_diff,
 )
+from nondet_jax.machine.quick import once
 from nondet_jax.sources import arm_keys, arm_sources, perturbations, replica_slice
 from nondet_jax.study.prepare import check_outputs, resolve_parts
 from nondet_jax.study.provenance import environment
@@ -32,7 +33,7 @@ def audit_run(config: Config, steps: int, perturb: str | None = None) -> dict:
     fns = make_train(config, DataSpec(steps * b, tuple(x.shape[1:]), data.num_classes, data.name),
                      resolve_parts(config))  # --model PACKAGE.MODULE:ATTR: the user's own model
     check_outputs(fns)
-    init, epoch = jax.jit(fns.init), jax.jit(fns.train_epoch)
+    init, epoch = once(fns.init), jax.jit(fns.train_epoch)
 
     def train(arm: str):
         varied = arm_sources(arm)
