@@ -153,3 +153,12 @@ def test_peer_study_quick_runs_both_sides(tmp_path):
     assert res["ratio"] == pytest.approx(res["nondet_jax"]["wall_s"] / res["pytorch"]["wall_s"], rel=1e-2)
     assert res["pytorch"]["threads"] in (1, 2) and set(res["load_average"]) == {"before", "between", "after"}
     assert "wall clock: nondet_jax" in proc.stdout
+
+
+def test_step_overhead_times_the_library_step_against_a_bare_one(tmp_path):
+    out = tmp_path / "step.json"
+    proc = run("benchmarks/step_overhead.py", "--rounds", "1", "--steps", "2", "--out", out)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert set(result["median_ms"]) == {"library", "bare", "forward"}
+    assert all(v > 0 for v in result["median_ms"].values()) and result["library_vs_bare"] > 0
