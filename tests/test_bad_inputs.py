@@ -209,6 +209,8 @@ CASES: list[tuple[str, str]] = [
     ("CLI", "--method base: --method lr2:optim.lr=0.2 --num-processes 2"),
     # issue 42: epochs stepped on CPU at every length
     ("run folder", "--out <run>  (its arms' epochs ran as one scan: an older nondet_jax)"),
+    # issue 46: the audit's internal flag, typed by hand
+    ("audit", "python -m nondet_jax audit --child-json"),
 ]
 
 class Linear:  # a user's model without dropout (built lazily: flax is imported by the cases that use it)
