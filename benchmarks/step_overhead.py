@@ -38,11 +38,11 @@ def main() -> None:
     import optax
 
     from nondet_jax import config as cfg
-    from nondet_jax.sources import arm_keys, arm_sources, perturbations, replica_slice
+    from nondet_jax.sources import one_replica
     from nondet_jax.study.prepare import prepare
 
     data, fns = prepare(cfg.Config())
-    keys, perturb = replica_slice(arm_keys(0, arm_sources("init"), 1), 0), perturbations(frozenset())
+    keys, perturb = one_replica("init")  # replica 0 of the init arm: no perturbation switched on
     x, y = jax.device_put((np.asarray(data.x_train), np.asarray(data.y_train)))
     state = jax.jit(fns.init)(keys, perturb, x[:1])
     idx = jax.jit(fns.epoch_indices)(keys, np.int32(0))

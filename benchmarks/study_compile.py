@@ -47,17 +47,30 @@ DEFAULT_STUDY = r"""
 import json, sys, tempfile, time
 from nondet_jax.machine import signals
 signals.install()
+import logging, re
 import jax
 from nondet_jax.cli import sweep
-seconds = []
+seconds, by_program = [], {}
 jax.monitoring.register_event_duration_secs_listener(
     lambda e, d, **k: seconds.append(d) if e == "/jax/core/compile/backend_compile_duration" else None)
+
+class Compiles(logging.Handler):  # jax_log_compiles names each program: seconds per name
+    def emit(self, record):
+        m = re.search(r"Finished XLA compilation of (.+?) in ([0-9.e-]+) sec", record.getMessage())
+        if m:
+            n, s = by_program.get(m.group(1), (0, 0.0))
+            by_program[m.group(1)] = (n + 1, s + float(m.group(2)))
+
+jax.config.update("jax_log_compiles", True)
+logging.getLogger("jax").addHandler(Compiles())
+logging.getLogger("jax").propagate = False  # the names are collected, not printed
 t0 = time.perf_counter()
 with tempfile.TemporaryDirectory() as out:
     status = sweep.main(["--epochs", sys.argv[1], "--compile-cache", "off", "--no-progress", "--out", out + "/run"])
 wall = time.perf_counter() - t0
 print("RESULT " + json.dumps({"programs": len(seconds), "compile_s": sum(seconds), "wall_s": wall,
-                              "compile_share": sum(seconds) / wall, "status": status}))
+                              "compile_share": sum(seconds) / wall, "status": status,
+                              "by_program": dict(sorted(by_program.items(), key=lambda kv: -kv[1][1]))}))
 """
 
 
@@ -85,6 +98,8 @@ def main(argv=None) -> int:
             return 1
         print(f"default study, {args.default_study} epochs, cold: {r['programs']} programs, {r['compile_s']:.1f} s "
               f"compiling of {r['wall_s']:.1f} s ({r['compile_share']:.0%})")
+        for name, (count, secs) in list(r.get("by_program", {}).items())[:8]:
+            print(f"  {secs:6.2f} s  {count:3d}x  {name}")
         results["default_study"] = {"epochs": args.default_study, **r}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(args.out, results)

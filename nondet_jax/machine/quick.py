@@ -1,7 +1,8 @@
 """Programs compiled quickly: those that run once per replica (init) or only move or count bits.
 
 XLA's backend optimisation level 0 skips LLVM's optimisation passes. On the 2-core CPU that took the default
-study's ``init`` (ResNet-8: the random draws of every kernel) from 3.4 s to 1.0 s of compiling, and it runs once
+study's ``init`` (ResNet-8: the random draws of every kernel) from 3.5 s to 1.2 s of compiling (``python
+benchmarks/study_compile.py --default-study 2``, before and after), and it runs once
 per replica, so nothing is lost at run time. Integer and copy programs compute the same bits at any level;
 init's truncated normal may round one ulp differently than at the default level, the same in every run (every
 strategy, the audit and the dynamics compile init this way).

@@ -39,6 +39,11 @@ from nondet_jax.study.progress import Progress
 from nondet_jax.study.provenance import environment, fallback_said, instruments_path
 
 
+def study_epoch_shape(config: Config, fns) -> str:
+    """The epoch shape this study's strategy runs (what ``environment.json`` records)."""
+    return strategy_epoch_shape(fns, resolve_strategy(config.study.strategy, config.study.replicas)[0])
+
+
 def write_run_files(store, config: Config, data, fns, command: str | None, model: dict,
                     processes: int = 1, log=print) -> tuple[str, str]:
     """What every study writes before training, single- or multi-process alike: ``environment.json``
@@ -49,7 +54,7 @@ def write_run_files(store, config: Config, data, fns, command: str | None, model
     env = environment()
     env["strategy"] = {"requested": study.strategy, "chosen": strategy, "reason": reason}
     env["scan_unroll"] = fns.unroll
-    env["epoch_shape"] = strategy_epoch_shape(fns, strategy)
+    env["epoch_shape"] = study_epoch_shape(config, fns)
     env["processes"] = processes
     note = batch_norm_note(config, data, fns)
     if note:
@@ -138,8 +143,7 @@ def run(config: Config, out: str | Path | None = None, progress: bool | None = N
     out = Path(out) if out is not None else default_out(config, model["identity_sha256"])
     check_no_links(out)  # no link or FIFO in the folder: model.json is read before the folder is opened
     check_model(RunPaths(out), model)
-    check_epoch_shape(RunPaths(out), strategy_epoch_shape(fns, resolve_strategy(study.strategy, study.replicas)[0]),
-                      recompute)
+    check_epoch_shape(RunPaths(out), study_epoch_shape(config, fns), recompute)
     if progress is None:
         progress = sys.stderr.isatty()
     backend = jax.default_backend()
@@ -206,7 +210,7 @@ def run_distributed(config: Config, out: str | Path | None, procs, progress: boo
     out = Path(out) if out is not None else default_out(config, model["identity_sha256"])
     check_no_links(out)  # no link or FIFO in the folder: model.json is read before the folder is opened
     check_model(RunPaths(out), model)
-    check_epoch_shape(RunPaths(out), strategy_epoch_shape(fns, resolve_strategy(study.strategy, study.replicas)[0]))
+    check_epoch_shape(RunPaths(out), study_epoch_shape(config, fns))
     log = log if procs.leader else (lambda *a, **k: None)
     store = RunStore(out, config, locked_by_parent=not procs.leader, identity=model["identity_sha256"])
     error, strategy = None, None
