@@ -34,7 +34,7 @@ from scipy import stats as sps
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from nondet_jax.analysis import coverage, power  # noqa: E402  (after the checkout is put on sys.path)
+from nondet_jax.analysis import coverage, power, sequential  # noqa: E402  (after the checkout is put on sys.path)
 from nondet_jax.analysis import stats as S  # noqa: E402
 from nondet_jax.analysis.stats import METHODS, MIN_REPLICAS  # noqa: E402
 from nondet_jax.store.io import atomic_write_json  # noqa: E402
@@ -171,16 +171,23 @@ def power_tables(trials: int, replicas: list, test_trials: int) -> dict:
             print(f"{sc:<34} R={r:<3} 95% each: {pct(raw)}  at 1 − 0.05/6 each: {pct(adj)}"
                   + ("" if paired is None else f"  paired (arms sharing seeds), 1 − 0.05/6: {pct(paired)}"))
     out["family"] = rows
-    print("\nsequential paired compare (Pocock: rounds of 4 pairs from 8 to 32, stop when the paired t p < the per-look "
-          "level): rejections, mean pairs, coverage of the repeated interval at the stop, fixed pairs for the same power")
+    print("\nsequential paired compare (nondet_jax.analysis.sequential: looks every 4 replicas per method from 8 to 32; "
+          "differences in std units): share deciding a difference (the error at effect 0), mean replicas at the stop, "
+          "coverage of the interval printed there, share stopped inside ±D, fixed replicas for the same power")
     rows = []
-    for sc in ("normal", "360 images"):
-        for effect in (0.0, 0.5, 0.7, 1.0):
-            cell = power.sequential_cell(effect, 32, trials, seed=1, scenario=sc)
-            rows.append(cell)
-            print(f"{sc:<12} effect {effect:<4} reject {pct(cell['reject'])}  mean pairs {cell['mean_pairs']:.1f}  coverage "
-                  f"{pct(cell['coverage'])}" + (f"  fixed {cell['fixed_pairs_same_power']}, saved {pct(cell['saved'])}"
-                                                 if effect else ""))
+    scenarios = {"normal": None, "360 images": power.paired_accuracy_differences}
+    for spec in ("decided", "decided=0.5", "width=1"):
+        rule, _, value = spec.partition("=")
+        design = sequential.Until(rule, float(value) if value else None, 8, 32)
+        for sc, gen in scenarios.items():
+            for effect in (0.0, 0.5, 0.7, 1.0):
+                cell = {"scenario": sc, **sequential.simulate(design, effect, trials, seed=1, differences=gen)}
+                rows.append(cell)
+                print(f"{spec:<12} {sc:<11} effect {effect:<4} decided {pct(cell['decided'])}  mean replicas "
+                      f"{cell['mean_replicas']:.1f}  coverage {pct(cell['coverage'])}"
+                      + (f"  within ±D {pct(cell['within'])}" if cell["within"] is not None else "")
+                      + (f"  fixed {cell['fixed_same_power']}, saved {pct(cell['saved'])}"
+                         if cell.get("fixed_same_power") else ""))
     out["sequential"] = rows
     return out
 
@@ -228,12 +235,15 @@ def power_markdown(stored: dict) -> str:
         paired = row.get("paired_bonferroni")
         lines.append(f"| {row['scenario']} | {row['replicas']} | {100 * row['unadjusted']:.1f}% | "
                      f"{100 * row['bonferroni']:.1f}% | {'—' if paired is None else f'{100 * paired:.1f}%'} |")
-    lines += ["", "| sequential paired compare (rounds of 4, 8 to 32 pairs) | standardised effect | rejections | mean pairs "
-              "| coverage at the stop | fixed pairs, same power | pairs saved |", "|---|---|---|---|---|---|---|"]
+    lines += ["", "| sequential paired compare (8 to 32 replicas per method, 4 per look) | scenario | standardised effect "
+              "| decided a difference | mean replicas | coverage at the stop | inside ±D | fixed replicas, same power "
+              "| replicas saved |", "|---|---|---|---|---|---|---|---|---|"]
     for row in stored.get("sequential", []):
-        fixed, saved = row.get("fixed_pairs_same_power"), row.get("saved")
-        lines.append(f"| {row['scenario']} | {row['effect']:g} | {100 * row['reject']:.1f}% | {row['mean_pairs']:.1f} | "
-                     f"{100 * row['coverage']:.1f}% | {fixed or '—'} | {'—' if saved is None else f'{100 * saved:.0f}%'} |")
+        fixed, saved, within = row.get("fixed_same_power"), row.get("saved"), row.get("within")
+        lines.append(f"| {row['rule']} | {row['scenario']} | {row['effect']:g} | {100 * row['decided']:.1f}% | "
+                     f"{row['mean_replicas']:.1f} | {100 * row['coverage']:.1f}% | "
+                     f"{'—' if within is None else f'{100 * within:.1f}%'} | {fixed or '—'} | "
+                     f"{'—' if saved is None else f'{100 * saved:.0f}%'} |")
     return "\n".join(lines)
 
 

@@ -33,6 +33,7 @@ from nondet_jax.sources import StepKeys, arm_keys, check_own_sources, own_keys, 
 from nondet_jax.store.paths import RunPaths
 from nondet_jax.study import runner
 from nondet_jax.study.memory import check_program_fits, release_compiled
+from nondet_jax.until import parse as parse_until
 
 DEFAULT_ARMS = ("control", "init", "all")
 
@@ -275,7 +276,7 @@ def run_study(model=None, data=None, optimizer=None, loss: Callable | None = Non
               init_params: dict | str | Path | None = None,
               config: cfg.Config | None = None, progress: bool = False, log: Callable = print,
               methods: dict[str, dict] | None = None, baseline: str | None = None,
-              batch_methods: bool = False) -> StudyResult:
+              batch_methods: bool = False, until: str | None = None, max_replicas: int | None = None) -> StudyResult:
     """Train ``replicas`` replicas per arm of your own parts and write a run folder and report.
 
     Args:
@@ -319,6 +320,11 @@ def run_study(model=None, data=None, optimizer=None, loss: Callable | None = Non
       batch_methods: train the methods that differ only in ``optim.lr``, ``optim.momentum`` or
         ``optim.weight_decay`` (no part of their own) together, the hyper-parameters per replica in one
         program per arm (:mod:`nondet_jax.study.batched`); equal to each trained alone up to float rounding.
+      until, max_replicas: a sequential study of methods (:mod:`nondet_jax.analysis.sequential`): ``replicas``
+        per method first, then 4 more at each look up to ``max_replicas`` (default 4x ``replicas``), until
+        every method's difference from the baseline is decided (``"decided"``: its repeated interval excludes
+        0; ``"decided=D"``: or lies inside ±D) or every interval is at most X wide (``"width=X"``), in the
+        score's units. The looks are in ``methods.json``; a rerun resumes at the last one.
 
     Returns:
       A :class:`StudyResult`: ``result.logits[arm]`` (R, n_test, classes), ``result.table`` (one row
@@ -336,7 +342,11 @@ def run_study(model=None, data=None, optimizer=None, loss: Callable | None = Non
             return _run_methods(methods, baseline, dict(model=model, optimizer=optimizer, loss=loss, augment=augment,
                                                         init_params=init_params), dataset, data_name,
                                 dict(epochs=epochs, batch_size=batch_size, arms=arms, replicas=replicas, seed=seed,
-                                     strategy=strategy), settings, config, out, features, progress, log, batch_methods)
+                                     strategy=strategy), settings, config, out, features, progress, log, batch_methods,
+                                (until, max_replicas))
+    if until is not None or max_replicas is not None:
+        raise UsageError("until= and max_replicas= run a sequential study of methods; pass methods={name: overrides, "
+                         "...} too (at least two), or drop them")
     with api_words():
         config = study_config(model=model, data_name=data_name, optimizer=optimizer, epochs=epochs,
                               batch_size=batch_size, arms=arms, replicas=replicas, seed=seed, strategy=strategy,
@@ -367,7 +377,7 @@ def api_words():
 
 
 def _run_methods(methods, baseline, parts: dict, dataset, data_name, study: dict, settings, config, out, features,
-                 progress, log, batch_methods: bool = False) -> "MethodsResult":
+                 progress, log, batch_methods: bool = False, sequential=(None, None)) -> "MethodsResult":
     """:func:`run_study` with ``methods=``: each method checked (:func:`nondet_jax.study.methods.plan`) before
     anything is trained, then trained into its own folder of the study."""
     from nondet_jax.study import methods as M
@@ -377,16 +387,22 @@ def _run_methods(methods, baseline, parts: dict, dataset, data_name, study: dict
     base = study_config(model=parts["model"], data_name=data_name, optimizer=parts["optimizer"], settings=settings,
                         base=config, **study)
     planned, baseline = M.plan(base, methods, baseline, api=True)
+    until = None
+    if sequential[0] is not None or sequential[1] is not None:
+        until = parse_until("decided" if sequential[0] is None else sequential[0], sequential[1], base.study.replicas,
+                      where="until=")
     for m in planned:
         own = {**parts, **m.parts}
         _check_parts(own["optimizer"], own["loss"], own["augment"])
 
-    def run_one(m, folder):
+    def run_one(m, folder, replicas=None):
         own = {**parts, **m.parts}
         model = own["model"]
         method_config = config_of(m)
+        if replicas is not None:
+            method_config = cfg.from_flat({"study.replicas": replicas}, method_config)
         try:
-            return runner.run(method_config, folder, progress=progress, log=log, data=dataset,
+            return runner.run(method_config, folder, progress=progress, log=log, data=dataset, grow=replicas is not None,
                               parts=Parts(model=None if model is None or isinstance(model, str) else model,
                                           optimizer=own["optimizer"], loss=own["loss"], augment=own["augment"],
                                           features=features, init_params=own["init_params"]),
@@ -412,7 +428,7 @@ def _run_methods(methods, baseline, parts: dict, dataset, data_name, study: dict
             release_compiled()
 
     folder = M.run_methods(base, planned, baseline, out, run_one=run_one, log=log,
-                           batch=batch if batch_methods else None,
+                           batch=batch if batch_methods else None, until=until,
                            command=f"nondet_jax.run_study(..., methods={list(methods)})")
     return MethodsResult(folder)
 

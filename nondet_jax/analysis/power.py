@@ -8,8 +8,8 @@ false alarms), the std ratio of two arms that share seeds (replica r of both arm
 sources the first does not vary: ``a = u + e``, ``b = u + w``, a true ratio of 0.5), and the difference of two
 methods' means under shared seeds (accuracies on 360 images). :func:`failed_alarms` measures how often
 :func:`nondet_jax.analysis.stats.failed_replicas` names a replica of a healthy arm, and :func:`family_error`
-the family-wise error of the findings over 6 arms, and :func:`sequential_cell` a group-sequential paired
-comparison (rounds of 4 pairs until decided; statistics only: no training loop runs it yet).
+the family-wise error of the findings over 6 arms, and :func:`paired_accuracy_differences` the realistic
+scenario of the sequential design (:mod:`nondet_jax.analysis.sequential`).
 ``benchmarks/coverage.py --power`` prints the tables.
 
 Example::
@@ -375,76 +375,16 @@ def family_error(scenario: str, replicas: int, arms: int = 6, trials: int = 2000
     return float(found.mean())
 
 
-# Replicas until the question is answered (the statistics only; the training loop does not use it yet): a
-# group-sequential paired comparison, rounds of SEQUENTIAL_ROUND pairs from SEQUENTIAL_FIRST up to a maximum,
-# that stops as soon as the paired t p at a look falls below a constant nominal level (Pocock's design), the level
-# calibrated so that the whole design's two-sided error is 5% on normal differences.
-SEQUENTIAL_FIRST, SEQUENTIAL_ROUND = 8, 4
-
-
-def looks(max_pairs: int) -> list[int]:
-    return list(range(SEQUENTIAL_FIRST, max_pairs + 1, SEQUENTIAL_ROUND))
-
-
-def _paired_t_path(d, ns):
-    """Paired t statistics (T, looks) and their two-sided p at each look's first n pairs of ``d`` (T, N)."""
-    cs, cs2 = np.cumsum(d, -1), np.cumsum(d * d, -1)
-    out_t, out_p = [], []
-    for n in ns:
-        m = cs[:, n - 1] / n
-        var = np.maximum(cs2[:, n - 1] - n * m * m, 0.0) / (n - 1)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            t = np.where(var > 0, m / np.sqrt(var / n), np.where(m == 0, 0.0, np.inf))
-        out_t.append(t)
-        out_p.append(2 * sps.t.sf(np.abs(t), n - 1))
-    return np.stack(out_t, -1), np.stack(out_p, -1)
-
-
-def pocock_level(max_pairs: int, alpha: float = 0.05, trials: int = 40_000) -> float:
-    """The nominal per-look p threshold at which the design over :func:`looks` rejects a true null in ``alpha`` of
-    normal studies (seeded simulation, bisection)."""
-    ns = looks(max_pairs)
-    _, p = _paired_t_path(np.random.default_rng(2024).normal(size=(trials, max_pairs)), ns)
-    smallest = p.min(-1)
-    return float(np.quantile(smallest, alpha))
-
-
-def sequential_cell(effect: float, max_pairs: int = 32, trials: int = 4000, seed: int = 0,
-                    scenario: str = "normal") -> dict:
-    """The sequential paired design at a standardised true difference ``effect`` (mean / std of the differences;
-    0 for the error rate): its rejection rate, mean pairs used, coverage of the repeated confidence interval at
-    the stop (the t interval at the design's per-look level: valid at every look at once), and the fixed number
-    of pairs the paired t needs for the same power (:func:`nondet_jax.analysis.stats.pairs_for_difference`'s
-    computation). ``scenario``: "normal" or "360 images" (differences of accuracies from a shared latent)."""
-    ns, level = looks(max_pairs), pocock_level(max_pairs)
-    rng = np.random.default_rng(seed)
-    if scenario == "normal":
-        d, truth = effect + rng.normal(size=(trials, max_pairs)), effect
-    else:  # differences of 360-image accuracies under shared seeds, the gain scaled to ``effect`` std units
-        a0, b0 = _paired_counts(np.random.default_rng(77), (20_000,), 0.0)
-        sd = float((b0 - a0).std())
-        gain = 0.0
-        if effect:
-            big_a, big_b = _paired_counts(np.random.default_rng(78), (20_000,), 0.03)
-            gain = 0.03 * effect * sd / float((big_b - big_a).mean())
-        a, b = _paired_counts(rng, (trials, max_pairs), gain)
-        d = b - a
-        big_a, big_b = _paired_counts(np.random.default_rng(79), (50_000,), gain)
-        truth = float((big_b - big_a).mean())
-    t, p = _paired_t_path(d, ns)
-    hit = p < level
-    stop = np.where(hit.any(-1), hit.argmax(-1), len(ns) - 1)
-    used = np.array(ns)[stop]
-    rows = np.arange(trials)
-    n = used
-    m = np.array([d[i, :k].mean() for i, k in zip(rows, n)])
-    s = np.array([d[i, :k].std(ddof=1) for i, k in zip(rows, n)])
-    half = sps.t.ppf(1 - level / 2, n - 1) * s / np.sqrt(n)
-    reject = hit.any(-1)
-    out = {"effect": effect, "scenario": scenario, "max_pairs": max_pairs, "per_look_level": level,
-           "reject": float(reject.mean()), "mean_pairs": float(used.mean()),
-           "coverage": float(np.mean((m - half <= truth) & (truth <= m + half)))}
+def paired_accuracy_differences(rng, shape, effect: float) -> tuple[np.ndarray, float]:
+    """Differences of 360-image accuracies under shared seeds (:func:`_paired_counts`), the gain scaled to
+    ``effect`` standard deviations of the differences, and their true mean: :func:`nondet_jax.analysis.sequential.simulate`'s
+    realistic scenario."""
+    a0, b0 = _paired_counts(np.random.default_rng(77), (20_000,), 0.0)
+    sd = float((b0 - a0).std())
+    gain = 0.0
     if effect:
-        fixed = S._smallest_n(lambda k: S._t_power(effect * math.sqrt(k), k - 1, 0.05) >= out["reject"], 10_000)
-        out.update(fixed_pairs_same_power=fixed, saved=1 - out["mean_pairs"] / fixed)
-    return out
+        big_a, big_b = _paired_counts(np.random.default_rng(78), (20_000,), 0.03)
+        gain = 0.03 * effect * sd / float((big_b - big_a).mean())
+    a, b = _paired_counts(rng, shape, gain)
+    big_a, big_b = _paired_counts(np.random.default_rng(79), (50_000,), gain)
+    return (b - a) / sd, float((big_b - big_a).mean()) / sd

@@ -124,6 +124,13 @@ def build_parser(prog: str = "python -m nondet_jax.sweep") -> argparse.ArgumentP
                         "up to float rounding; no mid-arm checkpoints)")
     p.add_argument("--baseline", metavar="NAME", help="the method the others are compared with (default: the first "
                    "--method)")
+    p.add_argument("--until", metavar="decided|decided=D|width=X",
+                   help="a sequential study of methods: train --replicas per method, then 4 more at each look, until "
+                        "every method's difference from the baseline is decided (its repeated interval excludes 0; "
+                        "decided=D: or lies inside ±D) or every interval is at most X wide (width=X), in the score's "
+                        "units; the intervals keep their 95%% coverage whenever it stops")
+    p.add_argument("--max-replicas", type=int, metavar="N",
+                   help="with --until: the most replicas per method (default: 4x --replicas)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the study in RUN_DIR with the config stored there "
                    "(finished arms are kept, an arm in training continues from its last checkpoint)")
     p.add_argument("--recompute", metavar="ARMS", help="comma list of arms whose results (and checkpoints) are "
@@ -209,8 +216,9 @@ def methods_from_args(args: argparse.Namespace, config: Config) -> tuple[list, s
         named = dict(parsed)
     baseline = args.baseline or (file_baseline if not args.method else None)
     if not named:
-        if args.baseline or args.batch_methods:
-            option = f"--baseline {args.baseline}" if args.baseline else "--batch-methods"
+        if args.baseline or args.batch_methods or args.until or args.max_replicas is not None:
+            option = (f"--baseline {args.baseline}" if args.baseline else "--batch-methods" if args.batch_methods
+                      else f"--until {args.until}" if args.until else f"--max-replicas {args.max_replicas}")
             raise UsageError(f"{option} is for a study of methods, and there are none; add --method NAME:KEY=VALUE for "
                              f"each (at least two), or drop {option.split()[0]}")
         return None
@@ -222,6 +230,22 @@ def methods_from_args(args: argparse.Namespace, config: Config) -> tuple[list, s
                    }.get(option, "train the methods one by one, each with its own --out")
             raise UsageError(f"{option} cannot be combined with --method (a study of methods); {fix}")
     return methods.plan(config, named, baseline)
+
+
+def until_from_args(args: argparse.Namespace, config: Config):
+    """The sequential design of a study of methods (:func:`nondet_jax.analysis.sequential.parse`), checked
+    before JAX starts; None without ``--until``."""
+    if args.until is None:
+        if args.max_replicas is not None:
+            raise UsageError(f"--max-replicas {args.max_replicas} is for a sequential study; add --until decided (or "
+                             "width=X), or drop --max-replicas")
+        return None
+    if args.batch_methods:
+        raise UsageError("--batch-methods trains every method's replicas at once, which a sequential study (--until) "
+                         "adds look by look; drop one of them")
+    from nondet_jax.until import parse
+
+    return parse(args.until, args.max_replicas, config.study.replicas)
 
 
 # Config keys whose PACKAGE.MODULE:ATTR value is imported (and run), by the flag that sets each.
@@ -363,6 +387,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         else:
             config = config_from_args(args)
         planned = methods_from_args(args, config)
+        until = until_from_args(args, config)
         enable_compile_cache(args.compile_cache)  # JAX starts here, once the arguments and the config are good
         if config.study.xla_determinism:
             set_determinism_flags()
@@ -375,9 +400,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         after_arm = tensorboard_logger() if args.log == "tensorboard" else None
         procs = multihost.initialize(args.coordinator, args.num_processes, args.process_id, args.distributed == "auto")
         if planned is not None:
-            def run_one(m, folder):
-                return runner.run(cfg.from_flat(m.settings, config), folder, progress=progress,
-                                  command=f"{command}  (method {m.name})", after_arm=after_arm)
+            def run_one(m, folder, replicas=None):
+                own = cfg.from_flat(m.settings, config)
+                if replicas is not None:
+                    own = cfg.from_flat({"study.replicas": replicas}, own)
+                return runner.run(own, folder, progress=progress, command=f"{command}  (method {m.name})",
+                                  after_arm=after_arm, grow=replicas is not None)
 
             def batch(out):
                 from nondet_jax.study.batched import train_batched
@@ -386,7 +414,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                               {m.name: m.parts for m in planned[0]}, out, command=command)
 
             methods.run_methods(config, *planned, args.out, run_one=run_one, command=command,
-                                batch=batch if args.batch_methods else None)
+                                batch=batch if args.batch_methods else None, until=until)
         elif procs.count > 1:
             if recompute:
                 raise UsageError("--recompute runs in a single process; rerun it without --num-processes first")

@@ -12,11 +12,13 @@ from pathlib import Path
 from nondet_jax.analysis import stats as S
 from nondet_jax.analysis.compare import verdict
 from nondet_jax.analysis.methods import compare_methods, compared_arms, default_metric, finished, read_record
+from nondet_jax.analysis.sequential import POWER_CAP, saving
 from nondet_jax.analysis.task import QUANTITIES, task_of
 from nondet_jax.errors import UsageError
 from nondet_jax.report.summary import _write_csv, arm_rows
 from nondet_jax.store.io import atomic_write_bytes, atomic_write_json, strict_json
 from nondet_jax.store.paths import RunPaths
+from nondet_jax.until import Until
 
 COMPARISON_COLUMNS = ("difference", "difference_ci_low", "difference_ci_high", "p", "p_holm", "holm_family",
                       "probability_of_improvement", "probability_of_improvement_ci_low",
@@ -64,7 +66,7 @@ def methods_summary(root: str | Path) -> tuple[dict, dict[str, dict], list[dict]
                "arms_compared": compared_arms(summaries) if len(summaries) >= 2 else [],
                "comparisons": [{k: v for k, v in c.items() if k not in ("a", "b")} |
                                {"scores_a": c["a"]["scores"], "scores_b": c["b"]["scores"]} for c in comparisons],
-               "note": note}
+               "note": note, "until": record.get("until")}
     return summary, summaries, comparisons
 
 
@@ -136,6 +138,10 @@ def write_methods_report(root: str | Path, command: str | None = None, log=print
                "`methods.csv`.", ""]
     metric = summary["metric"]
     md += [f"## Each method against `{baseline}`, paired by seed ({metric})", ""]
+    if summary["until"] and comparisons:
+        md += ["This study stopped sequentially: its decisions are the repeated intervals' (section *Sequential "
+               "design* below). The 95% CI and sign-flip p here read the replicas as if their number had been fixed "
+               "in advance.", ""]
     if comparisons:
         md += [*_md_comparisons(comparisons), "",
                f"Difference: {S.METHODS['paired_difference']}. Share of seeds: "
@@ -145,6 +151,8 @@ def write_methods_report(root: str | Path, command: str | None = None, log=print
                ""]
     else:
         md += [f"(No comparison: {summary['note']}.)", ""]
+    if summary["until"] and comparisons:
+        md += _md_sequential(summary["until"], comparisons)
     if figures:
         md += ["## Figures", "", *[f"![{n} vs {baseline}](figures/{p.name})" for n, p in figures.items()], ""]
     atomic_write_bytes(paths.report, "\n".join(md).encode(), root=root)
@@ -152,6 +160,38 @@ def write_methods_report(root: str | Path, command: str | None = None, log=print
         log(format_comparisons(comparisons))
     log(f"report: {paths.report}")
     return summary
+
+
+def _md_sequential(state: dict, comparisons: list[dict]) -> list[str]:
+    """The looks of a sequential study (``methods.json``'s ``until``), its stop and what the stop saved."""
+    design = Until(**{k: v for k, v in state["design"].items() if k != "spec"})
+    looks = state["looks"]
+    last = looks[-1]
+    md = ["## Sequential design", "",
+          f"`--until {design.spec}`: {design.first} replicas per method, then {design.round} more at each look up to "
+          f"{design.max_replicas}. Each look reads every comparison's repeated interval: the paired t interval at "
+          f"{100 * (1 - last['level']):.2f}%, the constant per-look level (Pocock's) at which the intervals of all "
+          f"{len(last['comparisons'])} comparison(s) over all {len(design.looks())} possible looks miss the truth in at "
+          "most 5% of studies (calibrated by simulation), so they hold wherever the study stops.", "",
+          "| replicas | method | vs | arm | difference | repeated interval | answer |", "|---|---|---|---|---|---|---|"]
+    for look in looks:
+        for c in look["comparisons"]:
+            lo, hi = c["interval"]
+            md.append(f"| {look['replicas']} | {c['method_b']} | {c['method_a']} | {c['arm']} | {c['difference']:+.4g} | "
+                      f"[{lo:+.4g}, {hi:+.4g}] | {c['decision']} |")
+    md += ["", f"Stopped at {last['replicas']} of at most {design.max_replicas} replicas per method: "
+           f"{last['why'] or 'not yet (rerun the same command to go on)'}."]
+    if last["stop"]:
+        for row in saving(design, last, comparisons):
+            if row.get("fixed_same_power"):
+                md.append(f"- {row['method_b']} on `{row['arm']}`: at the difference found ({row['effect']:.2f} standard "
+                          f"deviations of the paired differences) this design decides in {100 * row['power']:.0f}% of "
+                          f"studies with {row['expected_replicas']:.1f} replicas per method on average; a fixed number "
+                          f"of replicas with that power (at most {100 * POWER_CAP:.0f}%) is {row['fixed_same_power']}, "
+                          f"so this stop at {row['replicas']} " + (f"saved {100 * row['saved']:.0f}% of them." if
+                                                                    row["saved"] >= 0 else
+                                                                    f"used {-100 * row['saved']:.0f}% more."))
+    return md + [""]
 
 
 def _figures(root: Path, comparisons: list[dict]) -> dict[str, Path]:

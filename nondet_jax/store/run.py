@@ -227,7 +227,7 @@ class RunStore:
     """An open run folder. Use as a context manager: it holds the folder's lock while open."""
 
     def __init__(self, out: str | Path, config: Config, locked_by_parent: bool = False,
-                 recompute: tuple[str, ...] = (), identity: str = ""):
+                 recompute: tuple[str, ...] = (), identity: str = "", grow: bool = False):
         self.root = Path(out)
         self.identity = identity  # the study's identity_sha256: stored with every arm, checked on reuse
         self.paths = RunPaths(out)
@@ -235,6 +235,9 @@ class RunStore:
         self.recompute = recompute  # arms about to be deleted: not verified on open
         self.config = config
         self.locked_by_parent = locked_by_parent  # a child process writing under its parent's lock
+        # A sequential study's next look: study.replicas may grow, and an arm with fewer replicas is unfinished
+        # (its record removed; the blocks it was merged from stay, see nondet_jax.study.parts).
+        self.grow = grow
         self._lock_fd: int | None = None
 
     def __enter__(self) -> "RunStore":
@@ -274,6 +277,8 @@ class RunStore:
                 guarded("unlink", root, tmp)
             if old is not None:
                 diff = _config_diff(old, new)
+                if self.grow and old.get("study", {}).get("replicas", 0) <= new["study"]["replicas"]:
+                    diff = [d for d in diff if not d.startswith("study.replicas ")]
                 if diff:
                     raise UsageError(f"--out {root} holds results of a different config ({'; '.join(diff[:3])}); "
                                      "choose another --out or rerun with the same settings")
@@ -281,6 +286,9 @@ class RunStore:
                 self.arms = new["study"]["arms"]
                 finished = []
                 for arm in old_arms:  # damaged results stop the run before anything is written
+                    if self.grow and self.arm_done(arm) and arm not in self.recompute and \
+                            self.load_arm(arm).get("replicas") != new["study"]["replicas"]:
+                        guarded("unlink", root, self.paths.arm_file("arms", arm))  # grown from its parts next
                     if self.arm_done(arm) and arm not in self.recompute:
                         self.verify_arm(arm)
                         finished.append(arm)

@@ -36,6 +36,7 @@ from nondet_jax.store.checkpoint import (
 from nondet_jax.store.io import flatten_tree, npy_bytes, npz_bytes
 from nondet_jax.store.paths import RunPaths
 from nondet_jax.store.run import config_digest
+from nondet_jax.study import parts
 from nondet_jax.train import augmentation_settings, make_schedule, make_train
 
 
@@ -120,6 +121,27 @@ def fit_arm(config: Config, data, fns, store, arm: Arm, progress, log=print, blo
                             eval_epochs=test_epochs(config, arm))
     ckpt.close()
     return result, reason
+
+
+def grow_arm(config: Config, data, fns, store, arm: Arm, progress_for, log=print) -> dict:
+    """A look of a sequential study: train the replicas of ``arm`` that no part holds yet, as one block kept as
+    a part (:mod:`nondet_jax.study.parts`), then store the arm merged from all its parts.
+    ``progress_for(total)`` gives the progress callback for ``total`` replica-epochs."""
+    study = config.study
+    blocks = parts.trained_blocks(store, arm)
+    done = blocks[-1].stop if blocks else 0
+    if done > study.replicas:
+        raise UsageError(f"{store.paths.parts(arm.name)} holds {done} replicas of arm '{arm.name}', more than this "
+                         f"study's {study.replicas}; rerun with --recompute {arm.name} to train it again")
+    strategy_name, reason = resolve_strategy(study.strategy, study.replicas)
+    if done < study.replicas:
+        block = range(done, study.replicas)
+        result, reason = fit_arm(config, data, fns, store, arm, progress_for(len(block) * config.train.epochs),
+                                 log, block)
+        parts.write_part(store, arm, result, parts.block_meta(study.seed, arm, block, store.identity))
+        blocks.append(block)
+    merged = parts.merge_blocks(config, data, arm_setup(config, fns, arm)[1], store, arm, blocks, strategy_name)
+    return finish_arm(config, data, fns, store, arm, merged, reason, log)
 
 
 def test_epochs(config: Config, arm: Arm) -> tuple[int, ...]:

@@ -23,13 +23,13 @@ import jax
 import numpy as np
 
 from nondet_jax.errors import UsageError
-from nondet_jax.replicas.choice import make_strategy, resolve_strategy
-from nondet_jax.sources import arm_keys, parse_arm, perturbations
-from nondet_jax.store.io import atomic_write_bytes, atomic_write_json, guarded
+from nondet_jax.replicas.choice import resolve_strategy
+from nondet_jax.sources import parse_arm
+from nondet_jax.store.io import atomic_write_json, guarded
 from nondet_jax.store.paths import RunPaths
 from nondet_jax.store.run import RunStore
 from nondet_jax.study.arm import arm_setup, finish_arm, fit_arm
-from nondet_jax.study.multihost import merge_parts, part_bytes
+from nondet_jax.study.parts import block_meta, merge_blocks, write_part
 from nondet_jax.study.prepare import prepare_child
 from nondet_jax.study.processes import REPLICA_CHILD, child_env, require_child, run_child
 from nondet_jax.study.provenance import environment
@@ -56,11 +56,9 @@ def train_arm_per_process(config, data, fns, store, arm, flags, log=print) -> di
                   f"the process training replica {r} of arm '{arm.name}'", caches=False,
                   after="its output is above; finished replicas are kept")
     processes = [json.loads(paths.part(arm.name, r, ".json").read_text()) for r in range(study.replicas)]
-    _, arm_fns = arm_setup(config, fns, arm)
-    strategy = make_strategy(arm_fns, resolve_strategy(study.strategy, study.replicas)[0])
-    init = strategy.init(arm_keys(study.seed, arm.varied, study.replicas), perturbations(arm.varied),
-                         jax.numpy.asarray(data.x_train[:1]))
-    merged = merge_parts([paths.part(arm.name, r) for r in range(study.replicas)], init.params)
+    merged = merge_blocks(config, data, arm_setup(config, fns, arm)[1], store, arm,
+                          [range(r, r + 1) for r in range(study.replicas)],
+                          resolve_strategy(study.strategy, study.replicas)[0])
     store.write_json(RunPaths.rel("environments", arm.name, ".processes.json"),
                      {"mode": "one process per replica", "parent_pid": os.getpid(), "processes": processes})
     record = finish_arm(config, data, fns, store, arm, merged, "one fresh process per replica", log)
@@ -79,7 +77,8 @@ def train_replica_child(out: str, arm: str, replica: int) -> int:
     with RunStore(out, config, locked_by_parent=True, identity=identity) as store:
         result, _ = fit_arm(config, data, fns, store, parse_arm(arm), lambda n: None, lambda *a, **k: None,
                             block=range(replica, replica + 1))
-        atomic_write_bytes(store.paths.part(arm, replica), part_bytes(result), root=store.root)
+        write_part(store, parse_arm(arm), result,
+                   block_meta(config.study.seed, parse_arm(arm), range(replica, replica + 1), identity))
         env = environment()
         atomic_write_json(store.paths.part(arm, replica, ".json"), {
             "replica": replica, "pid": os.getpid(), "xla_flags": os.environ.get("XLA_FLAGS", ""),

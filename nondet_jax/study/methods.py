@@ -156,7 +156,8 @@ def write_methods(root: Path, base: cfg.Config, methods: list[Method], baseline:
     from nondet_jax.analysis.methods import read_record
 
     old = read_record(root) if RunPaths(root).methods_json.exists() else {"methods": {}}
-    record = {"baseline": baseline, "config": cfg.to_dict(base), "methods": dict(old["methods"])}
+    record = {"baseline": baseline, "config": cfg.to_dict(base), "methods": dict(old["methods"]),
+              **({"until": old["until"]} if "until" in old else {})}
     for m in methods:
         record["methods"][m.name] = {"settings": {k: str(v) for k, v in m.settings.items()},
                                      "parts": sorted(m.parts), "folder": f"methods/{m.name}"}
@@ -165,31 +166,110 @@ def write_methods(root: Path, base: cfg.Config, methods: list[Method], baseline:
 
 
 def run_methods(base: cfg.Config, methods: list[Method], baseline: str, out: str | Path | None, *,
-                run_one, log=print, command: str | None = None, batch=None) -> Path:
-    """Train every method into ``out/methods/<name>`` (``run_one(method, folder)`` runs one ordinary study
-    there and returns its summary), record ``methods.json``, then write the report across methods.
+                run_one, log=print, command: str | None = None, batch=None, until=None) -> Path:
+    """Train every method into ``out/methods/<name>`` (``run_one(method, folder, replicas)`` runs one ordinary
+    study there and returns its summary; ``replicas`` None: the study's own, else a look of a sequential study,
+    whose run grows the folder to that many), record ``methods.json``, then write the report across methods.
     ``batch(out)``, when given, first trains the methods that can train together
-    (:mod:`nondet_jax.study.batched`); ``run_one`` then finds their arms finished. Returns the folder."""
+    (:mod:`nondet_jax.study.batched`); ``run_one`` then finds their arms finished. ``until``
+    (:class:`nondet_jax.analysis.sequential.Until`): train in looks until every comparison is answered
+    (:func:`run_looks`). Returns the folder."""
     out = Path(out) if out is not None else default_out(base)
     check_path_name(out, "--out")
     check_no_links(out)
     check_folder(out)
     out.mkdir(parents=True, exist_ok=True)
+    if until is not None and batch is not None:
+        raise UsageError("--batch-methods trains every method's replicas at once, which a sequential study (--until) "
+                         "adds look by look; drop one of them")
+    replicas = check_design(out, until)
     write_methods(out, base, methods, baseline)
     if batch is not None:
         batch(out)
-    for m in methods:
-        log(f"method {m.name}" + (f" ({', '.join(f'{k}={v}' for k, v in m.settings.items())}"
-                                  f"{', ' if m.settings and m.parts else ''}{', '.join(m.parts)})"
-                                  if m.settings or m.parts else " (the study's own settings)"))
-        run_one(m, RunPaths(out).method(m.name))
-        record = json.loads(RunPaths(out).methods_json.read_text())
-        record["methods"][m.name]["identity_sha256"] = _identity(out, m.name)
-        atomic_write_json(RunPaths(out).methods_json, record, root=out)
+    if until is None:
+        train_methods(out, methods, run_one, None, log)
+    else:
+        run_looks(out, methods, until, replicas, run_one, log)
     from nondet_jax.report.methods import write_methods_report
 
     write_methods_report(out, command=command, log=log)
     return out
+
+
+def train_methods(out: Path, methods: list[Method], run_one, replicas: int | None, log) -> None:
+    """Every method's study (at ``replicas`` per method: a look), its identity recorded in ``methods.json``."""
+    for m in methods:
+        log(f"method {m.name}" + (f" ({', '.join(f'{k}={v}' for k, v in m.settings.items())}"
+                                  f"{', ' if m.settings and m.parts else ''}{', '.join(m.parts)})"
+                                  if m.settings or m.parts else " (the study's own settings)")
+            + ("" if replicas is None else f", {replicas} replicas"))
+        run_one(m, RunPaths(out).method(m.name), replicas)
+        record = json.loads(RunPaths(out).methods_json.read_text())
+        record["methods"][m.name]["identity_sha256"] = _identity(out, m.name)
+        atomic_write_json(RunPaths(out).methods_json, record, root=out)
+
+
+def check_design(out: Path, until) -> int | None:
+    """Where a sequential study resumes: the replicas of its last look (``methods.json``'s ``until``), the
+    first look's for a new one, None without ``until``. A folder of a fixed-size study of methods, or of a
+    sequential one run with another design, is refused before anything is written."""
+    path = RunPaths(out).methods_json
+    if not path.exists():
+        return None if until is None else until.first
+    from nondet_jax.analysis.methods import read_record
+
+    state = read_record(out).get("until")
+    if until is None and state is not None:
+        raise UsageError(f"{out} is a sequential study of methods (--until {state['design']['spec']} --max-replicas "
+                         f"{state['design']['max_replicas']}); rerun it with those, or choose another --out")
+    if until is None:
+        return None
+    if state is None:
+        raise UsageError(f"{out} holds a study of methods with a fixed number of replicas, which a sequential study "
+                         "(--until) cannot grow; choose another --out")
+    design = {**until._asdict(), "spec": until.spec}
+    if state.get("design") != design:
+        old = state.get("design") or {}
+        raise UsageError(f"{out} is a sequential study run with --until {old.get('spec')} --max-replicas "
+                         f"{old.get('max_replicas')} from {old.get('first')} replicas; rerun it with those (a changed "
+                         "design would not keep its error rate), or choose another --out")
+    looks = state.get("looks")
+    taken = [k.get("replicas") if isinstance(k, dict) else k for k in looks] if isinstance(looks, list) else [looks]
+    for n in taken:
+        if n not in until.looks() or isinstance(n, bool):
+            raise UsageError(f"{path} records a look at {n!r} replicas, which its design never takes; restore it, or "
+                             "choose another --out")
+    return max(taken, default=until.first)
+
+
+def run_looks(out: Path, methods: list[Method], until, replicas: int, run_one, log) -> dict:
+    """A sequential study (:mod:`nondet_jax.analysis.sequential`): train every method to ``replicas`` per method,
+    assess every comparison with the baseline, and add :attr:`~nondet_jax.analysis.sequential.Until.round`
+    replicas per method until each is answered or ``until.max_replicas`` are trained. Each look is recorded in
+    ``methods.json`` (``until``) as it ends, so a rerun of the same command resumes at the last look (whose
+    arms it finds finished). Returns the last look."""
+    from nondet_jax.analysis import sequential
+    from nondet_jax.analysis.methods import compare_methods
+
+    paths = RunPaths(out)
+    while True:
+        train_methods(out, methods, run_one, replicas, log)
+        look = sequential.assess(until, compare_methods(out))
+        record = json.loads(paths.methods_json.read_text())
+        state = record.get("until") or {"design": {**until._asdict(), "spec": until.spec}, "looks": []}
+        state["looks"] = [k for k in state["looks"] if k["replicas"] < look["replicas"]] + [look]
+        record["until"] = state
+        atomic_write_json(paths.methods_json, record, root=out)
+        for c in look["comparisons"]:
+            lo, hi = c["interval"]
+            log(f"look at {look['replicas']} replicas: {c['method_b']} − {c['method_a']} on {c['arm']} "
+                f"{c['difference']:+.4g} [{lo:+.4g}, {hi:+.4g}] ({100 * (1 - look['level']):.2f}% repeated interval): "
+                f"{c['decision']}")
+        if look["stop"]:
+            log(f"sequential study: stopped at {look['replicas']} of at most {until.max_replicas} replicas per method: "
+                f"{look['why']}")
+            return look
+        replicas = min(replicas + until.round, until.max_replicas)
 
 
 def _identity(root: Path, name: str) -> str | None:

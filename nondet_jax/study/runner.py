@@ -17,16 +17,17 @@ from nondet_jax.machine.determinism import (
     check_flags,
 )
 from nondet_jax.models.parts import Parts
-from nondet_jax.replicas.choice import make_strategy, resolve_strategy, strategy_epoch_shape
+from nondet_jax.replicas.choice import resolve_strategy, strategy_epoch_shape
 from nondet_jax.report.markdown import write_report
 from nondet_jax.report.summary import format_table
-from nondet_jax.sources import Arm, arm_keys, perturbations
+from nondet_jax.sources import Arm
 from nondet_jax.store.io import atomic_write_bytes, check_no_links, check_path_name, guarded, npy_bytes
 from nondet_jax.store.paths import RunPaths
 from nondet_jax.store.run import RunStore
 from nondet_jax.study import multihost as mh
-from nondet_jax.study.arm import arm_setup, finish_arm, fit_arm, train_arm
+from nondet_jax.study.arm import arm_setup, finish_arm, fit_arm, grow_arm, train_arm
 from nondet_jax.study.child import run_in_child
+from nondet_jax.study.parts import block_meta, merge_blocks, write_part
 from nondet_jax.study.prepare import (
     check_epoch_shape,
     check_model,
@@ -110,7 +111,7 @@ def log_accuracy(log, arm: Arm, record: dict) -> None:
 
 def run(config: Config, out: str | Path | None = None, progress: bool | None = None, log=print,
         command: str | None = None, recompute: tuple[str, ...] = (), parts: Parts = Parts(), data=None,
-        after_arm=None) -> dict:
+        after_arm=None, grow: bool = False) -> dict:
     """Run a study: train every arm not yet finished in ``out``, then write the report.
 
     Arms that vary ``hardware`` run in a child process with XLA's determinism flags off; the
@@ -119,8 +120,10 @@ def run(config: Config, out: str | Path | None = None, progress: bool | None = N
     ``parts`` and ``data`` are the user's own (see :func:`prepare`). ``after_arm(out, arm_name)``, when
     given, runs once each arm is stored (or found finished), e.g. to export it to TensorBoard.
     ``out`` None is :func:`default_out` of the config and the study's identity by content. The
-    summary returned carries ``out``, the run folder. Raises UsageError on bad input before anything
-    is written.
+    summary returned carries ``out``, the run folder. ``grow``: a look of a sequential study
+    (:mod:`nondet_jax.study.sequential`): ``study.replicas`` may exceed the folder's, and each arm trains
+    only the replicas it lacks (:func:`nondet_jax.study.arm.grow_arm`). Raises UsageError on bad input
+    before anything is written.
     """
     in_memory = parts != Parts() or data is not None
     if out is not None:
@@ -137,6 +140,9 @@ def run(config: Config, out: str | Path | None = None, progress: bool | None = N
         raise UsageError(f"arm '{hardware_arms[0]}' trains in a child process that rebuilds the study from the run "
                          "folder, so it cannot use parts passed in memory; run it with the CLI (--model "
                          "PACKAGE.MODULE:ATTR --dataset PATH.npz) on the same --out, or drop it")
+    if hardware_arms and grow:
+        raise UsageError(f"arm '{hardware_arms[0]}' trains in processes of its own, which a sequential study "
+                         "(--until) cannot grow look by look; drop it, or study it with a fixed --replicas")
     if hardware_arms:
         check_flags(DETERMINISM_OFF)
     model = model_record(config, data, fns)
@@ -148,7 +154,7 @@ def run(config: Config, out: str | Path | None = None, progress: bool | None = N
         progress = sys.stderr.isatty()
     backend = jax.default_backend()
 
-    with RunStore(out, config, recompute=recompute, identity=model["identity_sha256"]) as store:
+    with RunStore(out, config, recompute=recompute, identity=model["identity_sha256"], grow=grow) as store:
         strategy, _ = write_run_files(store, config, data, fns, command, model, log=log)
         log(f"nondet_jax: {len(arms)} arms x {study.replicas} replicas of {config.model.name} on {data.name} "
             f"({len(data.x_train)} train / {len(data.x_test)} test), {config.train.epochs} epochs, strategy "
@@ -175,6 +181,8 @@ def run(config: Config, out: str | Path | None = None, progress: bool | None = N
                     log(f"arm {arm.name}: training in a child process with XLA_FLAGS {' '.join(DETERMINISM_OFF)}")
                     run_in_child(out, arm, DETERMINISM_OFF)
                     record = store.load_arm(arm.name)
+                elif grow:
+                    record = grow_arm(config, data, fns, store, arm, lambda n, a=arm.name: bar.arm(a, n), log)
                 else:
                     record = train_arm(config, data, fns, store, arm,
                                        bar.arm(arm.name, study.replicas * config.train.epochs), log)
@@ -233,16 +241,12 @@ def run_distributed(config: Config, out: str | Path | None, procs, progress: boo
                     continue
                 result, reason = fit_arm(config, data, fns, store, arm,
                                          bar.arm(arm.name, len(block) * config.train.epochs), log, block)
-                atomic_write_bytes(store.paths.part(arm.name, procs.index), mh.part_bytes(result),
-                                   root=store.root)
+                write_part(store, arm, result, block_meta(study.seed, arm, block, store.identity))
                 mh.barrier(f"trained {arm.name}")
                 if procs.leader:
-                    _, arm_fns = arm_setup(config, fns, arm)
-                    init = make_strategy(arm_fns, strategy).init(
-                        arm_keys(study.seed, arm.varied, study.replicas), perturbations(arm.varied),
-                        jax.numpy.asarray(data.x_train[:1]))
-                    merged = mh.merge_parts([store.paths.parts(arm.name) / f"{i}.npz" for i in range(procs.count)],
-                                            init.params)
+                    blocks = [mh.replica_block(study.replicas, i, procs.count) for i in range(procs.count)]
+                    merged = merge_blocks(config, data, arm_setup(config, fns, arm)[1], store, arm, blocks, strategy,
+                                          parallel=True)
                     record = finish_arm(config, data, fns, store, arm, merged, reason, log)
                     guarded("rmtree", store.root, store.paths.parts(arm.name))
                     log_accuracy(log, arm, record)

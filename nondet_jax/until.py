@@ -1,0 +1,65 @@
+"""The grammar of a sequential study of methods (``--until``, ``run_study(until=...)``), checked before JAX,
+flax or scipy start: :class:`Until` and :func:`parse`. The statistics are
+:mod:`nondet_jax.analysis.sequential`'s; the looks are run by :mod:`nondet_jax.study.methods`."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from nondet_jax.errors import UsageError
+
+ROUND = 4  # replicas added per method at each look
+
+
+class Until(NamedTuple):
+    """A sequential design: ``rule`` ("decided" or "width"), its ``value`` (decided: the smallest
+    difference that matters, or None; width: the widest interval accepted), the first look's replicas
+    (``study.replicas``), the most replicas per method, and the replicas added at each look."""
+
+    rule: str
+    value: float | None
+    first: int
+    max_replicas: int
+    round: int = ROUND
+
+    @property
+    def spec(self) -> str:
+        return self.rule + ("" if self.value is None else f"={self.value:g}")
+
+    def looks(self) -> list[int]:
+        """The replicas per method at each look the design may take."""
+        return looks(self.first, self.max_replicas, self.round)
+
+
+def looks(first: int, max_replicas: int, step: int = ROUND) -> list[int]:
+    out = list(range(first, max_replicas, step))
+    return out + [max_replicas]
+
+
+def parse(spec: str, max_replicas: int | None, replicas: int, where: str = "--until") -> Until:
+    """``decided``, ``decided=D`` or ``width=X`` with the most replicas per method (``--max-replicas``;
+    default 4x ``replicas``), checked: one-line UsageErrors naming the fix."""
+    rule, eq, value = str(spec).strip().partition("=")
+    option = "--max-replicas" if where == "--until" else "max_replicas="
+    if rule not in ("decided", "width") or (rule == "width" and not eq):
+        raise UsageError(f"{where} {spec!r}: write decided (stop once each method differs from the baseline), "
+                         "decided=D (or once any difference is within ±D) or width=X (once each interval is at most "
+                         "X wide), in the score's units, e.g. width=0.01")
+    number = None
+    if eq:
+        try:
+            number = float(value)
+        except ValueError:
+            number = float("nan")
+        if not (math.isfinite(number) and number > 0):
+            raise UsageError(f"{where} {spec!r}: {value!r} is not a positive number; write e.g. {rule}=0.01 (a "
+                             "difference in the score's units: 0.01 is one point of accuracy)")
+    if replicas < 3:
+        raise UsageError(f"a sequential study starts from at least 3 replicas per method (its first look), got "
+                         f"{replicas}; use --replicas 4 or more")
+    max_replicas = 4 * replicas if max_replicas is None else max_replicas
+    if isinstance(max_replicas, bool) or not isinstance(max_replicas, int) or max_replicas <= replicas:
+        raise UsageError(f"{option} {max_replicas!r} must be an integer above the first look's {replicas} replicas "
+                         f"(--replicas); e.g. {option.rstrip('=')}{' ' if where == '--until' else '='}{4 * replicas}")
+    return Until(rule, number, replicas, max_replicas)
