@@ -186,6 +186,8 @@ def power_tables(trials: int, replicas: list, test_trials: int) -> dict:
                 print(f"{spec:<12} {sc:<11} effect {effect:<4} decided {pct(cell['decided'])}  mean replicas "
                       f"{cell['mean_replicas']:.1f}  coverage {pct(cell['coverage'])}"
                       + (f"  within ±D {pct(cell['within'])}" if cell["within"] is not None else "")
+                      + (f"  futile {pct(cell['futile'])}" if cell["futile"] is not None else "")
+                      + f"  saved against {design.max_replicas}: {pct(cell['saved_against_max'])}"
                       + (f"  fixed {cell['fixed_same_power']}, saved {pct(cell['saved'])}"
                          if cell.get("fixed_same_power") else ""))
     out["sequential"] = rows
@@ -236,13 +238,14 @@ def power_markdown(stored: dict) -> str:
         lines.append(f"| {row['scenario']} | {row['replicas']} | {100 * row['unadjusted']:.1f}% | "
                      f"{100 * row['bonferroni']:.1f}% | {'—' if paired is None else f'{100 * paired:.1f}%'} |")
     lines += ["", "| sequential paired compare (8 to 32 replicas per method, 4 per look) | scenario | standardised effect "
-              "| decided a difference | mean replicas | coverage at the stop | inside ±D | fixed replicas, same power "
-              "| replicas saved |", "|---|---|---|---|---|---|---|---|---|"]
+              "| decided a difference | inside ±D | given up | mean replicas | coverage at the stop | saved against 32 "
+              "| fixed replicas, same power | saved against it |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    share = lambda v: "—" if v is None else f"{100 * v:.1f}%"  # noqa: E731
     for row in stored.get("sequential", []):
-        fixed, saved, within = row.get("fixed_same_power"), row.get("saved"), row.get("within")
-        lines.append(f"| {row['rule']} | {row['scenario']} | {row['effect']:g} | {100 * row['decided']:.1f}% | "
-                     f"{row['mean_replicas']:.1f} | {100 * row['coverage']:.1f}% | "
-                     f"{'—' if within is None else f'{100 * within:.1f}%'} | {fixed or '—'} | "
+        fixed, saved = row.get("fixed_same_power"), row.get("saved")
+        lines.append(f"| {row['rule']} | {row['scenario']} | {row['effect']:g} | {share(row['decided'])} | "
+                     f"{share(row['within'])} | {share(row['futile'])} | {row['mean_replicas']:.1f} | "
+                     f"{share(row['coverage'])} | {100 * row['saved_against_max']:.0f}% | {fixed or '—'} | "
                      f"{'—' if saved is None else f'{100 * saved:.0f}%'} |")
     return "\n".join(lines)
 

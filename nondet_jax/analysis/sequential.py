@@ -11,7 +11,10 @@ assessed, and the study stops once every one is answered:
   comparisons (Bonferroni). These are repeated confidence intervals: valid whenever the study stops,
   so the decision and the interval printed at the stop keep their error rate although the study
   looked at its data before deciding to go on. ``decided=D`` also stops a comparison once its interval
-  lies inside ±D (any difference is smaller than D, the smallest that matters).
+  lies inside ±D (any difference is smaller than D, the smallest that matters). A comparison is given up
+  ("futile") once its chance of being decided by the last look, were the difference what it looks like
+  now, is under :data:`FUTILITY` (:func:`conditional_power`): that never decides a difference, so the error
+  cannot rise, and it spares the replicas of comparisons that would run to the last look undecided.
 - ``width=X``: every repeated interval is at most X wide. (The plain 95% paired t interval, stopped on
   its own width, covered only 89-92% of simulated 360-image accuracy differences, whose spread moves
   with their mean: :func:`simulate`.)
@@ -35,6 +38,10 @@ CALIBRATION_TRIALS = 40_000
 # "The same power" is capped here: near 100% the fixed design's replicas grow without bound while the sequential
 # design, which stops at its first look, cannot use fewer than that look's.
 POWER_CAP = 0.95
+# A comparison not yet decided is given up ("futile") when its chance of being decided by the last look, were the
+# difference what it looks like now, is below this: conditional power under the current trend. Giving up never
+# decides a difference, so it cannot raise the error; it saves the replicas of comparisons that will not decide.
+FUTILITY = 0.10
 
 
 def t_path(d: np.ndarray, ns: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -60,20 +67,60 @@ def per_look_level(ns: tuple[int, ...], alpha: float = ALPHA, trials: int = CALI
     return float(np.quantile(p.min(-1), alpha))
 
 
+def conditional_power(t, n, last: int, level: float):
+    """The chance that a paired comparison with t statistic ``t`` at ``n`` pairs reaches two-sided ``level`` at
+    ``last`` pairs if the true standardised difference equals the one seen now (the B-value form, normal
+    approximation): Φ((|t|/√f − c)/√(1 − f)) with f = n / last and c the level's normal quantile; 0 at the
+    last look."""
+    f = np.asarray(n, np.float64) / last
+    c = sps.norm.ppf(1 - level / 2)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        cp = sps.norm.cdf((np.abs(t) / np.sqrt(f) - c) / np.sqrt(np.maximum(1 - f, 0.0)))
+    return np.where(f < 1, np.nan_to_num(cp, nan=0.0), 0.0)
+
+
+def _t_stat(mean, sd, n):
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(sd > 0, mean / (sd / np.sqrt(n)), np.where(mean == 0, 0.0, np.inf))
+
+
 def _resolution(r: dict) -> float | None:
     n_test = r.get("a", {}).get("n_test")
     return 1 / n_test if n_test and "accuracy" in str(r.get("a", {}).get("metric", "")) else None
 
 
-def assess(until: Until, comparisons: list[dict]) -> dict:
+def key(c: dict) -> tuple[str, str, str]:
+    """A comparison's name: (method_b, method_a, arm)."""
+    return c["method_b"], c["method_a"], c["arm"]
+
+
+def answered(looks: list[dict]) -> dict[tuple, dict]:
+    """The comparisons answered at earlier looks (``methods.json``'s), each with the look's replicas: an
+    answer stands (the repeated intervals hold at every look at once), so its method trains no more."""
+    out: dict[tuple, dict] = {}
+    for look in looks:
+        for c in look["comparisons"]:
+            if c["decision"] not in ("open", "not decided", "not narrow enough") and key(c) not in out:
+                out[key(c)] = {**c, "replicas": c.get("replicas", look["replicas"])}
+    return out
+
+
+def assess(until: Until, comparisons: list[dict], earlier: dict[tuple, dict] | None = None) -> dict:
     """One look: each comparison (:func:`nondet_jax.analysis.methods.compare_methods`'s results, which carry
-    the paired scores) answered or not, and whether the study stops. Returns ``{"replicas", "level",
-    "comparisons": [{method_a, method_b, arm, difference, interval, decision}], "stop", "why"}``;
-    ``level`` is the per-look p level of the repeated intervals (each printed at 1 − level)."""
-    n = min(r["n_pairs"] for r in comparisons)
+    the paired scores) answered or not, and whether the study stops; those in ``earlier`` (:func:`answered`)
+    keep their answer. The level is shared by every comparison (Bonferroni over all of them, answered or
+    not). Returns ``{"replicas", "level", "comparisons": [{method_a, method_b, arm, difference, interval,
+    decision, replicas}], "stop", "why"}``; ``level`` is the per-look p level of the repeated intervals
+    (each printed at 1 − level)."""
+    earlier = earlier or {}
     level = per_look_level(tuple(until.looks()), ALPHA / len(comparisons))
+    assessed = [r for r in comparisons if key(r) not in earlier]
+    n = max((r["n_pairs"] for r in assessed), default=max(r["n_pairs"] for r in comparisons))
     rows = []
     for r in comparisons:
+        if key(r) in earlier:
+            rows.append(earlier[key(r)])
+            continue
         a, b = np.asarray(r["a"]["scores"]), np.asarray(r["b"]["scores"])
         lo, hi = S.paired_difference(a, b, 1 - level, _resolution(r))["ci"]
         if until.rule == "decided":
@@ -82,18 +129,24 @@ def assess(until: Until, comparisons: list[dict]) -> dict:
                 decision = f"{r['method_b'] if better == 'B' else r['method_a']} is better"
             elif until.value is not None and -until.value < lo and hi < until.value:
                 decision = f"within ±{until.value:g}"
+            elif n >= until.max_replicas:
+                decision = "not decided"
+            elif conditional_power(_t_stat(r["difference"], r["std_difference"], n), n, until.max_replicas,
+                                   level) < FUTILITY:
+                decision = "futile"
             else:
                 decision = "open"
         else:
-            decision = "narrow enough" if hi - lo <= until.value else "open"
-        rows.append({"method_a": r["method_a"], "method_b": r["method_b"], "arm": r["arm"],
+            decision = "narrow enough" if hi - lo <= until.value else "not narrow enough" if n >= until.max_replicas \
+                else "open"
+        rows.append({"method_a": r["method_a"], "method_b": r["method_b"], "arm": r["arm"], "replicas": r["n_pairs"],
                      "difference": r["difference"], "interval": [lo, hi], "decision": decision})
-    answered = all(row["decision"] != "open" for row in rows)
+    done = all(row["decision"] not in ("open", "not decided", "not narrow enough") for row in rows)
     last = n >= until.max_replicas
-    why = ("every comparison is answered" if answered else
+    why = ("every comparison is answered" if done else
            f"the most replicas per method ({until.max_replicas}) are trained" if last else "")
     return {"replicas": n, "level": level, "rule": until.spec,
-            "comparisons": rows, "stop": answered or last, "why": why}
+            "comparisons": rows, "stop": done or last, "why": why}
 
 
 def _stops(until: Until, d: np.ndarray, level: float, resolution: float | None = None) -> tuple[np.ndarray, ...]:
@@ -112,6 +165,7 @@ def _stops(until: Until, d: np.ndarray, level: float, resolution: float | None =
             done = (l_k > 0) | (h_k < 0)
             if until.value is not None:
                 done |= (-until.value < l_k) & (h_k < until.value)
+            done |= conditional_power(_t_stat(m, s, n), n, until.max_replicas, level) < FUTILITY
         else:
             done = h_k - l_k <= until.value
         take = open_ & (done | (k == len(ns) - 1))
@@ -125,16 +179,19 @@ def saving(until: Until, look: dict, comparisons: list[dict], trials: int = 4000
     (mean / std of the paired differences; biased up when the study stopped early, as every estimate at a
     sequential stop is), the design's power (:func:`simulate`), the replicas a fixed paired t design needs for
     the same power at the same family-wise level, and the share of replicas the sequential study saved against
-    it (at the replicas it used)."""
+    it (at the replicas its method trained)."""
+    used = {key(c): c.get("replicas", look["replicas"]) for c in look["comparisons"]}
     out = []
     for c in comparisons:
         sd = c.get("std_difference") or 0.0
         effect = abs(c["difference"]) / sd if sd > 0 else float("inf") if c["difference"] else 0.0
-        row = {"method_b": c["method_b"], "arm": c["arm"], "effect": effect, "replicas": look["replicas"]}
+        n = used.get(key(c), look["replicas"])
+        row = {"method_b": c["method_b"], "arm": c["arm"], "effect": effect, "replicas": n}
         if 0 < effect < float("inf") and until.rule == "decided":
             sim = simulate(until, effect, trials, comparisons=len(comparisons))
-            row.update(power=sim["decided"], expected_replicas=sim["mean_replicas"], fixed_same_power=sim["fixed_same_power"],
-                       saved=None if not sim["fixed_same_power"] else 1 - look["replicas"] / sim["fixed_same_power"])
+            fixed = sim["fixed_same_power"]
+            row.update(power=sim["decided"], expected_replicas=sim["mean_replicas"], fixed_same_power=fixed,
+                       saved=None if not fixed else 1 - n / fixed)
         out.append(row)
     return out
 
@@ -144,7 +201,8 @@ def simulate(until: Until, effect: float, trials: int = 4000, seed: int = 0, dif
     """The design on simulated paired studies: ``differences(rng, shape, effect)`` -> (differences, true mean)
     (default: normal with std 1, so ``effect`` is standardised). Returns the share of studies that
     decided a difference (the error when ``effect`` is 0), the mean replicas per method at the stop, the
-    coverage of the interval printed there, the share stopped inside ±D (``decided=D``), and for a real
+    coverage of the interval printed there, the share stopped inside ±D (``decided=D``), the share given up
+    before the last look (``futile``), the share of ``max_replicas`` saved, and for a real
     effect the replicas a fixed paired t design needs for the same power (at most :data:`POWER_CAP`) and the
     share saved against it. ``comparisons``: how many the study assesses (the levels are Bonferroni's over them)."""
     rng = np.random.default_rng(seed)
@@ -155,11 +213,16 @@ def simulate(until: Until, effect: float, trials: int = 4000, seed: int = 0, dif
     level = per_look_level(tuple(until.looks()), ALPHA / comparisons)
     stop, lo, hi, decided = _stops(until, d, level)
     used = np.asarray(until.looks())[stop]
+    out_within = (float(np.mean(~decided & (-until.value < lo) & (hi < until.value) & (stop < len(until.looks()) - 1)))
+                  if until.rule == "decided" and until.value else None)
     out = {"rule": until.spec, "first": until.first, "max_replicas": until.max_replicas, "effect": effect,
            "per_look_level": level, "decided": float(decided.mean()),
            "mean_replicas": float(used.mean()), "coverage": float(np.mean((lo <= truth) & (truth <= hi))),
            "within": (float(np.mean(~decided & (-until.value < lo) & (hi < until.value)))
-                      if until.rule == "decided" and until.value else None)}
+                      if until.rule == "decided" and until.value else None),
+           "futile": (float(np.mean(~decided & (stop < len(until.looks()) - 1))) - (out_within or 0.0)
+                      if until.rule == "decided" else None),
+           "saved_against_max": 1 - float(used.mean()) / until.max_replicas}
     if effect and until.rule == "decided":
         sd = float(np.std(d[:, :until.max_replicas])) or 1.0
         target = min(out["decided"], POWER_CAP)

@@ -12,7 +12,7 @@ from pathlib import Path
 from nondet_jax.analysis import stats as S
 from nondet_jax.analysis.compare import verdict
 from nondet_jax.analysis.methods import compare_methods, compared_arms, default_metric, finished, read_record
-from nondet_jax.analysis.sequential import POWER_CAP, saving
+from nondet_jax.analysis.sequential import POWER_CAP, key, saving
 from nondet_jax.analysis.task import QUANTITIES, task_of
 from nondet_jax.errors import UsageError
 from nondet_jax.report.summary import _write_csv, arm_rows
@@ -86,7 +86,9 @@ def _md_table(summaries: dict[str, dict]) -> list[str]:
     return lines
 
 
-def _md_comparisons(comparisons: list[dict]) -> list[str]:
+def _md_comparisons(comparisons: list[dict], decisions: dict | None = None) -> list[str]:
+    """The comparisons' table and one sentence each: :func:`verdict`'s, or for a sequential study its
+    ``decisions`` (``{(method_b, method_a, arm): row}`` of the last look), the answers it stopped on."""
     g = lambda x: f"{x:.4g}"  # noqa: E731
     lines = ["| method | vs | arm | mean (method) | mean (vs) | difference [95% CI] | sign-flip p | Holm p | "
              "share of seeds it wins [95% CI] | pairs |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -97,7 +99,9 @@ def _md_comparisons(comparisons: list[dict]) -> list[str]:
                      f"{r['difference']:+.4g} [{g(lo)}, {g(hi)}] | {r['p']:.3g} | {r['p_holm']:.3g} | "
                      f"{r['probability_of_improvement']:.2f} [{plo:.2f}, {phi:.2f}] | {r['n_pairs']} |")
     lines += ["", "In words (A is the baseline, B the method):", ""]
-    lines += [f"- **{r['method_b']}** vs {r['method_a']}, arm `{r['arm']}`: {verdict(r)}" for r in comparisons]
+    lines += [f"- **{r['method_b']}** vs {r['method_a']}, arm `{r['arm']}`: "
+              + (verdict(r) if decisions is None or key(r) not in decisions else _sequential_words(decisions[key(r)]))
+              for r in comparisons]
     return lines
 
 
@@ -139,11 +143,12 @@ def write_methods_report(root: str | Path, command: str | None = None, log=print
     metric = summary["metric"]
     md += [f"## Each method against `{baseline}`, paired by seed ({metric})", ""]
     if summary["until"] and comparisons:
-        md += ["This study stopped sequentially: its decisions are the repeated intervals' (section *Sequential "
-               "design* below). The 95% CI and sign-flip p here read the replicas as if their number had been fixed "
-               "in advance.", ""]
+        md += ["This study stopped sequentially: its answers, in words below, are the repeated intervals' (section "
+               "*Sequential design*). The 95% CI and sign-flip p in the table read the replicas as if their number "
+               "had been fixed in advance.", ""]
     if comparisons:
-        md += [*_md_comparisons(comparisons), "",
+        decisions = {key(c): c for c in summary["until"]["looks"][-1]["comparisons"]} if summary["until"] else None
+        md += [*_md_comparisons(comparisons, decisions), "",
                f"Difference: {S.METHODS['paired_difference']}. Share of seeds: "
                f"{S.METHODS['paired_probability_of_improvement']}. p: {S.TESTS['sign_flip_p']}. Holm: over the "
                f"{len(names) - 1} methods compared with `{baseline}` on each arm. Differences and means are in the "
@@ -162,6 +167,12 @@ def write_methods_report(root: str | Path, command: str | None = None, log=print
     return summary
 
 
+def _sequential_words(row: dict) -> str:
+    lo, hi = row["interval"]
+    return (f"{row['decision']} at {row['replicas']} replicas per method (sequential study: repeated interval of the "
+            f"difference [{lo:+.4g}, {hi:+.4g}]).")
+
+
 def _md_sequential(state: dict, comparisons: list[dict]) -> list[str]:
     """The looks of a sequential study (``methods.json``'s ``until``), its stop and what the stop saved."""
     design = Until(**{k: v for k, v in state["design"].items() if k != "spec"})
@@ -176,6 +187,8 @@ def _md_sequential(state: dict, comparisons: list[dict]) -> list[str]:
           "| replicas | method | vs | arm | difference | repeated interval | answer |", "|---|---|---|---|---|---|---|"]
     for look in looks:
         for c in look["comparisons"]:
+            if c.get("replicas", look["replicas"]) != look["replicas"]:
+                continue  # answered at an earlier look, which lists it
             lo, hi = c["interval"]
             md.append(f"| {look['replicas']} | {c['method_b']} | {c['method_a']} | {c['arm']} | {c['difference']:+.4g} | "
                       f"[{lo:+.4g}, {hi:+.4g}] | {c['decision']} |")

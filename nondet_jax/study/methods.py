@@ -243,28 +243,36 @@ def check_design(out: Path, until) -> int | None:
 
 
 def run_looks(out: Path, methods: list[Method], until, replicas: int, run_one, log) -> dict:
-    """A sequential study (:mod:`nondet_jax.analysis.sequential`): train every method to ``replicas`` per method,
-    assess every comparison with the baseline, and add :attr:`~nondet_jax.analysis.sequential.Until.round`
-    replicas per method until each is answered or ``until.max_replicas`` are trained. Each look is recorded in
-    ``methods.json`` (``until``) as it ends, so a rerun of the same command resumes at the last look (whose
-    arms it finds finished). Returns the last look."""
+    """A sequential study (:mod:`nondet_jax.analysis.sequential`): train the methods to ``replicas`` per method,
+    assess every comparison with the baseline, and add :attr:`~nondet_jax.until.Until.round` replicas per
+    method until each is answered or ``until.max_replicas`` are trained. A method whose comparisons are all
+    answered trains no more (its answer stands: the repeated intervals hold at every look at once); the
+    baseline trains while any other does. Each look is recorded in ``methods.json`` (``until``) as it ends,
+    so a rerun of the same command resumes at the last look (whose arms it finds finished). Returns the
+    last look."""
     from nondet_jax.analysis import sequential
     from nondet_jax.analysis.methods import compare_methods
 
     paths = RunPaths(out)
+    baseline = json.loads(paths.methods_json.read_text())["baseline"]
     while True:
-        train_methods(out, methods, run_one, replicas, log)
-        look = sequential.assess(until, compare_methods(out))
+        state = json.loads(paths.methods_json.read_text()).get("until") or {
+            "design": {**until._asdict(), "spec": until.spec}, "looks": []}
+        earlier = sequential.answered([k for k in state["looks"] if k["replicas"] < replicas])
+        last = [c for k in state["looks"][-1:] for c in k["comparisons"]]  # every comparison, named at each look
+        done = {c["method_b"] for c in last} - {c["method_b"] for c in last if sequential.key(c) not in earlier}
+        train_methods(out, [m for m in methods if m.name == baseline or m.name not in done], run_one, replicas, log)
+        look = sequential.assess(until, compare_methods(out), earlier)
         record = json.loads(paths.methods_json.read_text())
-        state = record.get("until") or {"design": {**until._asdict(), "spec": until.spec}, "looks": []}
         state["looks"] = [k for k in state["looks"] if k["replicas"] < look["replicas"]] + [look]
         record["until"] = state
         atomic_write_json(paths.methods_json, record, root=out)
         for c in look["comparisons"]:
             lo, hi = c["interval"]
+            at = "" if c["replicas"] == look["replicas"] else f" (answered at {c['replicas']} replicas)"
             log(f"look at {look['replicas']} replicas: {c['method_b']} − {c['method_a']} on {c['arm']} "
                 f"{c['difference']:+.4g} [{lo:+.4g}, {hi:+.4g}] ({100 * (1 - look['level']):.2f}% repeated interval): "
-                f"{c['decision']}")
+                f"{c['decision']}{at}")
         if look["stop"]:
             log(f"sequential study: stopped at {look['replicas']} of at most {until.max_replicas} replicas per method: "
                 f"{look['why']}")

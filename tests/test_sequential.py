@@ -1,0 +1,197 @@
+"""A sequential study of methods: replicas in looks until every comparison is answered (--until).
+
+The statistics (the per-look level, the decisions, the simulated error) are checked on numbers; the
+looks on real training: an arm grown look by look equals the arm trained whole, a stopped study resumes
+without training, and a part that is not this study's is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from conftest import FAST, sweep_cli
+
+from nondet_jax import config as cfg
+from nondet_jax.analysis import sequential
+from nondet_jax.errors import UsageError
+from nondet_jax.until import Until, parse
+
+MLP = {"model.name": "mlp", "train.epochs": 1, "train.batch_size": 256, "study.arms": ["control", "all"],
+       "study.strategy": "sequential", "train.checkpoint_seconds": 0}
+
+
+@pytest.mark.parametrize("spec,max_replicas,replicas,words", [
+    ("sure", None, 4, "write decided"), ("width", None, 4, "write decided"), ("width=-1", None, 4, "positive number"),
+    ("decided=nan", None, 4, "positive number"), ("decided", 4, 4, "above the first look's 4"),
+    ("decided", None, 2, "at least 3 replicas"), ("decided", 8.5, 4, "must be an integer")])
+def test_a_bad_design_is_one_line_naming_the_fix(spec, max_replicas, replicas, words):
+    with pytest.raises(UsageError, match=words):
+        parse(spec, max_replicas, replicas)
+
+
+def test_a_design_looks_every_round_up_to_its_most_replicas():
+    assert parse("decided", None, 4) == Until("decided", None, 4, 16)
+    assert parse("width=0.01", 14, 8).looks() == [8, 12, 14]
+    assert parse("decided=0.02", 12, 4).spec == "decided=0.02"
+
+
+def test_the_per_look_level_keeps_the_designs_error_at_5_percent():
+    """Pocock's constant level, calibrated on one seeded simulation, holds on fresh ones: no difference is
+    decided where there is none in more than 5% of studies (plus Monte Carlo error), for one comparison and
+    for three (Bonferroni), and the repeated intervals cover at least 95% wherever the study stops."""
+    design = Until("decided", None, 8, 32)
+    level = sequential.per_look_level(tuple(design.looks()))
+    assert 0.0125 / 2 < level < 0.05 / 2 * 1.2  # stricter than one look's 5%, looser than Bonferroni over 7
+    for comparisons in (1, 3):
+        null = sequential.simulate(design, 0.0, 8000, seed=11, comparisons=comparisons)
+        assert null["decided"] <= 0.05 / comparisons + 3 * np.sqrt(0.05 / comparisons / 8000)
+        assert null["coverage"] >= 0.95 - 0.006
+    assert null["futile"] > 0.8 and null["mean_replicas"] < 16  # no difference: given up early, not run to 32
+    real = sequential.simulate(design, 1.0, 4000, seed=12)
+    assert real["decided"] > 0.95 and real["mean_replicas"] < 16 and real["coverage"] >= 0.95 - 0.01
+
+
+def test_stopping_on_the_width_of_the_repeated_interval_keeps_its_coverage():
+    design = Until("width", 1.0, 8, 32)
+    for effect in (0.0, 1.0):
+        cell = sequential.simulate(design, effect, 4000, seed=13)
+        assert cell["coverage"] >= 0.95 - 0.01 and 8 < cell["mean_replicas"] < 32
+
+
+def _comparison(a, b, name="lr2"):
+    from nondet_jax.analysis import stats as S
+
+    r = S.compare_paired(a, b)
+    return {**r, "method_a": "base", "method_b": name, "arm": "all", "a": {"scores": list(a)}, "b": {"scores": list(b)}}
+
+
+def test_a_look_answers_each_comparison_by_its_repeated_interval():
+    rng = np.random.default_rng(0)
+    a = rng.normal(0.9, 0.01, 8)
+    clear, tied, small = a + 0.05 + rng.normal(0, 0.005, 8), a + rng.normal(0, 0.01, 8), a + rng.normal(0, 0.001, 8)
+    design = Until("decided", None, 8, 16)
+    look = sequential.assess(design, [_comparison(a, clear)])
+    (row,) = look["comparisons"]
+    assert row["decision"] == "lr2 is better" and look["stop"] and look["why"] == "every comparison is answered"
+    level = sequential.per_look_level((8, 12, 16))
+    from scipy import stats as sps
+
+    d = clear - a  # the repeated interval is the paired t interval at 1 - level (scipy's, by hand)
+    half = sps.t.ppf(1 - level / 2, 7) * d.std(ddof=1) / np.sqrt(8)
+    assert row["interval"] == pytest.approx([d.mean() - half, d.mean() + half])
+    worse = sequential.assess(design, [_comparison(clear, a)])["comparisons"][0]
+    assert worse["decision"] == "base is better"
+    two = sequential.assess(design, [_comparison(a, clear), _comparison(a, tied, "same")])
+    assert [c["decision"] for c in two["comparisons"]] == ["lr2 is better", "futile"] and two["stop"]
+    assert two["level"] < look["level"]  # two comparisons share the 5%
+    maybe = a + np.array([0.01, 0.03, -0.01, 0.02, 0.0, 0.03, 0.01, 0.02])  # t 2.8: not decided, likely to be
+    row = sequential.assess(design, [_comparison(a, maybe)])
+    assert row["comparisons"][0]["decision"] == "open" and not row["stop"] and row["why"] == ""
+    t = np.mean(maybe - a) / (np.std(maybe - a, ddof=1) / np.sqrt(8))
+    assert sequential.conditional_power(t, 8, 16, level) > sequential.FUTILITY > \
+        sequential.conditional_power(t / 3, 8, 16, level)
+    within = sequential.assess(Until("decided", 0.01, 8, 16), [_comparison(a, small)])["comparisons"][0]
+    assert within["decision"] == "within ±0.01"
+    last = sequential.assess(Until("decided", None, 4, 8), [_comparison(a, maybe)])
+    assert last["stop"] and "most replicas" in last["why"] and last["comparisons"][0]["decision"] == "not decided"
+    narrow = sequential.assess(Until("width", 0.5, 8, 16), [_comparison(a, tied)])
+    assert narrow["comparisons"][0]["decision"] == "narrow enough"
+
+
+def test_an_arm_grown_look_by_look_equals_the_arm_trained_whole(tmp_path):
+    """Replica r's keys are its index's, so replicas 3-4 trained as a second block after 0-2 give, bitwise,
+    what five replicas trained at once give; the blocks stay as parts, and a rerun trains nothing."""
+    from nondet_jax.study import runner
+
+    quiet = lambda *a, **k: None  # noqa: E731
+    runner.run(cfg.from_flat({**MLP, "study.replicas": 3}), tmp_path / "grown", progress=False, grow=True, log=quiet)
+    lines = []
+    runner.run(cfg.from_flat({**MLP, "study.replicas": 5}), tmp_path / "grown", progress=False, grow=True,
+               log=lines.append)
+    runner.run(cfg.from_flat({**MLP, "study.replicas": 5}), tmp_path / "whole", progress=False, log=quiet)
+    for arm in ("control", "all"):
+        grown, whole = (json.loads((tmp_path / f / "arms" / f"{arm}.json").read_text()) for f in ("grown", "whole"))
+        assert grown["replicas"] == 5 and grown["rows"] == whole["rows"]
+        assert np.array_equal(np.load(tmp_path / "grown" / "logits" / f"{arm}.npy"),
+                              np.load(tmp_path / "whole" / "logits" / f"{arm}.npy"))
+        assert sorted(p.name for p in (tmp_path / "grown" / "parts" / arm).iterdir()) == ["0.npz", "3.npz"]
+    assert not any("already finished" in str(line) for line in lines)  # both arms grew
+    # A killed look: the record gone, both blocks kept. The rerun merges them and trains nothing.
+    (tmp_path / "grown" / "arms" / "all.json").unlink()
+    rows = json.loads((tmp_path / "whole" / "arms" / "all.json").read_text())["rows"]
+    lines.clear()
+    runner.run(cfg.from_flat({**MLP, "study.replicas": 5}), tmp_path / "grown", progress=False, grow=True,
+               log=lines.append)
+    assert json.loads((tmp_path / "grown" / "arms" / "all.json").read_text())["rows"] == rows
+    assert not any("resuming" in str(line) for line in lines)
+    # A part from another arm (other keys) where this arm's second block belongs is refused, naming it.
+    (tmp_path / "grown" / "arms" / "all.json").unlink()
+    shutil.copy(tmp_path / "grown" / "parts" / "control" / "3.npz", tmp_path / "grown" / "parts" / "all" / "3.npz")
+    with pytest.raises(UsageError, match=r"part .*parts/all/3.npz holds replicas 3..4 of another study or arm.*"
+                                         r"--recompute all"):
+        runner.run(cfg.from_flat({**MLP, "study.replicas": 5}), tmp_path / "grown", progress=False, grow=True, log=quiet)
+
+
+def test_a_sequential_study_of_methods_stops_once_answered_and_resumes(tmp_path):
+    """The command line end to end: a learning rate twice the baseline's is decided better at the second look
+    (8 replicas per method), recorded look by look in methods.json and the report; the same command again
+    trains nothing; another design on the folder is refused."""
+    out = tmp_path / "study"
+    study = [*FAST, "--replicas", "4", "--arms", "control,all", "--method", "base:", "--method", "lr2:optim.lr=0.2",
+             "--out", out]
+    proc = sweep_cli(*study, "--until", "decided", "--max-replicas", "12")
+    assert proc.returncode == 0, proc.stderr
+    state = json.loads((out / "methods.json").read_text())["until"]
+    assert state["design"] == {"rule": "decided", "value": None, "first": 4, "max_replicas": 12, "round": 4,
+                               "spec": "decided"}
+    looks = state["looks"]
+    assert [k["replicas"] for k in looks] == [4, 8] and [k["stop"] for k in looks] == [False, True]
+    assert looks[-1]["comparisons"][0]["decision"] == "lr2 is better" and looks[0]["comparisons"][0]["decision"] == "open"
+    assert "look at 8 replicas: lr2 − base on all" in proc.stdout
+    for name in ("base", "lr2"):
+        assert json.loads((out / "methods" / name / "arms" / "all.json").read_text())["replicas"] == 8
+    report = (out / "report.md").read_text()
+    assert "## Sequential design" in report and "| 8 | lr2 | base | all |" in report
+    assert "Stopped at 8 of at most 12 replicas per method: every comparison is answered." in report
+    again = sweep_cli(*study, "--until", "decided", "--max-replicas", "12")
+    assert again.returncode == 0 and again.stdout.count("already finished") == 4
+    assert json.loads((out / "methods.json").read_text())["until"]["looks"] == looks
+    other = sweep_cli(*study, "--until", "width=0.01", "--max-replicas", "12")
+    assert other.returncode == 2 and "rerun it with those" in other.stderr
+    fixed = sweep_cli(*study)
+    assert fixed.returncode == 2 and "is a sequential study of methods (--until decided --max-replicas 12)" in fixed.stderr
+
+
+def test_run_study_takes_a_sequential_design(tmp_path):
+    import nondet_jax as nj
+
+    result = nj.run_study(model="mlp", data="digits", epochs=1, batch_size=256, arms="control,all", replicas=3,
+                          strategy="sequential", out=tmp_path / "api", log=lambda *a, **k: None,
+                          methods={"base": {}, "lr2": {"optim.lr": 0.2}}, until="width=0.5", max_replicas=7)
+    state = json.loads((tmp_path / "api" / "methods.json").read_text())["until"]
+    assert state["design"]["spec"] == "width=0.5" and [k["replicas"] for k in state["looks"]] == [3, 7]
+    assert state["looks"][-1]["stop"] and state["looks"][0]["comparisons"][0]["decision"] == "open"
+    assert len({(r["arm"], r["replica"]) for r in result.methods["lr2"].rows}) == 2 * 7
+    with pytest.raises(UsageError, match="until= and max_replicas= run a sequential study of methods"):
+        nj.run_study(model="mlp", until="decided")
+    with pytest.raises(UsageError, match=r"max_replicas= 3 must be an integer above"):
+        nj.run_study(model="mlp", methods={"a": {}, "b": {"optim.lr": 0.2}}, replicas=3, max_replicas=3)
+
+
+def test_an_answer_stands_and_its_method_trains_no_more():
+    """A comparison answered at an earlier look keeps its answer (and its replicas) at later looks; the level
+    stays the one for every comparison."""
+    rng = np.random.default_rng(1)
+    a = rng.normal(0.9, 0.01, 8)
+    maybe = a + np.array([0.01, 0.03, -0.01, 0.02, 0.0, 0.03, 0.01, 0.02])
+    design = Until("decided", None, 4, 16)
+    first = sequential.assess(design, [_comparison(a[:4], a[:4] - 0.2, "bad"), _comparison(a[:4], maybe[:4])])
+    assert [c["decision"] for c in first["comparisons"]] == ["base is better", "open"]
+    earlier = sequential.answered([first])
+    assert list(earlier) == [("bad", "base", "all")] and earlier["bad", "base", "all"]["replicas"] == 4
+    later = sequential.assess(design, [_comparison(a[:4], a[:4] - 0.2, "bad"), _comparison(a, maybe)], earlier)
+    assert later["replicas"] == 8 and later["level"] == first["level"]
+    assert later["comparisons"][0] == earlier["bad", "base", "all"]
