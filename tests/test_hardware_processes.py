@@ -13,7 +13,7 @@ from nondet_jax import config as cfg
 from nondet_jax.machine.determinism import DETERMINISM_OFF
 from nondet_jax.store.run import RunStore
 from nondet_jax.study.hardware import train_arm_per_process
-from nondet_jax.study.prepare import prepare
+from nondet_jax.study.prepare import model_record, prepare
 
 ENV = {**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1", "JAX_PLATFORMS": "cpu"}
 
@@ -31,7 +31,8 @@ def test_one_process_per_replica_on_cpu(tmp_path, monkeypatch):
         monkeypatch.setenv(key, value)
     config = cfg.from_dict(json.loads((out / "config.json").read_text()))
     data, fns = prepare(config)
-    with RunStore(out, config, recompute=("hardware",)) as store:
+    identity = model_record(config, data, fns)["identity_sha256"]  # as the sweep opens it: parts carry it
+    with RunStore(out, config, recompute=("hardware",), identity=identity) as store:
         store.remove_arm("hardware")
         record = train_arm_per_process(config, data, fns, store, "hardware", DETERMINISM_OFF, log=lambda *a: None)
     info = json.loads((out / "environments" / "hardware.processes.json").read_text())

@@ -16,7 +16,7 @@ from nondet_jax.store.paths import ARM_EXT, RunPaths
 PKG = Path(nondet_jax.__file__).parent
 
 # Bottom to top: a module may import from its own layer and from the layers before it.
-LAYERS = ("errors", "machine", "models", "arms", "sources", "data", "instruments", "config", "store", "train", "analysis",
+LAYERS = ("errors", "machine", "models", "arms", "until", "sources", "data", "instruments", "config", "store", "train", "analysis",
           "replicas", "report", "study", "api", "cli", "entry")
 ENTRY = {"nondet_jax", "nondet_jax.__main__", "nondet_jax.sweep", "nondet_jax.report.__main__"}  # what users run
 
