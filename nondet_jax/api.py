@@ -33,6 +33,7 @@ from nondet_jax.sources import StepKeys, arm_keys, check_own_sources, own_keys, 
 from nondet_jax.store.paths import RunPaths
 from nondet_jax.study import runner
 from nondet_jax.study.memory import check_program_fits, release_compiled
+from nondet_jax.until import check_arms
 from nondet_jax.until import parse as parse_until
 
 DEFAULT_ARMS = ("control", "init", "all")
@@ -126,6 +127,7 @@ class MethodsResult(StudyResult):
         (:func:`nondet_jax.analysis.methods.compare_methods`: difference, ``difference_ci``, ``p``,
         ``p_holm`` over the methods, ``probability_of_improvement``: the share of seeds where it wins).
       table, rows: :class:`StudyResult`'s, with a ``method`` column first, over every method.
+      summary: the report's summary; ``summary["until"]`` a sequential study's design and looks (``None`` else).
       logits, load_replica: the baseline's (``result.methods[name].logits`` for another method's).
     """
 
@@ -391,6 +393,7 @@ def _run_methods(methods, baseline, parts: dict, dataset, data_name, study: dict
     if sequential[0] is not None or sequential[1] is not None:
         until = parse_until("decided" if sequential[0] is None else sequential[0], sequential[1], base.study.replicas,
                       where="until=")
+        check_arms(base.study.arms)
     for m in planned:
         own = {**parts, **m.parts}
         _check_parts(own["optimizer"], own["loss"], own["augment"])

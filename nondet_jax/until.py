@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+from nondet_jax.arms import parse_arm
 from nondet_jax.errors import UsageError
 
 ROUND = 4  # replicas added per method at each look
@@ -63,3 +64,11 @@ def parse(spec: str, max_replicas: int | None, replicas: int, where: str = "--un
         raise UsageError(f"{option} {max_replicas!r} must be an integer above the first look's {replicas} replicas "
                          f"(--replicas); e.g. {option.rstrip('=')}{' ' if where == '--until' else '='}{4 * replicas}")
     return Until(rule, number, replicas, max_replicas)
+
+
+def check_arms(arms) -> None:
+    """Refuse arms a sequential study cannot grow: a ``hardware`` arm trains in processes of its own."""
+    hardware = [a for a in arms if "hardware" in parse_arm(a).varied]
+    if hardware:
+        raise UsageError(f"arm '{hardware[0]}' trains in processes of its own, which a sequential study (--until) "
+                         "cannot grow look by look; drop it, or study it with a fixed --replicas")

@@ -211,6 +211,16 @@ CASES: list[tuple[str, str]] = [
     ("run folder", "--out <run>  (its arms' epochs ran as one scan: an older nondet_jax)"),
     # issue 46: the audit's internal flag, typed by hand
     ("audit", "python -m nondet_jax audit --child-json"),
+    # issue 43: a sequential study of methods
+    ("CLI", "--method base: --method lr2:optim.lr=0.2 --until decided"),
+    ("CLI", "--method base: --method lr2:optim.lr=0.2 --replicas 4 --until sure"),
+    ("CLI", "--method base: --method lr2:optim.lr=0.2 --replicas 4 --until width=-1"),
+    ("CLI", "--method base: --method lr2:optim.lr=0.2 --replicas 4 --until decided --max-replicas 4"),
+    ("CLI", "--method base: --method lr2:optim.lr=0.2 --replicas 4 --max-replicas 8"),
+    ("CLI", "--until decided"),
+    ("CLI", "--method base: --method lr2:optim.lr=0.2 --replicas 4 --until decided --batch-methods"),
+    ("CLI", "--method base: --method lr2:optim.lr=0.2 --replicas 4 --until decided --arms control,hardware"),
+    ("API", "run_study(model='mlp', until='decided')"),
 ]
 
 class Linear:  # a user's model without dropout (built lazily: flax is imported by the cases that use it)

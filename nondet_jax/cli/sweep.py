@@ -243,9 +243,11 @@ def until_from_args(args: argparse.Namespace, config: Config):
     if args.batch_methods:
         raise UsageError("--batch-methods trains every method's replicas at once, which a sequential study (--until) "
                          "adds look by look; drop one of them")
-    from nondet_jax.until import parse
+    from nondet_jax.until import check_arms, parse
 
-    return parse(args.until, args.max_replicas, config.study.replicas)
+    design = parse(args.until, args.max_replicas, config.study.replicas)
+    check_arms(config.study.arms)
+    return design
 
 
 # Config keys whose PACKAGE.MODULE:ATTR value is imported (and run), by the flag that sets each.

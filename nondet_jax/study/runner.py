@@ -38,6 +38,7 @@ from nondet_jax.study.prepare import (
 )
 from nondet_jax.study.progress import Progress
 from nondet_jax.study.provenance import environment, fallback_said, instruments_path
+from nondet_jax.until import check_arms
 
 
 def study_epoch_shape(config: Config, fns) -> str:
@@ -140,9 +141,8 @@ def run(config: Config, out: str | Path | None = None, progress: bool | None = N
         raise UsageError(f"arm '{hardware_arms[0]}' trains in a child process that rebuilds the study from the run "
                          "folder, so it cannot use parts passed in memory; run it with the CLI (--model "
                          "PACKAGE.MODULE:ATTR --dataset PATH.npz) on the same --out, or drop it")
-    if hardware_arms and grow:
-        raise UsageError(f"arm '{hardware_arms[0]}' trains in processes of its own, which a sequential study "
-                         "(--until) cannot grow look by look; drop it, or study it with a fixed --replicas")
+    if grow:
+        check_arms(study.arms)
     if hardware_arms:
         check_flags(DETERMINISM_OFF)
     model = model_record(config, data, fns)
