@@ -13,7 +13,7 @@ would do to the strong-skew case (:func:`skew_flag`). Writes benchmarks/results/
 ``--power`` instead measures power beside coverage (:mod:`nondet_jax.analysis.power`: std ratios of independent
 arms and of arms sharing seeds, paired compare on 360 images, the failed-replica rule's false alarms, the
 findings' family-wise error over 6 arms, the sequential design) into benchmarks/results/power.json: ``python
-benchmarks/coverage.py --power --trials 2000 --replicas 8 16 --test-trials 100`` (about 6 minutes on a loaded
+benchmarks/coverage.py --power --trials 2000 --replicas 8 16`` (about 8 minutes on a loaded
 2-core box; ``--quick``: 300 studies at R=8, what the test runs); ``--power --markdown`` prints its tables.
 
 Run ``python benchmarks/coverage.py [--trials 4000] [--test-trials 300]`` (about 15 minutes on 2 cores,
@@ -106,7 +106,7 @@ def cells(cov: dict) -> str:
 THRESHOLDS = (5.0, 6.0, 8.0, 10.0, 12.0)
 
 
-def power_tables(trials: int, replicas: list, test_trials: int) -> dict:
+def power_tables(trials: int, replicas: list) -> dict:
     """Power beside coverage (:mod:`nondet_jax.analysis.power`): prints each table and returns them for the JSON."""
     out: dict = {"trials": trials, "replicas": replicas}
     pct = lambda v: f"{100 * v:>6.1f}%"  # noqa: E731
@@ -121,12 +121,13 @@ def power_tables(trials: int, replicas: list, test_trials: int) -> dict:
                                                  for m, c in cell.items()))
     out["ratio"] = rows
     out["spread_test"] = []
-    for sc in ("normal", "skewed"):
-        for r in replicas:
-            if r <= 8:
-                v = power.spread_test_power(sc, r, test_trials, seed=r)
-                out["spread_test"].append({"scenario": sc, "replicas": r, "power": v})
-                print(f"permutation spread test, ratio 2, {sc}, R={r}: power {pct(v)} ({test_trials} studies)")
+    print("\npermutation spread tests (every split up to R=8): false alarms / power at a true std ratio of 2")
+    for sc, scenario in power.RATIO_SCENARIOS.items():
+        for r in sorted({6, *replicas}) if not scenario.failed else ():
+            cell = power.spread_test_cell(sc, r, trials, seed=r)
+            out["spread_test"].append({"scenario": sc, "realistic": scenario.realistic, "replicas": r, **cell})
+            print(f"{sc:<34} R={r:<3}" + "".join(f"  {t}: {pct(c['false_alarm'])} / {pct(c['power'])}"
+                                                 for t, c in cell.items()))
     print("\none arm's std (and mean) interval as R grows, on the scenarios above")
     rows = []
     for sc in power.RATIO_SCENARIOS:
@@ -222,8 +223,11 @@ def power_markdown(stored: dict) -> str:
     for row in stored["std_by_r"]:
         lines.append(f"| {row['scenario']}{'' if row['realistic'] else ' (stress)'} | " + " | ".join(
             f"{100 * c['std']:.1f}% / {100 * c['mean']:.1f}%" for c in row["coverage"].values()) + " |")
-    lines += ["", "| permutation spread test (the p printed), true ratio 2 | R | power |", "|---|---|---|"]
-    lines += [f"| {row['scenario']} | {row['replicas']} | {100 * row['power']:.1f}% |" for row in stored["spread_test"]]
+    lines += ["", "| permutation spread test: false alarms / power at a true ratio of 2 | R | "
+              + " | ".join(power.SPREAD_TESTS.values()) + " |", "|---|---|" + "---|" * len(power.SPREAD_TESTS)]
+    lines += [f"| {row['scenario']}{'' if row['realistic'] else ' (stress)'} | {row['replicas']} | " + " | ".join(
+        f"{100 * row[t]['false_alarm']:.1f}% / {100 * row[t]['power']:.1f}%" for t in power.SPREAD_TESTS) + " |"
+        for row in stored["spread_test"]]
     ts = list(stored["failed_rule"][0]["rate"])
     lines += ["", "| failed-replica rule: arms with a replica named | R | " + " | ".join(f"{float(t):g} robust stds" for t in ts)
               + " |", "|---|---|" + "---|" * len(ts)]
@@ -277,8 +281,8 @@ def main(argv=None) -> int:
         print(markdown(json.loads(args.out.read_text())))
         return 0
     if args.power:
-        trials, reps, tests = (300, [8], 30) if args.quick else (args.trials, args.replicas, args.test_trials)
-        result = power_tables(trials, reps, tests)
+        trials, reps = (300, [8]) if args.quick else (args.trials, args.replicas)
+        result = power_tables(trials, reps)
         atomic_write_json(args.power_out, result)
         print(f"{trials} simulated studies per cell; wrote {args.power_out}")
         return 0

@@ -7,7 +7,8 @@ Three families, each on the scenarios studies produce (:data:`RATIO_SCENARIOS`, 
 false alarms), the std ratio of two arms that share seeds (replica r of both arms has the same key for the
 sources the first does not vary: ``a = u + e``, ``b = u + w``, a true ratio of 0.5), and the difference of two
 methods' means under shared seeds (accuracies on 360 images). :func:`failed_alarms` measures how often
-:func:`nondet_jax.analysis.stats.failed_replicas` names a replica of a healthy arm, and :func:`family_error`
+:func:`nondet_jax.analysis.stats.failed_replicas` names a replica of a healthy arm, :func:`spread_test_cell`
+the permutation spread tests' false alarms and power at R=8, and :func:`family_error`
 the family-wise error of the findings over 6 arms, and :func:`paired_accuracy_differences` the realistic
 scenario of the sequential design (:mod:`nondet_jax.analysis.sequential`).
 ``benchmarks/coverage.py --power`` prints the tables.
@@ -21,6 +22,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 from typing import Callable, NamedTuple
 
@@ -178,12 +180,67 @@ def std_cell(scenario: str, replicas: int, trials: int = 2000, seed: int = 0) ->
     return {k: v / trials for k, v in hits.items()}
 
 
-def spread_test_power(scenario: str, replicas: int, trials: int = 200, seed: int = 0, effect: float = 2.0) -> float:
-    """Power of the permutation spread test (:func:`nondet_jax.analysis.stats.spread_test`, the p the report
-    prints) at a true ratio ``effect``: exact permutations, so fewer studies."""
+SPREAD_TESTS = {"printed": "Brown–Forsythe (printed): deviations from each arm's median",
+                "hines": "the same, an even arm's two equal middle deviations merged (Hines & O'Hara Hines 2000)",
+                "levene": "Levene: deviations from each arm's mean"}
+
+
+def _split_masks(n: int, draws: int = 4000, seed: int = 0) -> np.ndarray:
+    """(splits, 2n) booleans, True where a pooled value goes to the first arm: every split of 2n values into two
+    arms of n when there are at most 20,000 (as :func:`scipy.stats.permutation_test` enumerates them), else the
+    observed one and ``draws`` seeded random ones."""
+    if math.comb(2 * n, n) <= 20_000:
+        rows = np.array(list(itertools.combinations(range(2 * n), n)))
+    else:
+        rng = np.random.default_rng(seed)
+        rows = np.concatenate([np.arange(n)[None], np.argsort(rng.random((draws, 2 * n)), -1)[:, :n]])
+    mask = np.zeros((len(rows), 2 * n), bool)
+    mask[np.arange(len(rows))[:, None], rows] = True
+    return mask
+
+
+def _spread_deviations(x, test: str) -> np.ndarray:
+    """Each study's absolute deviations (T, R) -> (T, R') that ``test`` of :data:`SPREAD_TESTS` permutes."""
+    if test == "levene":
+        return np.abs(x - x.mean(-1, keepdims=True))
+    z = np.sort(np.abs(x - np.median(x, -1, keepdims=True)), -1)
+    if test == "printed":
+        return z
+    if x.shape[-1] % 2:  # odd: the median's own deviation is a structural zero
+        return z[..., 1:]
+    return np.concatenate([math.sqrt(2) * z[..., :1], z[..., 2:]], -1)  # (d, d) -> (√2·d, 0), the 0 dropped
+
+
+def _split_pvalues(za, zb) -> np.ndarray:
+    """Two-sided permutation p of the pooled t of ``za`` against ``zb`` (studies (T, n) each), over the splits
+    of :func:`_split_masks`: :func:`nondet_jax.analysis.stats.spread_test`'s p for a whole batch of studies."""
+    n = za.shape[-1]
+    mask = _split_masks(n).astype(np.float64)
+    out = []
+    for i in range(0, len(za), 64):
+        z = np.concatenate([za[i:i + 64], zb[i:i + 64]], -1)
+        ma, mb = z @ mask.T / n, z @ (1 - mask).T / n
+        ss = (z ** 2) @ mask.T - n * ma ** 2 + (z ** 2) @ (1 - mask).T - n * mb ** 2
+        sp = np.sqrt(np.maximum(ss, 0.0) / (2 * n - 2) * (2 / n))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            t = np.where(sp > 0, np.abs(ma - mb) / np.where(sp > 0, sp, 1.0), np.where(ma == mb, 0.0, np.inf))
+        observed = t[:, :1]  # the first split is the arms as drawn
+        out.append(np.mean(t >= observed - np.abs(observed) * np.finfo(np.float64).eps * 100, -1))
+    return np.concatenate(out)
+
+
+def spread_test_cell(scenario: str, replicas: int, trials: int = 2000, seed: int = 0, effect: float = 2.0) -> dict:
+    """Per test of :data:`SPREAD_TESTS` (a permutation test of a pooled t of deviations, as
+    :func:`nondet_jax.analysis.stats.spread_test`), its false alarms (p < 0.05 when both arms are drawn alike)
+    and its power at a true std ratio ``effect``, on the same studies. Every split is enumerated up to 20,000
+    (R ≤ 8), else 4,000 seeded ones."""
     sc, rng = RATIO_SCENARIOS[scenario], np.random.default_rng(seed)
-    a, b = _arm(sc, rng, (trials, replicas), effect), _arm(sc, rng, (trials, replicas), 1.0)
-    return float(np.mean([S.spread_test(x, y) < 0.05 for x, y in zip(a, b)]))
+    out = {t: {} for t in SPREAD_TESTS}
+    for k, key in ((1.0, "false_alarm"), (effect, "power")):
+        a, b = _arm(sc, rng, (trials, replicas), k), _arm(sc, rng, (trials, replicas), 1.0)
+        for t in SPREAD_TESTS:
+            out[t][key] = float(np.mean(_split_pvalues(_spread_deviations(a, t), _spread_deviations(b, t)) < 0.05))
+    return out
 
 
 class PairedScenario(NamedTuple):
