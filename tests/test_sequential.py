@@ -151,6 +151,7 @@ def test_a_sequential_study_of_methods_stops_once_answered_and_resumes(tmp_path)
     assert [k["replicas"] for k in looks] == [4, 8] and [k["stop"] for k in looks] == [False, True]
     assert looks[-1]["comparisons"][0]["decision"] == "lr2 is better" and looks[0]["comparisons"][0]["decision"] == "open"
     assert "look at 8 replicas: lr2 − base on all" in proc.stdout
+    assert "(a sequential study: its answers are the looks' repeated intervals above" in proc.stdout
     for name in ("base", "lr2"):
         assert json.loads((out / "methods" / name / "arms" / "all.json").read_text())["replicas"] == 8
     report = (out / "report.md").read_text()

@@ -163,6 +163,9 @@ def write_methods_report(root: str | Path, command: str | None = None, log=print
     atomic_write_bytes(paths.report, "\n".join(md).encode(), root=root)
     if comparisons:
         log(format_comparisons(comparisons))
+        if summary["until"]:
+            log("(a sequential study: its answers are the looks' repeated intervals above; this table's 95% CI and p "
+                "read the replicas as if their number had been fixed)")
     log(f"report: {paths.report}")
     return summary
 
