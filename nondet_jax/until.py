@@ -72,3 +72,35 @@ def check_arms(arms) -> None:
     if hardware:
         raise UsageError(f"arm '{hardware[0]}' trains in processes of its own, which a sequential study (--until) "
                          "cannot grow look by look; drop it, or study it with a fixed --replicas")
+
+
+def check_state(state, where: str) -> dict:
+    """``methods.json``'s ``until`` as :func:`nondet_jax.study.methods.run_looks` writes it: the design and
+    each look with its comparisons. A run folder is untrusted input: a damaged record is refused in one line
+    naming ``where``, never read into a traceback."""
+    def num(v):
+        return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+
+    def count(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    def text(*vs):
+        return all(isinstance(v, str) for v in vs)
+
+    try:
+        d, looks = state["design"], state["looks"]
+        ok = text(d["rule"], d["spec"]) and num(d["value"]) and count(d["first"]) and count(d["max_replicas"]) \
+            and count(d["round"]) and isinstance(looks, list)
+        for k in looks if ok else ():
+            ok = ok and count(k["replicas"]) and num(k["level"]) and text(k["rule"], k["why"]) \
+                and isinstance(k["stop"], bool) and isinstance(k["comparisons"], list)
+            for c in k["comparisons"] if ok else ():
+                ok = ok and text(c["method_a"], c["method_b"], c["arm"], c["decision"]) and count(c["replicas"]) \
+                    and num(c["difference"]) and isinstance(c["interval"], list) and len(c["interval"]) == 2 \
+                    and all(num(v) for v in c["interval"])
+    except (KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise UsageError(f"{where} holds a damaged record of a sequential study's looks ('until'); restore it, or "
+                         "start a new study with another --out")
+    return state

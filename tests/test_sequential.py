@@ -164,6 +164,12 @@ def test_a_sequential_study_of_methods_stops_once_answered_and_resumes(tmp_path)
     assert other.returncode == 2 and "rerun it with those" in other.stderr
     fixed = sweep_cli(*study)
     assert fixed.returncode == 2 and "is a sequential study of methods (--until decided --max-replicas 12)" in fixed.stderr
+    record = json.loads((out / "methods.json").read_text())
+    del record["until"]["looks"][0]["comparisons"][0]["interval"]  # a damaged record: one line, not a traceback
+    (out / "methods.json").write_text(json.dumps(record))
+    damaged = sweep_cli(*study, "--until", "decided", "--max-replicas", "12")
+    assert damaged.returncode == 2 and "holds a damaged record of a sequential study's looks" in damaged.stderr
+    assert "Traceback" not in damaged.stderr
 
 
 def test_run_study_takes_a_sequential_design(tmp_path):

@@ -15,6 +15,7 @@ from nondet_jax.analysis import stats as S
 from nondet_jax.analysis.compare import compare
 from nondet_jax.errors import UsageError
 from nondet_jax.store.paths import RUN_METRICS, RunPaths, method_name
+from nondet_jax.until import check_state
 
 
 def read_record(root: str | Path) -> dict:
@@ -32,6 +33,8 @@ def read_record(root: str | Path) -> dict:
     for n in names:
         method_name(n, str(path))
     method_name(baseline, f"{path} baseline")
+    if record.get("until") is not None:
+        check_state(record["until"], str(path))
     return record
 
 

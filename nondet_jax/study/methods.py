@@ -233,10 +233,9 @@ def check_design(out: Path, until) -> int | None:
         raise UsageError(f"{out} is a sequential study run with --until {old.get('spec')} --max-replicas "
                          f"{old.get('max_replicas')} from {old.get('first')} replicas; rerun it with those (a changed "
                          "design would not keep its error rate), or choose another --out")
-    looks = state.get("looks")
-    taken = [k.get("replicas") if isinstance(k, dict) else k for k in looks] if isinstance(looks, list) else [looks]
+    taken = [k["replicas"] for k in state["looks"]]  # the record's form is checked by read_record
     for n in taken:
-        if n not in until.looks() or isinstance(n, bool):
+        if n not in until.looks():
             raise UsageError(f"{path} records a look at {n!r} replicas, which its design never takes; restore it, or "
                              "choose another --out")
     return max(taken, default=until.first)
@@ -251,12 +250,12 @@ def run_looks(out: Path, methods: list[Method], until, replicas: int, run_one, l
     so a rerun of the same command resumes at the last look (whose arms it finds finished). Returns the
     last look."""
     from nondet_jax.analysis import sequential
-    from nondet_jax.analysis.methods import compare_methods
+    from nondet_jax.analysis.methods import compare_methods, read_record
 
     paths = RunPaths(out)
-    baseline = json.loads(paths.methods_json.read_text())["baseline"]
+    baseline = read_record(out)["baseline"]
     while True:
-        state = json.loads(paths.methods_json.read_text()).get("until") or {
+        state = read_record(out).get("until") or {
             "design": {**until._asdict(), "spec": until.spec}, "looks": []}
         earlier = sequential.answered([k for k in state["looks"] if k["replicas"] < replicas])
         last = [c for k in state["looks"][-1:] for c in k["comparisons"]]  # every comparison, named at each look
