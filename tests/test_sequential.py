@@ -154,6 +154,7 @@ def test_a_sequential_study_of_methods_stops_once_answered_and_resumes(tmp_path)
     assert "(a sequential study: its answers are the looks' repeated intervals above" in proc.stdout
     for name in ("base", "lr2"):
         assert json.loads((out / "methods" / name / "arms" / "all.json").read_text())["replicas"] == 8
+        assert not (out / "methods" / name / "parts").exists()  # stopped: the blocks the arms grew from are gone
     report = (out / "report.md").read_text()
     assert "## Sequential design" in report and "| 8 | lr2 | base | all |" in report
     assert "Stopped at 8 of at most 12 replicas per method: every comparison is answered." in report

@@ -144,7 +144,7 @@ class RunPaths:
         return self.root / "checkpoints" / arm_name(arm)
 
     def parts(self, arm: str | None = None) -> Path:
-        """Per-process results of a multi-process run, before process 0 merges them."""
+        """Blocks of an arm's replicas trained apart, before they are merged (:mod:`nondet_jax.study.parts`)."""
         return self.root / "parts" if arm is None else self.root / "parts" / arm_name(arm)
 
     def part(self, arm: str, index: int, ext: str = ".npz") -> Path:

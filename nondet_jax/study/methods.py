@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 from nondet_jax import config as cfg
 from nondet_jax.errors import UsageError
-from nondet_jax.store.io import atomic_write_json, check_no_links, check_path_name
+from nondet_jax.store.io import atomic_write_json, check_no_links, check_path_name, guarded
 from nondet_jax.store.paths import RunPaths, method_name
 
 # run_study's own parts a method may replace (the others are config keys, dotted).
@@ -275,6 +275,8 @@ def run_looks(out: Path, methods: list[Method], until, replicas: int, run_one, l
         if look["stop"]:
             log(f"sequential study: stopped at {look['replicas']} of at most {until.max_replicas} replicas per method: "
                 f"{look['why']}")
+            for m in methods:  # every arm is stored whole and no look follows: the blocks it grew from go
+                guarded("rmtree", out, RunPaths(paths.method(m.name)).parts())
             return look
         replicas = min(replicas + until.round, until.max_replicas)
 
