@@ -70,20 +70,24 @@ def test_configurations_match_cockpit():
 def test_every_quantity_is_one_record_and_names_match():
     from nondet_jax.instruments.quantities import QUANTITIES
 
-    assert tuple(QUANTITIES) == configurations.QUANTITIES  # the JAX-free names the config checks, same order
+    assert configurations.QUANTITIES is QUANTITIES  # the names the config checks are the records' own
     known = {"norms", "elements", "grad_sq", "hist1d", "hist2d", "mean_projection", "alpha", "loss", "hvp",
              "diagonal", "updates", "lr"}
     assert all(r.needs <= known for r in QUANTITIES.values())
 
 
 def test_a_new_quantity_is_one_record(monkeypatch, x64):
-    """docs/instruments.md's recipe: one record (and its name) and make computes it from the shared pass."""
+    """docs/instruments.md's recipe: one record, and nothing else, gives a quantity the config accepts, make
+    computes from the shared pass and the dashboard draws."""
     from nondet_jax.instruments import quantities
+    from nondet_jax.instruments.dashboard import dashboard
 
     record = quantities.Quantity(lambda p: {"GradMax": max(jnp.max(jnp.abs(g)) for g in jax.tree.leaves(p.gbar))},
                                  frozenset({"norms"}))
+    with pytest.raises(UsageError, match="GradMax"):
+        from_flat({"instruments.config": "GradMax"})
     monkeypatch.setitem(quantities.QUANTITIES, "GradMax", record)
-    monkeypatch.setattr(configurations, "QUANTITIES", configurations.QUANTITIES + ("GradMax",))
+    assert from_flat({"instruments.config": "GradMax"}).instruments.config == "GradMax"
     params = init_params(jax.random.key(0), jnp.float64)
     batch = batch_of(jax.random.key(1), 8, jnp.float64)
     inst = instruments.make("GradMax,NormTest", example_loss)
@@ -91,6 +95,8 @@ def test_a_new_quantity_is_one_record(monkeypatch, x64):
     _, v = inst.update(inst.init(params), params, batch, step=0)
     np.testing.assert_allclose(v["GradMax"], np.abs(explicit_per_example(params, batch).mean(0)).max(), rtol=1e-12)
     assert np.isfinite(v["NormTest"])
+    panels = {a.get_title(): a for a in dashboard({"step": np.arange(3), "GradMax": np.ones((2, 3))}).axes}
+    assert len(panels["GradMax"].lines) == 2  # drawn, one line per replica, in the panel of the newer records
 
 
 def test_schedules():

@@ -5,22 +5,20 @@ GradHist1d, GradNorm, InnerTest, Loss, NormTest, OrthoTest, UpdateSize; business
 HessTrace; full adds HessMaxEV and GradHist2d. MeanGSNR, TICTrace, EarlyStopping and CABS are in no
 configuration (as in Cockpit) and are asked for by name.
 
-This module imports nothing heavy: ``config.validate`` uses it.
+The quantities are :data:`.quantities.QUANTITIES`, their records by name (in their order): that module
+imports JAX only when a record computes, so ``config.validate`` uses this one before JAX starts.
 """
 
 from __future__ import annotations
 
-QUANTITIES = ("Loss", "GradNorm", "Distance", "UpdateSize", "NormTest", "InnerTest", "OrthoTest", "Alpha",
-              "GradHist1d", "GradHist2d", "HessMaxEV", "HessTrace", "TICDiag", "TICTrace", "MeanGSNR",
-              "EarlyStopping", "CABS")
+from nondet_jax.instruments.quantities import QUANTITIES
+
 ECONOMY = ("Alpha", "Distance", "GradHist1d", "GradNorm", "InnerTest", "Loss", "NormTest", "OrthoTest", "UpdateSize")
 BUSINESS = ECONOMY + ("TICDiag", "HessTrace")
 FULL = BUSINESS + ("HessMaxEV", "GradHist2d")
 CONFIGURATIONS = {"economy": ECONOMY, "business": BUSINESS, "full": FULL}
 
 CURVATURES = ("ggn", "hutchinson")  # where HessTrace, TICDiag and TICTrace come from (instruments.make)
-PER_LAYER = ("GradNorm", "Distance", "UpdateSize", "HessTrace")  # Cockpit returns one value per parameter
-HISTOGRAMS = ("GradHist1d", "GradHist2d")
 PLAIN_SGD_ONLY = ("EarlyStopping", "CABS")  # Cockpit refuses them unless SGD has default arguments
 
 

@@ -6,8 +6,8 @@ shape (R, T) or (T,). Layout, after Cockpit's: a step-size column (Alpha, Distan
 gradient column (GradNorm; NormTest / InnerTest / OrthoTest; GradHist1d), a curvature column
 (HessMaxEV with 2 / learning rate, HessTrace, TICTrace and TICDiag), a column of the rest (GradHist2d;
 MeanGSNR and EarlyStopping; CABS); loss, accuracy and learning rate beneath. Every quantity the
-instruments compute has a panel (``tests/test_instruments.py`` holds :data:`PANELS` to
-``configurations.QUANTITIES``).
+instruments compute is drawn: a record that :data:`PANELS` does not name (one added since) is drawn in
+the last panel.
 A shaded band around a line is its stated error: HessMaxEV up to ``HessMaxEVError`` above it (its
 Ritz value is a lower bound), HessTrace and TICTrace +- 1.96 ``...SE`` where they are estimates.
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from nondet_jax.instruments.histograms import HIST1D_RANGE, HIST2D_RANGE
+from nondet_jax.instruments.quantities import QUANTITIES
 
 PANELS = [  # (row, column, title, quantities)
     (0, 0, "Alpha (0 = step to the minimum)", ("Alpha",)),
@@ -143,6 +144,18 @@ def _quantity_lines(ax, step, values: dict, qs: tuple, present: list, t: int) ->
         ax.legend(fontsize=7)
 
 
+def _others(ax, step, values: dict, t: int) -> None:
+    """The scalar quantities no panel of :data:`PANELS` names (a record added since), together in the last panel."""
+    named = {q for *_, qs in PANELS for q in qs} | {"Loss"}
+    others = [q for q in QUANTITIES if q not in named and q in values and np.ndim(values[q]) <= 2]
+    if not others:
+        ax.axis("off")
+        return
+    ax.set_title(", ".join(others), fontsize=10)
+    _quantity_lines(ax, step, values, tuple(others), others, t)
+    ax.set_xlabel("step")
+
+
 def dashboard(values: dict, title: str = "", hist_range=HIST1D_RANGE, hist2d_range=HIST2D_RANGE):
     """A matplotlib figure for one arm; replicas drawn as overlaid lines."""
     import matplotlib
@@ -186,7 +199,7 @@ def dashboard(values: dict, title: str = "", hist_range=HIST1D_RANGE, hist2d_ran
         ax.text(0.5, 0.5, "not recorded\n(your own optimiser)", ha="center", va="center", transform=ax.transAxes,
                 color="0.5")
         ax.set_xticks([]), ax.set_yticks([])
-    axes[3, 3].axis("off")
+    _others(axes[3, 3], step, values, t)
     for ax in axes[3, :3]:
         ax.set_xlabel("step")
     r = next((np.asarray(v).shape[0] for k, v in values.items() if k != "step" and np.ndim(v) >= 2), 1)

@@ -16,19 +16,32 @@ and then each record's ``compute`` on that :class:`Pass`. A record's needs:
   diagonal (``p.diag``, per-layer ``p.traces``, their ``p.total`` and with Hutchinson ``p.trace_se``);
 * ``"updates"`` / ``"lr"``: the caller must pass ``update(updates=...)`` / ``update(lr=...)``.
 
-Adding a quantity: its record here, its name in :data:`.configurations.QUANTITIES` (JAX-free, for the
-config check; a test holds the two equal) and one test (docs/instruments.md has the recipe).
+Adding a quantity: its record here and one test (docs/instruments.md has the recipe). The config check
+reads the names from :data:`QUANTITIES` before JAX starts, so this module imports JAX on first use
+(:class:`_OnUse`): a record's compute runs only inside a traced step.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Callable, NamedTuple
 
-import jax
-import jax.numpy as jnp
-from jax.flatten_util import ravel_pytree
 
-from nondet_jax.instruments import formulas
+class _OnUse:
+    """A module imported when one of its attributes is first read (``config.validate`` imports this module to
+    know the quantities' names, before JAX starts)."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr: str):
+        return getattr(importlib.import_module(self._name), attr)
+
+
+jax = _OnUse("jax")
+jnp = _OnUse("jax.numpy")
+flatten_util = _OnUse("jax.flatten_util")
+formulas = _OnUse("nondet_jax.instruments.formulas")
 
 
 class Pass(NamedTuple):
@@ -71,7 +84,7 @@ class Quantity(NamedTuple):
     carry: Callable | None = None  # Pass -> {InstrumentState field: value after this step}
 
 
-def sq_norms(tree) -> list[jax.Array]:
+def sq_norms(tree) -> list:
     return [jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)]
 
 
@@ -107,7 +120,7 @@ def _alpha_start(p: Pass) -> dict:
     return {"direction": p.updates, "alpha_start": start.astype(p.state.alpha_start.dtype)}
 
 
-def _flat_diag(p: Pass) -> jax.Array:
+def _flat_diag(p: Pass):
     return jnp.concatenate([x.ravel() for x in jax.tree.leaves(p.diag)])
 
 
@@ -160,7 +173,7 @@ QUANTITIES: dict[str, Quantity] = {
     "HessMaxEV": Quantity(lambda p: {"HessMaxEV": p.top.value, "HessMaxEVResidual": p.top.residual,
                                      "HessMaxEVError": p.top.error}, _needs("hvp"),
                           extras=lambda curvature: ("HessMaxEVResidual", "HessMaxEVError"),
-                          init=lambda params, dtype: {"hess_vec": jnp.zeros_like(ravel_pytree(params)[0])},
+                          init=lambda params, dtype: {"hess_vec": jnp.zeros_like(flatten_util.ravel_pytree(params)[0])},
                           carry=lambda p: {"hess_vec": p.top.vector}),
     "HessTrace": Quantity(_hess_trace, _needs("diagonal"), per_layer=True, extras=_traced("HessTrace")),
     "TICDiag": Quantity(lambda p: {"TICDiag": formulas.tic_diag(p.b, p.s2, _flat_diag(p))}, GRAD_SQ | {"diagonal"}),
