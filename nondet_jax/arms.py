@@ -11,6 +11,8 @@ its parts, and ``arm@snapshotK`` the same arm under a snapshot schedule of K cyc
 
 from __future__ import annotations
 
+import difflib
+import hashlib
 from typing import NamedTuple
 
 from nondet_jax.errors import UsageError
@@ -36,8 +38,6 @@ def source_id(name: str) -> int:
     built-in one's."""
     if name in SOURCE_ID:
         return SOURCE_ID[name]
-    import hashlib
-
     digest = hashlib.sha256(f"nondet_jax source:{name}".encode()).digest()
     return (1 << 31) + (int.from_bytes(digest[:4], "big") & 0x7FFFFFFF)
 
@@ -98,8 +98,6 @@ def parse_arm(name: str, own: tuple[str, ...] = ()) -> Arm:
             elif p in SOURCES or p in own:
                 varied.add(p)
             else:
-                import difflib
-
                 close = difflib.get_close_matches(p, ["control", "all", *SOURCES, *own], n=1)
                 hint = f"did you mean '{close[0]}'? " if close else ""
                 raise UsageError(f"unknown arm or source '{p}'; {hint}use control, all, one of "

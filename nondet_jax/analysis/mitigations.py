@@ -47,8 +47,6 @@ def snapshot_ensemble(snapshot_logits) -> np.ndarray:
     """
     x = np.asarray(snapshot_logits)
     if x.ndim != 4:
-        from nondet_jax.errors import UsageError
-
         raise UsageError(f"snapshot logits must be (replicas, snapshots, examples, classes), got shape {x.shape}; "
                          "stack each replica's cycle-end logits on axis 1")
     return x.mean(axis=1, dtype=np.float64).astype(np.float32)
@@ -74,8 +72,6 @@ def variant_metrics(logits, labels) -> dict:
 
 
 def _check(variants: dict, labels) -> None:
-    from nondet_jax.errors import UsageError
-
     if not variants:
         raise UsageError("no variants given; pass e.g. {'single': logits, 'tta': tta_logits}")
     shapes = {k: np.shape(v) for k, v in variants.items()}

@@ -211,8 +211,6 @@ def load_dataset(name: str, data_dir: str | None = None, *, image_size: int = 0,
       max_train_examples, max_test_examples: keep a fixed random subset of at most this many
         examples of the split (0 = all); TFDS sets only, required for imagenet2012's training split.
     """
-    from nondet_jax.errors import UsageError
-
     if name == "digits":
         if image_size not in (0, 8) or max_train_examples or max_test_examples:
             raise UsageError("data.image_size and data.max_*_examples apply to TFDS data sets, not digits (8x8, "

@@ -184,8 +184,6 @@ def load_tfds(name: str, data_dir: str | None = None, *, image_size: int = 0, ma
     """
     import tensorflow_datasets as tfds
 
-    from nondet_jax.errors import UsageError
-
     if name in NEEDS_TRAIN_CAP and max_train_examples <= 0:
         raise UsageError(f"{name}'s training split does not fit in memory; set a subset size with "
                          f"--set data.max_train_examples=50000 (say), and --set data.image_size=64 for a smoke run")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import platform
 import sys
+import warnings
 
 from nondet_jax.machine import measured
 
@@ -83,8 +84,6 @@ def apply_cpu_defaults(environ=None, kind: str | None = None) -> list[str]:
     added = [f for f in cpu_defaults(kind) if f.split("=")[0] not in _names(current)]
     if added:
         if environ is os.environ and _backend_started():
-            import warnings
-
             warnings.warn(f"JAX's backend already started: XLA flags {added} take effect only in child processes",
                           stacklevel=2)
         environ["XLA_FLAGS"] = " ".join([*current.split(), *added])

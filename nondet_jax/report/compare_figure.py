@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
 
 import numpy as np
 
@@ -12,8 +13,6 @@ from nondet_jax.analysis.compare import verdict
 
 def method_name(w: dict) -> str:
     """A method's short name in a figure: its run folder's or CSV file's name, with the arm or column."""
-    from pathlib import Path
-
     base = Path(str(w.get("source", "?"))).name or str(w.get("source", "?"))
     return f"{base} ({w['arm']})" if w.get("kind") == "run" else f"{base} ({w.get('column', '?')})"
 

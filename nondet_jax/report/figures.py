@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import warnings
 from pathlib import Path
 
@@ -32,8 +33,6 @@ def _stored(run: Path, arms: list[str], folder: str, key: str):
 
 def _has_batch_norm(run: Path) -> bool:
     """``model.json``'s record of BatchNorm (True when a folder does not say: the catalogue's ResNets have it)."""
-    import json
-
     try:
         return bool(json.loads(RunPaths(run).model.read_text()).get("batch_norm", True))
     except (OSError, ValueError, AttributeError):

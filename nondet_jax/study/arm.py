@@ -10,6 +10,8 @@ import jax
 import numpy as np
 
 from nondet_jax import config as cfg
+from nondet_jax.analysis.arm import arm_metrics
+from nondet_jax.analysis.dynamics import divergence_trace, fit_growth_rate
 from nondet_jax.analysis.health import (
     bitwise_identical,
     divergence_records,
@@ -160,9 +162,6 @@ def train_arm(config: Config, data, fns, store, arm: Arm, progress, log=print) -
 def finish_arm(config: Config, data, fns, store, arm: Arm, result, reason: str, log=print) -> dict:
     """Compute an arm's metrics on the replicas that did not diverge, store everything, delete its
     checkpoints; returns its record."""
-    from nondet_jax.analysis.arm import arm_metrics
-    from nondet_jax.sources import arm_keys, perturbations
-
     study = config.study
     config, fns = arm_setup(config, fns, arm)
     labels = np.asarray(data.y_test)
@@ -198,8 +197,6 @@ def finish_arm(config: Config, data, fns, store, arm: Arm, result, reason: str, 
                                                   len(labels))
     trace = None
     if study.dynamics_every and arm.name != "control" and study.replicas >= 2:
-        from nondet_jax.analysis.dynamics import divergence_trace, fit_growth_rate
-
         trace = divergence_trace(fns, arm_keys(study.seed, arm.varied, 2), perturbations(arm.varied), data,
                                  config.train.epochs, study.dynamics_every)
         record["dynamics"] = {"every": study.dynamics_every,

@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import re
+from importlib.metadata import version
 from pathlib import Path
 from typing import Callable
 
@@ -35,6 +36,7 @@ from nondet_jax import config as cfg
 from nondet_jax.errors import UsageError
 from nondet_jax.machine import xla_flags
 from nondet_jax.models import pretrained
+from nondet_jax.models.parts import label_of
 from nondet_jax.report.optimizer import describe_optimizer, format_optimizer
 
 PARTS = ("data", "model", "optimizer", "loss", "augment", "init_params", "platform")
@@ -121,8 +123,6 @@ def model_facts(fns, x_dtype) -> dict:
 def part_identities(config, data, fns) -> dict[str, dict]:
     """The fingerprint of every part of a study (see the module docstring): part -> record with a
     ``sha256`` and what a reader needs (the part's name, readable settings)."""
-    from nondet_jax.models.parts import label_of
-
     p, model = fns.parts, fns.model
     b = fns.batch_size
     x_dtype = np.asarray(data.x_train[:1]).dtype
@@ -168,8 +168,6 @@ def part_identities(config, data, fns) -> dict[str, dict]:
 
 def platform_identity() -> dict:
     """jaxlib, backend, device kind and CPU type: what bitwise results depend on beyond the study."""
-    from importlib.metadata import version
-
     rec = {"jaxlib": version("jaxlib"), "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
            "cpu_type": xla_flags.cpu_type()}
     return {**rec, "sha256": hashlib.sha256(json.dumps(rec, sort_keys=True).encode()).hexdigest()}

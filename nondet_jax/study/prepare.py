@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from nondet_jax import config as cfg
+from nondet_jax.analysis.tta import view_grid
 from nondet_jax.config import Config
 from nondet_jax.data import load_data
 from nondet_jax.errors import UsageError
@@ -23,6 +24,7 @@ from nondet_jax.models.parts import (
     shape_fingerprint,
 )
 from nondet_jax.sources import Arm, abstract_keys, parse_arm, perturbations
+from nondet_jax.store.paths import RunPaths
 from nondet_jax.study.identity import (
     check_identity,
     identity_sha256,
@@ -31,7 +33,7 @@ from nondet_jax.study.identity import (
     reads_argument,
 )
 from nondet_jax.study.memory import check_fits
-from nondet_jax.train import augmentation_settings
+from nondet_jax.train import DataSpec, augmentation_settings, make_train
 
 
 def default_out(config: Config, identity: str = "") -> Path:
@@ -219,8 +221,6 @@ def prepare(config: Config, parts: Parts = Parts(), data=None):
 
     ``parts`` are the user's own (None for what the config names); ``data`` a
     :class:`nondet_jax.data.Dataset` given in memory (None: load what ``config.data`` names)."""
-    from nondet_jax.train import DataSpec, make_train
-
     cfg.validate(config)
     parts = resolve_parts(config, parts)
     if data is None:
@@ -237,8 +237,6 @@ def prepare(config: Config, parts: Parts = Parts(), data=None):
         raise UsageError(f"batch size {config.train.batch_size} is larger than the {n_train} training examples of "
                          f"{data.name}; use --batch-size {n_train} or less")
     if config.metrics.tta:
-        from nondet_jax.analysis.tta import view_grid
-
         for name in config.metrics.tta:
             view_grid(name, augmentation_settings(config, data.name, data.x_train.shape[1])[2])
     spec = DataSpec(n_train, tuple(data.x_train.shape[1:]), data.num_classes, data.name, np.dtype(data.x_train.dtype),
@@ -328,8 +326,6 @@ def prepare_child(out) -> tuple[Config, object, object, str]:
     """A child process's study (an arm or replica the parent hands off): the folder's config, its data
     and functions, checked to be the study the parent holds (``model.json``); returns (config, data,
     fns, identity_sha256)."""
-    from nondet_jax.store.paths import RunPaths
-
     paths = RunPaths(out)
     config = cfg.from_dict(json.loads(paths.config.read_text()))
     data, fns = prepare(config)
