@@ -417,15 +417,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
             methods.run_methods(config, *planned, args.out, run_one=run_one, command=command,
                                 batch=batch if args.batch_methods else None, until=until)
-        elif procs.count > 1:
-            if recompute:
-                raise UsageError("--recompute runs in a single process; rerun it without --num-processes first")
-            summary = runner.run_distributed(config, args.out, procs, progress=progress, command=command)
-            if summary is not None and after_arm is not None:  # process 0, once the arms are merged
-                for arm in summary["arms"]:
-                    after_arm(summary["out"], arm)
         else:
-            runner.run(config, args.out, progress=progress, command=command, recompute=recompute, after_arm=after_arm)
+            runner.run(config, args.out, progress=progress, command=command, recompute=recompute, after_arm=after_arm,
+                       procs=procs)
         print(f"done in {time.perf_counter() - t0:.0f} s")
     except UsageError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)

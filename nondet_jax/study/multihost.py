@@ -62,14 +62,12 @@ def initialize(coordinator: str | None, num_processes: int | None, process_id: i
 
 
 def barrier(name: str) -> None:
-
+    """Wait until every process reaches the barrier ``name``."""
     multihost_utils.sync_global_devices(name)
 
 
 def agree(ok: bool) -> bool:
     """Process 0's ``ok`` on every process (e.g. whether it could open the run folder)."""
-    from jax.experimental import multihost_utils
-
     return bool(multihost_utils.broadcast_one_to_all(np.int32(ok)))
 
 

@@ -112,7 +112,7 @@ def log_accuracy(log, arm: Arm, record: dict) -> None:
 
 def run(config: Config, out: str | Path | None = None, progress: bool | None = None, log=print,
         command: str | None = None, recompute: tuple[str, ...] = (), parts: Parts = Parts(), data=None,
-        after_arm=None, grow: bool = False) -> dict:
+        after_arm=None, grow: bool = False, procs: mh.Processes = mh.Processes(0, 1)) -> dict | None:
     """Run a study: train every arm not yet finished in ``out``, then write the report.
 
     Arms that vary ``hardware`` run in a child process with XLA's determinism flags off; the
@@ -123,8 +123,10 @@ def run(config: Config, out: str | Path | None = None, progress: bool | None = N
     ``out`` None is :func:`default_out` of the config and the study's identity by content. The
     summary returned carries ``out``, the run folder. ``grow``: a look of a sequential study
     (:mod:`nondet_jax.study.sequential`): ``study.replicas`` may exceed the folder's, and each arm trains
-    only the replicas it lacks (:func:`nondet_jax.study.arm.grow_arm`). Raises UsageError on bad input
-    before anything is written.
+    only the replicas it lacks (:func:`nondet_jax.study.arm.grow_arm`). ``procs``: this process's place among
+    several that share the study (:mod:`nondet_jax.study.multihost`): each trains its block of every arm's
+    replicas, and process 0 holds the folder's lock, merges, stores, reports and alone returns the summary
+    (None elsewhere). Raises UsageError on bad input before anything is written.
     """
     in_memory = parts != Parts() or data is not None
     if out is not None:
@@ -141,6 +143,8 @@ def run(config: Config, out: str | Path | None = None, progress: bool | None = N
         raise UsageError(f"arm '{hardware_arms[0]}' trains in a child process that rebuilds the study from the run "
                          "folder, so it cannot use parts passed in memory; run it with the CLI (--model "
                          "PACKAGE.MODULE:ATTR --dataset PATH.npz) on the same --out, or drop it")
+    if procs.count > 1:
+        check_processes(study, hardware_arms, recompute, procs)
     if grow:
         check_arms(study.arms)
     if hardware_arms:
@@ -153,12 +157,15 @@ def run(config: Config, out: str | Path | None = None, progress: bool | None = N
     if progress is None:
         progress = sys.stderr.isatty()
     backend = jax.default_backend()
+    log = log if procs.leader else (lambda *a, **k: None)
 
-    with RunStore(out, config, recompute=recompute, identity=model["identity_sha256"], grow=grow) as store:
-        strategy, _ = write_run_files(store, config, data, fns, command, model, log=log)
+    store = RunStore(out, config, recompute=recompute, identity=model["identity_sha256"], grow=grow,
+                     locked_by_parent=not procs.leader)
+    try:
+        strategy = open_study(store, config, data, fns, command, model, procs, log)
         log(f"nondet_jax: {len(arms)} arms x {study.replicas} replicas of {config.model.name} on {data.name} "
             f"({len(data.x_train)} train / {len(data.x_test)} test), {config.train.epochs} epochs, strategy "
-            f"{strategy} on {backend} -> {out}")
+            f"{strategy} on {backend}{f' over {procs.count} processes' if procs.count > 1 else ''} -> {out}")
         if hardware_arms and backend not in NONDETERMINISTIC_BACKENDS:
             log(f"note: {backend} reductions are deterministic, so arm(s) {', '.join(hardware_arms)} check that "
                 "(replicas must come out bitwise identical even with XLA's determinism flags off); batch_order is "
@@ -166,31 +173,22 @@ def run(config: Config, out: str | Path | None = None, progress: bool | None = N
         for name in recompute:
             log(f"arm {name}: deleting its results and checkpoints to train it again (--recompute)")
             store.remove_arm(name)
-        with Progress(progress, None if progress else log) as bar, fallback_said():
+        with Progress(progress and procs.leader, None if progress else log) as bar, fallback_said():
             for arm in arms:
                 if store.arm_done(arm.name):
                     log(f"arm {arm.name}: already finished in {out}, reusing it")
-                    if after_arm is not None:
-                        after_arm(out, arm.name)
-                    continue
-                if arm.name in hardware_arms and study.hardware_processes == "replica":
-                    from nondet_jax.study.hardware import train_arm_per_process
-
-                    record = train_arm_per_process(config, data, fns, store, arm, DETERMINISM_OFF, log)
-                elif arm.name in hardware_arms:
-                    log(f"arm {arm.name}: training in a child process with XLA_FLAGS {' '.join(DETERMINISM_OFF)}")
-                    run_in_child(out, arm, DETERMINISM_OFF)
-                    record = store.load_arm(arm.name)
-                elif grow:
-                    record = grow_arm(config, data, fns, store, arm, lambda n, a=arm.name: bar.arm(a, n), log)
-                else:
-                    record = train_arm(config, data, fns, store, arm,
-                                       bar.arm(arm.name, study.replicas * config.train.epochs), log)
-                if not progress:
+                elif (record := train_one(config, data, fns, store, arm, bar, log, strategy, procs, grow,
+                                          hardware=arm.name in hardware_arms)) is not None and not progress:
                     log_accuracy(log, arm, record)
-                if after_arm is not None:
+                if after_arm is not None and procs.leader:
                     after_arm(out, arm.name)
+        if not procs.leader:
+            return None
+        if store.paths.parts().is_dir() and not any(store.paths.parts().iterdir()):
+            guarded("rmdir", store.root, store.paths.parts())
         summary = finish_study(store, log)
+    finally:
+        store.close()
     control = summary["arms"].get("control")
     if control and not control["replicas_bitwise_identical"] and backend == "cpu":
         log("WARNING: the control arm's replicas are not bitwise identical on CPU: the backend or the "
@@ -198,29 +196,21 @@ def run(config: Config, out: str | Path | None = None, progress: bool | None = N
     return {**summary, "out": str(out)}
 
 
-def run_distributed(config: Config, out: str | Path | None, procs, progress: bool | None = None, log=print,
-                    command: str | None = None) -> dict | None:
-    """:func:`run` across several processes (see :mod:`nondet_jax.study.multihost`): each trains its block
-    of every arm's replicas; process 0 holds the folder's lock, merges, stores and reports. Returns
-    the summary on process 0, None elsewhere."""
-    if out is not None:
-        check_path_name(Path(out), "--out")
-    data, fns = prepare(config)
-    study = config.study
-    arms = parse_arms(config)
-    if any("hardware" in a.varied for a in arms):
+def check_processes(study, hardware_arms: list[str], recompute, procs: mh.Processes) -> None:
+    """What a study shared by several processes cannot do, refused before anything is written."""
+    if hardware_arms:
         raise UsageError("hardware arms train in a child process of their own, which a multi-process run cannot "
                          "start; run them in a single-process sweep on the same --out")
+    if recompute:
+        raise UsageError("--recompute runs in a single process; rerun it without --num-processes first")
     if study.replicas < procs.count:
         raise UsageError(f"{study.replicas} replicas cannot be split over {procs.count} processes; use --replicas "
                          f"{procs.count} or more")
-    model = model_record(config, data, fns)
-    out = Path(out) if out is not None else default_out(config, model["identity_sha256"])
-    check_no_links(out)  # no link or FIFO in the folder: model.json is read before the folder is opened
-    check_model(RunPaths(out), model)
-    check_epoch_shape(RunPaths(out), study_epoch_shape(config, fns))
-    log = log if procs.leader else (lambda *a, **k: None)
-    store = RunStore(out, config, locked_by_parent=not procs.leader, identity=model["identity_sha256"])
+
+
+def open_study(store, config: Config, data, fns, command: str | None, model: dict, procs: mh.Processes, log) -> str | None:
+    """Open the run folder (process 0 takes its lock) and write what a study writes before training; with
+    several processes, every one learns whether process 0 could. Returns the strategy's name (None on the others)."""
     error, strategy = None, None
     try:
         store.open()
@@ -228,33 +218,40 @@ def run_distributed(config: Config, out: str | Path | None, procs, progress: boo
             strategy = write_run_files(store, config, data, fns, command, model, procs.count, log=log)[0]
     except UsageError as e:
         error = e
-    if not mh.agree(error is None):
-        store.close()
-        raise error or UsageError(f"process 0 could not open the run folder {out}; see its error")
-    block = mh.replica_block(study.replicas, procs.index, procs.count)
-    log(f"nondet_jax: {len(arms)} arms x {study.replicas} replicas over {procs.count} processes -> {out}")
-    try:
-        with Progress(bool(progress) and procs.leader) as bar, fallback_said():
-            for arm in arms:
-                if store.arm_done(arm.name):
-                    log(f"arm {arm.name}: already finished in {out}, reusing it")
-                    continue
-                result, reason = fit_arm(config, data, fns, store, arm,
-                                         bar.arm(arm.name, len(block) * config.train.epochs), log, block)
-                write_part(store, arm, result, block_meta(study.seed, arm, block, store.identity))
-                mh.barrier(f"trained {arm.name}")
-                if procs.leader:
-                    blocks = [mh.replica_block(study.replicas, i, procs.count) for i in range(procs.count)]
-                    merged = merge_blocks(config, data, arm_setup(config, fns, arm)[1], store, arm, blocks, strategy,
-                                          parallel=True)
-                    record = finish_arm(config, data, fns, store, arm, merged, reason, log)
-                    guarded("rmtree", store.root, store.paths.parts(arm.name))
-                    log_accuracy(log, arm, record)
-                mh.barrier(f"stored {arm.name}")
-        if not procs.leader:
-            return None
-        if store.paths.parts().is_dir() and not any(store.paths.parts().iterdir()):
-            guarded("rmdir", store.root, store.paths.parts())
-        return {**finish_study(store, log), "out": str(out)}
-    finally:
-        store.close()
+    if procs.count == 1 and error is not None:
+        raise error
+    if procs.count > 1 and not mh.agree(error is None):
+        raise error or UsageError(f"process 0 could not open the run folder {store.root}; see its error")
+    return strategy
+
+
+def train_one(config: Config, data, fns, store, arm: Arm, bar, log, strategy: str, procs: mh.Processes, grow: bool,
+              hardware: bool) -> dict | None:
+    """Train one arm the way this study does, store it and return its record (None on processes other than 0)."""
+    study = config.study
+    if procs.count > 1:  # this process's block, kept as a part; process 0 merges the blocks into the arm
+        block = mh.replica_block(study.replicas, procs.index, procs.count)
+        result, reason = fit_arm(config, data, fns, store, arm, bar.arm(arm.name, len(block) * config.train.epochs),
+                                 log, block)
+        write_part(store, arm, result, block_meta(study.seed, arm, block, store.identity))
+        mh.barrier(f"trained {arm.name}")
+        record = None
+        if procs.leader:
+            blocks = [mh.replica_block(study.replicas, i, procs.count) for i in range(procs.count)]
+            merged = merge_blocks(config, data, arm_setup(config, fns, arm)[1], store, arm, blocks, strategy,
+                                  parallel=True)
+            record = finish_arm(config, data, fns, store, arm, merged, reason, log)
+            guarded("rmtree", store.root, store.paths.parts(arm.name))
+        mh.barrier(f"stored {arm.name}")
+        return record
+    if hardware and study.hardware_processes == "replica":
+        from nondet_jax.study.hardware import train_arm_per_process
+
+        return train_arm_per_process(config, data, fns, store, arm, DETERMINISM_OFF, log)
+    if hardware:
+        log(f"arm {arm.name}: training in a child process with XLA_FLAGS {' '.join(DETERMINISM_OFF)}")
+        run_in_child(store.root, arm, DETERMINISM_OFF)
+        return store.load_arm(arm.name)
+    if grow:
+        return grow_arm(config, data, fns, store, arm, lambda n: bar.arm(arm.name, n), log)
+    return train_arm(config, data, fns, store, arm, bar.arm(arm.name, study.replicas * config.train.epochs), log)
