@@ -233,19 +233,29 @@ def epoch_shape(setting: str, steps: int, backend: str | None = None) -> str:
     return "step" if backend == "cpu" else "scan"
 
 
+def stepped_programs(fns: TrainFns, lift: Callable) -> tuple[Callable, Callable, Callable]:
+    """The three programs of an epoch driven step by step (:func:`stepped_epoch`), jitted by ``lift(fn, in_axes)``
+    for the strategy's replica layout (``jax.jit`` for one replica, ``jax.jit(jax.vmap(fn, in_axes))`` for a
+    replica axis): ``begin(keys, e)`` (the epoch's indices), ``step(state, x, y, keys, perturb, e, i, indices)``
+    and ``finish(state at the start, state at the end, [outputs per step], e)`` (the divergence guard, the
+    metrics)."""
+    return (lift(fns.epoch_indices, (0, None)), lift(fns.epoch_step, (0, None, None, 0, None, None, None, 0)),
+            lift(fns.epoch_finish, (0, 0, 0, None)))
+
+
 def stepped_epoch(fns: TrainFns, lift: Callable) -> Callable:
     """An epoch as ``train_epoch`` computes it, driven step by step from Python: the epoch's indices, one
     jitted training step ``steps_per_epoch`` times (dispatched asynchronously), then the divergence guard and
-    the metrics. ``lift(fn, in_axes)`` jits ``fn`` for the strategy's replica layout (``jax.jit`` for one
-    replica, ``jax.jit(jax.vmap(fn, in_axes))`` for a replica axis). Returns ``epoch(state, x, y, keys, perturb,
-    e) -> (state, metrics)``; every replica runs the same three programs, whatever the steps per epoch."""
-    begin = lift(fns.epoch_indices, (0, None))
-    step = lift(fns.epoch_step, (0, None, None, 0, None, None, None, 0))
-    finish = lift(fns.epoch_finish, (0, 0, 0, None))
+    the metrics (:func:`stepped_programs`). Returns ``epoch(state, x, y, keys, perturb, e, watch=None) -> (state,
+    metrics)``; every replica runs the same three programs, whatever the steps per epoch. ``watch(i, state)``,
+    when given, sees the state before each step ``i`` of the epoch (it reads the state and changes nothing)."""
+    begin, step, finish = stepped_programs(fns, lift)
 
-    def epoch(state, x, y, keys, perturb, e):
+    def epoch(state, x, y, keys, perturb, e, watch=None):
         idx, new, outs = begin(keys, e), state, []
         for i in range(fns.steps_per_epoch):
+            if watch is not None:
+                watch(i, new)
             new, out = step(new, x, y, keys, perturb, e, np.int32(i), idx)
             outs.append(out)
         return finish(state, new, outs, e)
@@ -278,11 +288,15 @@ def make_train(config: Config, spec: DataSpec, parts: Parts = Parts()) -> TrainF
     """Pure single-replica init / train-epoch / evaluate functions.
 
     The arm enters only through the keys and :class:`Perturbations` passed at call time, so one
-    compiled program serves every arm of a study (the study section of ``config`` is ignored).
+    compiled program serves every arm of a study (the study section of ``config`` is ignored, but for
+    ``study.dynamics_every``, which makes ``train.epoch_shape`` auto drive epochs step by step on every backend:
+    the dynamics watch replicas between steps, :mod:`nondet_jax.replicas.watch`).
     ``parts`` are the user's own model, optimiser, loss and augmentation; each one left ``None``
     is the one ``config`` names (the catalogue's models go through the same :func:`model_fns`).
     """
     parts = parts._replace(init_params=pretrained.as_given(parts.init_params))  # hashable, by content
+    if config.study.dynamics_every and config.train.epoch_shape == "auto":  # watched between steps: stepped epochs
+        config = dataclasses.replace(config, train=dataclasses.replace(config.train, epoch_shape="step"))
     return _make_train(dataclasses.replace(config, study=StudyConfig()), spec, parts)
 
 

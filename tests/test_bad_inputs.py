@@ -221,6 +221,7 @@ CASES: list[tuple[str, str]] = [
     ("CLI", "--method base: --method lr2:optim.lr=0.2 --replicas 4 --until decided --batch-methods"),
     ("CLI", "--method base: --method lr2:optim.lr=0.2 --replicas 4 --until decided --arms control,hardware"),
     ("API", "run_study(model='mlp', until='decided')"),
+    ("CLI", "--set study.dynamics_every=2 --set train.epoch_shape=scan"),
 ]
 
 class Linear:  # a user's model without dropout (built lazily: flax is imported by the cases that use it)
@@ -563,7 +564,7 @@ def _folder_with_checkpoint(ctx: Context, name: str, extra: list[str]) -> Path:
     folder = ctx.tmp / name
     # Stop after epoch 1 the honest way: a 1-epoch study with checkpoints leaves none (they are deleted
     # when the arm finishes), so train 2 epochs and keep the checkpoint by failing the metrics step.
-    from nondet_jax.analysis import arm as analysis
+    from nondet_jax.study import arm as analysis  # the name finish_arm calls
 
     original = analysis.arm_metrics
 

@@ -148,8 +148,8 @@ def test_npz_is_identified_by_its_arrays_not_its_path(tmp_path, monkeypatch):
 
 
 def test_a_checkpoint_of_another_config_is_not_resumed(tmp_path):
-    from nondet_jax.analysis import arm as analysis
     from nondet_jax.cli import sweep
+    from nondet_jax.study import arm as analysis  # the name finish_arm calls
 
     def stopped(out, *extra):  # trains epoch 1 of 2 of arm init, checkpoints it, stops before the metrics
         original = analysis.arm_metrics

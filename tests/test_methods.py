@@ -166,7 +166,7 @@ def test_batched_methods_equal_each_method_alone(tmp_path):
         return optax.softmax_cross_entropy(logits, optax.smooth_labels(jax.nn.one_hot(labels, logits.shape[-1]), 0.1))
 
     kw = dict(model="mlp", data="digits", epochs=1, batch_size=256, arms="control,all", replicas=2,
-              settings={"train.checkpoint_seconds": 0, "metrics.lmc_pairs": 0})
+              settings={"train.checkpoint_seconds": 0, "metrics.lmc_pairs": 0, "study.dynamics_every": 2})
     methods = {"base": {}, "lr2": {"optim.lr": 0.1}, "plain": {"optim.momentum": 0.0, "optim.weight_decay": 0.0},
                "smooth": {"loss": smoothed}}  # smooth has a part of its own: trained alone
     said = []
@@ -182,6 +182,10 @@ def test_batched_methods_equal_each_method_alone(tmp_path):
             np.testing.assert_allclose(b, a, rtol=0, atol=1e-5)  # float rounding: lr x unit schedule, traced
         control = batched.methods[name].logits["control"]
         assert np.array_equal(control[0], control[1])  # the control arm is still bitwise one run
+        with np.load(batched.out / "methods" / name / "dynamics" / "all.npz") as b, \
+                np.load(alone.out / "methods" / name / "dynamics" / "all.npz") as a:  # each method's own pair
+            assert b["step"].tolist() == a["step"].tolist() == [0, 2, 4]
+            np.testing.assert_allclose(b["weight_distance"], a["weight_distance"], rtol=1e-4)
     smooth = json.loads((batched.out / "methods" / "smooth" / "arms" / "all.json").read_text())
     assert "batched" not in smooth["strategy_reason"]
     assert not np.allclose(batched.methods["lr2"].logits["all"], batched.methods["base"].logits["all"])

@@ -133,9 +133,9 @@ def test_a_folder_without_a_finished_arm_takes_the_corrected_model(tmp_path, mon
     corrected model ("holds results of another model"): the user needed a new folder. With no finished
     arm there is nothing to protect; the stopped arm's checkpoint (of the other model) is refused by its
     identity, naming --recompute, which then trains the corrected model."""
-    from nondet_jax.analysis import arm as analysis
     from nondet_jax.config import from_flat
     from nondet_jax.models.parts import Parts
+    from nondet_jax.study import arm as analysis  # the name finish_arm calls
     from nondet_jax.study import runner
 
     data = from_arrays("arrays-test", *_small_regression())

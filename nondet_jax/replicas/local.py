@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from nondet_jax.machine.quick import once as quick
-from nondet_jax.replicas.loop import Strategy, _stack, _take
+from nondet_jax.replicas.loop import Strategy, _stack, _take, unwatched
 from nondet_jax.sources import replica_slice
-from nondet_jax.train import TrainFns, stepped_epoch
+from nondet_jax.train import TrainFns, stepped_epoch, stepped_programs
 
 
 def epoch_program(fns: TrainFns, lift):
@@ -24,17 +24,23 @@ def epoch_program(fns: TrainFns, lift):
     return lift(fns.train_epoch, (0, None, None, 0, None, None))
 
 
+@lru_cache(maxsize=32)
+def _jit(fn, in_axes=None):
+    """``jax.jit(fn)``, one per function (``in_axes`` unused: the one-replica layout of :func:`epoch_program`)."""
+    return jax.jit(fn)
+
+
 def sequential_strategy(fns: TrainFns) -> Strategy:
-    """The single-replica programs, each compiled once, in a Python loop over replicas."""
+    """The single-replica programs, each compiled once, in a Python loop over replicas. Watched (``watch``), a
+    stepped epoch runs step-major: step i of every replica, then step i + 1 (the same programs on the same
+    inputs, so the same results), and ``watch(i, replica)`` sees every replica's state before step i."""
     init, evaluate = quick(fns.init), jax.jit(fns.evaluate)
-    epoch_fn = epoch_program(fns, lambda fn, in_axes: jax.jit(fn))
+    epoch_fn = epoch_program(fns, _jit)
 
-    def init_all(keys, perturb, x):
+    def epoch_all(state, x, y, keys, perturb, e, progress, watch=None):
         r_count = jax.tree.leaves(keys)[0].shape[0]
-        return _stack([init(replica_slice(keys, r), perturb, x) for r in range(r_count)])
-
-    def epoch_all(state, x, y, keys, perturb, e, progress):
-        r_count = jax.tree.leaves(keys)[0].shape[0]
+        if watch is not None:
+            return watched_epoch(state, x, y, keys, perturb, e, progress, watch, r_count)
         states, metrics = [], []
         for r in range(r_count):
             s, m = epoch_fn(_take(state, r), x, y, replica_slice(keys, r), perturb, e)
@@ -43,11 +49,36 @@ def sequential_strategy(fns: TrainFns) -> Strategy:
             progress(1)
         return _stack(states), _stack(metrics)
 
+    def watched_epoch(state, x, y, keys, perturb, e, progress, watch, r_count):
+        if fns.epoch_shape != "step":
+            raise unwatched("the sequential strategy with train.epoch_shape scan")
+        begin, step, finish = stepped_programs(fns, _jit)
+        ks = [replica_slice(keys, r) for r in range(r_count)]
+        start = [_take(state, r) for r in range(r_count)]
+        new, idx, outs = list(start), [begin(k, e) for k in ks], [[] for _ in ks]
+        for i in range(fns.steps_per_epoch):
+            watch(i, lambda r: new[r])
+            for r, k in enumerate(ks):
+                new[r], out = step(new[r], x, y, k, perturb, e, np.int32(i), idx[r])
+                outs[r].append(out)
+        done = [finish(start[r], new[r], outs[r], e) for r in range(r_count)]
+        progress(r_count)
+        return _stack([d[0] for d in done]), _stack([jax.block_until_ready(d[1]) for d in done])
+
     def evaluate_all(state, x):
         outputs = [evaluate(_take(state, r), x) for r in range(jax.tree.leaves(state.params)[0].shape[0])]
         return tuple(np.stack([np.asarray(o[i]) for o in outputs]) for i in (0, 1))
 
-    return Strategy("sequential", init_all, epoch_all, evaluate_all)
+    return Strategy("sequential", init_all_of(init), epoch_all, evaluate_all)
+
+
+def init_all_of(init):
+    """Stacked states of ``init`` run once per replica."""
+    def init_all(keys, perturb, x):
+        r_count = jax.tree.leaves(keys)[0].shape[0]
+        return _stack([init(replica_slice(keys, r), perturb, x) for r in range(r_count)])
+
+    return init_all
 
 
 @lru_cache(maxsize=32)
@@ -64,8 +95,13 @@ def vmap_strategy(fns: TrainFns) -> Strategy:
     epoch_fn = epoch_program(fns, _jit_vmap)
     evaluate = _jit_vmap(fns.evaluate, (0, None))
 
-    def epoch_all(state, x, y, keys, perturb, e, progress):
-        state, m = epoch_fn(state, x, y, keys, perturb, e)
+    def epoch_all(state, x, y, keys, perturb, e, progress, watch=None):
+        if watch is None:
+            state, m = epoch_fn(state, x, y, keys, perturb, e)
+        elif fns.epoch_shape != "step":
+            raise unwatched("the vmap strategy with train.epoch_shape scan")
+        else:  # the stepped epoch: watch sees the stacked state before each step, one replica at a time
+            state, m = epoch_fn(state, x, y, keys, perturb, e, watch=lambda i, s: watch(i, lambda r: _take(s, r)))
         m = jax.block_until_ready(m)
         progress(jax.tree.leaves(keys)[0].shape[0])
         return state, m
@@ -95,7 +131,9 @@ def unrolled_strategy(fns: TrainFns) -> Strategy:
         outs = [fns.evaluate(_take(state, r), x) for r in range(jax.tree.leaves(state.params)[0].shape[0])]
         return tuple(jnp.stack([o[i] for o in outs]) for i in (0, 1))
 
-    def epoch_all(state, x, y, keys, perturb, e, progress):
+    def epoch_all(state, x, y, keys, perturb, e, progress, watch=None):
+        if watch is not None:
+            raise unwatched("the unrolled strategy")
         state, m = epoch_fn(state, x, y, keys, perturb, e)
         m = jax.block_until_ready(m)
         progress(count(keys))

@@ -52,8 +52,27 @@ class Strategy(NamedTuple):
 
     name: str
     init: Callable  # (keys, perturb, x_sample) -> stacked TrainState
-    epoch: Callable  # (state, x, y, keys, perturb, epoch, progress) -> (state, metrics with leaves (R, steps))
+    # (state, x, y, keys, perturb, epoch, progress, watch=None) -> (state, metrics with leaves (R, steps)); watch(i,
+    # replica) sees replica(r)'s state before step i (a stepped epoch only: else ValueError, see unwatched)
+    epoch: Callable
     evaluate: Callable  # (state, x) -> (logits, features), each (R, ...)
+
+
+class Watcher(NamedTuple):
+    """A look at the replicas between training steps (divergence dynamics): ``look(epoch, i, replica)``, before
+    step ``i`` of ``epoch`` with ``replica(r)`` replica r's state then, returns ``{name: {r: value}}`` for the
+    replicas it measures, or None when the step is not one it measures. The loop keeps every
+    name as a per-step metric (leaves (R, steps), NaN at the steps not measured), checkpointed and merged with
+    the others; the look after the last step is the caller's (from the final state)."""
+
+    names: tuple[str, ...]
+    look: Callable
+
+
+def unwatched(what: str) -> ValueError:
+    """The error of a strategy asked to show its replicas between steps where its epochs are one program."""
+    return ValueError(f"{what} runs each epoch as one program, so nothing can watch its replicas between steps; "
+                      "watching needs train.epoch_shape step with the sequential or vmap strategy")
 
 
 @once
@@ -83,6 +102,16 @@ def _distances(params) -> np.ndarray:
     return weight_distance(flatten_weights(params)) if r > 1 else np.zeros(0)
 
 
+def watched_columns(watcher: Watcher, looks: dict, r_count: int, steps: int) -> dict[str, np.ndarray]:
+    """An epoch's looks (step -> {name: {r: value}}) as per-step metrics: name -> (R, steps), NaN where unseen."""
+    out = {name: np.full((r_count, steps), np.nan, np.float32) for name in watcher.names}
+    for i, values in looks.items():
+        for name, by_replica in values.items():
+            for r, v in by_replica.items():
+                out[name][r, i] = v
+    return out
+
+
 def inject_fault(state: TrainState, replica: int) -> TrainState:
     """A simulated hardware fault: every weight of ``replica`` becomes NaN (tests divergence handling)."""
     return state._replace(params=jax.tree.map(lambda a: a.at[replica].set(jnp.nan), state.params))
@@ -91,13 +120,15 @@ def inject_fault(state: TrainState, replica: int) -> TrainState:
 def train_replicas(strategy: Strategy, keys: ReplicaKeys, perturb: Perturbations, data, epochs: int,
                    progress: Callable[[int], None] = lambda n: None, start: EpochState | None = None,
                    on_epoch: Callable[[EpochState], None] = lambda p: None,
-                   fault: tuple[int, int] | None = None, eval_epochs: tuple[int, ...] = ()) -> ArmResult:
+                   fault: tuple[int, int] | None = None, eval_epochs: tuple[int, ...] = (),
+                   watcher: Watcher | None = None) -> ArmResult:
     """Train the replicas whose keys are given (leading axis R) for ``epochs`` epochs.
 
     ``start`` continues from a checkpoint instead of initialising; ``on_epoch`` sees the
     :class:`EpochState` after every epoch (to checkpoint it); ``fault = (replica, epoch)`` makes that
     replica's weights NaN before that epoch; after each epoch count in ``eval_epochs`` the test logits
-    are kept (snapshot ensembles); replicas whose test outputs are not finite are marked diverged
+    are kept (snapshot ensembles); ``watcher`` looks at the replicas between steps (:class:`Watcher`);
+    replicas whose test outputs are not finite are marked diverged
     (:func:`nondet_jax.analysis.health.flag_nonfinite_outputs`). The loop is epoch-major: all R states exist at every
     epoch end (for the divergence curves), whatever the strategy.
     """
@@ -114,8 +145,20 @@ def train_replicas(strategy: Strategy, keys: ReplicaKeys, perturb: Perturbations
     for e in range(start.epoch, epochs):
         if fault is not None and fault[1] == e:
             state = inject_fault(state, fault[0])
-        state, m = strategy.epoch(state, x_tr, y_tr, keys, perturb, np.int32(e), progress)
+        if watcher is None:
+            state, m = strategy.epoch(state, x_tr, y_tr, keys, perturb, np.int32(e), progress)
+        else:
+            looks = {}
+
+            def watch(i, replica, looks=looks, e=e):
+                values = watcher.look(e, i, replica)
+                if values is not None:
+                    looks[i] = values
+
+            state, m = strategy.epoch(state, x_tr, y_tr, keys, perturb, np.int32(e), progress, watch=watch)
         m = jax.tree.map(np.asarray, m)
+        if watcher is not None:
+            m.update(watched_columns(watcher, looks, r_count, np.shape(m["loss"])[1]))
         steps = m if not steps else jax.tree.map(lambda a, b: np.concatenate([a, b], 1), steps, m)
         distances.append(_distances(state.params)[None])
         if e + 1 in eval_epochs:

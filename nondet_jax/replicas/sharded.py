@@ -62,7 +62,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nondet_jax.machine.quick import once
-from nondet_jax.replicas.loop import ArmResult, Strategy, train_replicas
+from nondet_jax.replicas.loop import ArmResult, Strategy, train_replicas, unwatched
 from nondet_jax.sources import Perturbations, ReplicaKeys
 from nondet_jax.train import TrainFns
 
@@ -193,7 +193,9 @@ def sharded_strategy(fns: TrainFns, *, inner: str = "vmap", per_device: int | No
         chex.assert_tree_shape_prefix(state, (r_count,))
         return state
 
-    def epoch_all(state, x, y, keys, perturb, e, progress):
+    def epoch_all(state, x, y, keys, perturb, e, progress, watch=None):
+        if watch is not None:
+            raise unwatched("the sharded strategy")
         r_count = jax.tree.leaves(keys)[0].shape[0]
         mesh, _, epoch_fn = layout(r_count)[2][:3]
 

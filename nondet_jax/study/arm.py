@@ -11,7 +11,7 @@ import numpy as np
 
 from nondet_jax import config as cfg
 from nondet_jax.analysis.arm import arm_metrics
-from nondet_jax.analysis.dynamics import divergence_trace, fit_growth_rate
+from nondet_jax.analysis.dynamics import fit_growth_rate
 from nondet_jax.analysis.health import (
     bitwise_identical,
     divergence_records,
@@ -29,6 +29,7 @@ from nondet_jax.instruments.dashboard import tidy_rows
 from nondet_jax.machine.determinism import provenance
 from nondet_jax.replicas.choice import make_strategy, resolve_strategy, strategy_epoch_shape
 from nondet_jax.replicas.loop import EpochState, _take, train_replicas
+from nondet_jax.replicas.watch import pair_trace, pair_watcher
 from nondet_jax.sources import Arm, arm_keys, perturbations
 from nondet_jax.store.checkpoint import (
     ArmCheckpoints,
@@ -118,11 +119,20 @@ def fit_arm(config: Config, data, fns, store, arm: Arm, progress, log=print, blo
         start = EpochState(*restored)
         log(f"arm {arm.name}: resuming from its checkpoint after epoch {start.epoch}")
         progress(start.epoch * len(block))
+    watcher = None
+    if watched(config, arm):  # replicas 0 and 1 where this block holds both (every block carries the metrics)
+        watcher = pair_watcher(fns, data.x_test, study.dynamics_every, (0,) if block.start == 0 and len(block) > 1 else ())
     result = train_replicas(strategy, keys, perturb, data, config.train.epochs, progress, start=start,
                             on_epoch=lambda p: ckpt.save(p, meta), fault=injected_fault(arm),
-                            eval_epochs=test_epochs(config, arm))
+                            eval_epochs=test_epochs(config, arm), watcher=watcher)
     ckpt.close()
     return result, reason
+
+
+def watched(config: Config, arm: Arm) -> bool:
+    """Whether the arm's replicas 0 and 1 are watched while they train (``study.dynamics_every``; not the control
+    arm, whose replicas are identical)."""
+    return config.study.dynamics_every > 0 and arm.name != "control" and config.study.replicas >= 2
 
 
 def grow_arm(config: Config, data, fns, store, arm: Arm, progress_for, log=print) -> dict:
@@ -195,12 +205,12 @@ def finish_arm(config: Config, data, fns, store, arm: Arm, result, reason: str, 
         if len(keep):
             record["over_training"] = best_epochs({k: v[keep] for k, v in curves.items()}, at, study.eval_every,
                                                   len(labels))
-    trace = None
-    if study.dynamics_every and arm.name != "control" and study.replicas >= 2:
-        trace = divergence_trace(fns, arm_keys(study.seed, arm.varied, 2), perturbations(arm.varied), data,
-                                 config.train.epochs, study.dynamics_every)
+    trace = pair_trace(fns, result, data.x_test, study.dynamics_every) if watched(config, arm) else None
+    if trace is not None:
         record["dynamics"] = {"every": study.dynamics_every,
                               **fit_growth_rate(trace["step"], trace["weight_distance"])}
+    elif watched(config, arm):
+        log(f"arm {arm.name}: replicas 0 and 1 trained in different processes, so their divergence was not watched")
     extra = {}
     if "instruments" in result.steps:
         values = instrument_values(config, fns, result)

@@ -25,11 +25,12 @@ from nondet_jax import config as cfg
 from nondet_jax.models.parts import Parts
 from nondet_jax.replicas.choice import make_strategy, resolve_strategy
 from nondet_jax.replicas.loop import EpochState, _distances, train_replicas
+from nondet_jax.replicas.watch import pair_watcher
 from nondet_jax.sources import arm_keys, perturbations
 from nondet_jax.store.paths import RunPaths
 from nondet_jax.store.run import RunStore
-from nondet_jax.study.arm import finish_arm
-from nondet_jax.study.prepare import check_model, model_record, parse_arms, prepare
+from nondet_jax.study.arm import finish_arm, watched
+from nondet_jax.study.prepare import check_model, check_watchable, model_record, parse_arms, prepare
 from nondet_jax.train import bias_bn_mask, make_schedule, steps_per_epoch
 
 # config key -> the injected hyper-parameter it sets
@@ -43,8 +44,8 @@ def batchable(config: cfg.Config) -> str | None:
         return f"optim.name {config.optim.name} is not the config's sgd or adamw"
     if config.instruments.config != "none":
         return "instruments are on"
-    if study.eval_every or study.dynamics_every:
-        return "study.eval_every or study.dynamics_every is set"
+    if study.eval_every:
+        return "study.eval_every is set"
     if any(a.cycles or "hardware" in a.varied for a in parse_arms(config)):
         return "an arm is a snapshot ensemble or varies hardware"
     return None
@@ -111,6 +112,7 @@ def train_group(configs: dict[str, cfg.Config], folders: dict[str, object], part
     strategy_name, why = resolve_strategy(study.strategy, k * study.replicas)
     if strategy_name not in ("sequential", "vmap"):
         strategy_name, why = "sequential", f"batched methods run sequential or vmap, not {strategy_name}"
+    check_watchable(first, fns, strategy_name)
     strategy = make_strategy(fns, strategy_name)
     values = {h: np.repeat([getattr(configs[n].optim, key.split(".")[1]) for n in names], study.replicas)
               for key, h in HYPER.items()}
@@ -131,8 +133,12 @@ def train_group(configs: dict[str, cfg.Config], folders: dict[str, object], part
             for n, s in zip(names, sl):
                 dist[n].append(_distances(jax.tree.map(lambda a, s=s: a[s], p.state.params)))
 
+        watcher = None
+        if watched(first, arm):  # each method's replicas 0 and 1
+            watcher = pair_watcher(fns, data.x_test, study.dynamics_every, tuple(s.start for s in sl))
         result = train_replicas(strategy, keys, perturb, data, first.train.epochs,
-                                start=EpochState(0, state, {}, _distances(state.params)[None]), on_epoch=on_epoch)
+                                start=EpochState(0, state, {}, _distances(state.params)[None]), on_epoch=on_epoch,
+                                watcher=watcher)
         for n, s in zip(names, sl):
             part = result._replace(
                 state=jax.tree.map(lambda a, s=s: a[s], result.state), train_loss=result.train_loss[s],

@@ -23,6 +23,7 @@ from nondet_jax.models.parts import (
     label_of,
     shape_fingerprint,
 )
+from nondet_jax.replicas.choice import strategy_epoch_shape
 from nondet_jax.sources import Arm, abstract_keys, parse_arm, perturbations
 from nondet_jax.store.paths import RunPaths
 from nondet_jax.study.identity import (
@@ -320,6 +321,16 @@ def check_model(paths, record: dict) -> None:
         raise UsageError(f"--out {paths.root} holds results of another model ({'; '.join(diff)}); choose another "
                          "--out or use the model the study started with")
     check_identity(paths.root, old, record["identity"])
+
+
+def check_watchable(config: Config, fns, strategy: str) -> None:
+    """``study.dynamics_every`` watches replicas 0 and 1 between training steps (:mod:`nondet_jax.replicas.watch`):
+    refused, before anything is written, where the strategy runs an epoch as one program."""
+    if config.study.dynamics_every and strategy_epoch_shape(fns, strategy) != "step":
+        fix = "--set train.epoch_shape=step" + ("" if strategy in ("sequential", "vmap") else " --strategy sequential")
+        raise UsageError(f"study.dynamics_every watches replicas 0 and 1 between training steps, but the {strategy} "
+                         f"strategy runs each epoch as one program here (train.epoch_shape {config.train.epoch_shape}); "
+                         f"add {fix}, or drop study.dynamics_every")
 
 
 def prepare_child(out) -> tuple[Config, object, object, str]:

@@ -31,6 +31,7 @@ from nondet_jax.study.parts import block_meta, merge_blocks, write_part
 from nondet_jax.study.prepare import (
     check_epoch_shape,
     check_model,
+    check_watchable,
     default_out,
     model_record,
     parse_arms,
@@ -41,9 +42,14 @@ from nondet_jax.study.provenance import environment, fallback_said, instruments_
 from nondet_jax.until import check_arms
 
 
+def study_strategy(config: Config) -> str:
+    """The strategy this study's arms run (``auto`` resolved)."""
+    return resolve_strategy(config.study.strategy, config.study.replicas)[0]
+
+
 def study_epoch_shape(config: Config, fns) -> str:
     """The epoch shape this study's strategy runs (what ``environment.json`` records)."""
-    return strategy_epoch_shape(fns, resolve_strategy(config.study.strategy, config.study.replicas)[0])
+    return strategy_epoch_shape(fns, study_strategy(config))
 
 
 def write_run_files(store, config: Config, data, fns, command: str | None, model: dict,
@@ -143,6 +149,7 @@ def run(config: Config, out: str | Path | None = None, progress: bool | None = N
         raise UsageError(f"arm '{hardware_arms[0]}' trains in a child process that rebuilds the study from the run "
                          "folder, so it cannot use parts passed in memory; run it with the CLI (--model "
                          "PACKAGE.MODULE:ATTR --dataset PATH.npz) on the same --out, or drop it")
+    check_watchable(config, fns, study_strategy(config))
     if procs.count > 1:
         check_processes(study, hardware_arms, recompute, procs)
     if grow:
