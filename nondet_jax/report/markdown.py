@@ -79,7 +79,7 @@ def _dynamics_md(summary: dict) -> list[str]:
     if not rows:
         return []
     lines = ["## Divergence dynamics", "",
-             "Replicas 0 and 1 of each arm, traced every k steps; growth rate λ of the weight distance fitted as "
+             "Replicas 0 and 1 of each arm, watched while they trained, every k steps; growth rate λ of the weight distance fitted as "
              "log d = log d0 + λ·step over the early phase (until half the largest distance), ± its standard error.",
              "", "| arm | every k steps | λ per step ± s.e. | fitted steps | points |", "|---|---|---|---|---|"]
     for a, d in rows:
