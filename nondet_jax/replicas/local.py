@@ -37,6 +37,10 @@ def sequential_strategy(fns: TrainFns) -> Strategy:
     init, evaluate = quick(fns.init), jax.jit(fns.evaluate)
     epoch_fn = epoch_program(fns, _jit)
 
+    def init_all(keys, perturb, x):
+        r_count = jax.tree.leaves(keys)[0].shape[0]
+        return _stack([init(replica_slice(keys, r), perturb, x) for r in range(r_count)])
+
     def epoch_all(state, x, y, keys, perturb, e, progress, watch=None):
         r_count = jax.tree.leaves(keys)[0].shape[0]
         if watch is not None:
@@ -69,16 +73,7 @@ def sequential_strategy(fns: TrainFns) -> Strategy:
         outputs = [evaluate(_take(state, r), x) for r in range(jax.tree.leaves(state.params)[0].shape[0])]
         return tuple(np.stack([np.asarray(o[i]) for o in outputs]) for i in (0, 1))
 
-    return Strategy("sequential", init_all_of(init), epoch_all, evaluate_all)
-
-
-def init_all_of(init):
-    """Stacked states of ``init`` run once per replica."""
-    def init_all(keys, perturb, x):
-        r_count = jax.tree.leaves(keys)[0].shape[0]
-        return _stack([init(replica_slice(keys, r), perturb, x) for r in range(r_count)])
-
-    return init_all
+    return Strategy("sequential", init_all, epoch_all, evaluate_all)
 
 
 @lru_cache(maxsize=32)

@@ -108,7 +108,7 @@ def watched_columns(watcher: Watcher, looks: dict, r_count: int, steps: int) -> 
     for i, values in looks.items():
         for name, by_replica in values.items():
             for r, v in by_replica.items():
-                out[name][r, i] = v
+                out[name][r, i] = np.asarray(v)  # a look's values arrive here, after the epoch's steps
     return out
 
 

@@ -35,6 +35,7 @@ PROBE = 256  # test images whose predictions the pair is compared on
 
 @jax.jit
 def _distance(a, b) -> jax.Array:
+    """``analysis.metrics.weight_distance`` of one pair, on the device: a look copies no weights to the host."""
     fa = jnp.concatenate([x.ravel() for x in jax.tree.leaves(a)])
     fb = jnp.concatenate([x.ravel() for x in jax.tree.leaves(b)])
     return jnp.linalg.norm(fa - fb) / jnp.linalg.norm(fa)  # direct difference: no cancellation
@@ -45,13 +46,14 @@ def _disagreement(evaluate, s0, s1, x) -> jax.Array:
     return jnp.mean(evaluate(s0, x)[0].argmax(-1) != evaluate(s1, x)[0].argmax(-1))
 
 
-def _measure(fns: TrainFns, x, replica, firsts) -> dict[str, dict[int, float]]:
-    """Each watched pair (f, f + 1): its distance and disagreement, under replica f + 1."""
+def _measure(fns: TrainFns, x, replica, firsts) -> dict[str, dict[int, jax.Array]]:
+    """Each watched pair (f, f + 1): its distance and disagreement, under replica f + 1. Dispatched, not waited
+    for: the loop reads the values at the epoch's end, so training never stops for a look."""
     out = {name: {} for name in NAMES}
     for f in firsts:
         s0, s1 = replica(f), replica(f + 1)
-        out["pair_distance"][f + 1] = float(_distance(s0.params, s1.params))
-        out["pair_disagreement"][f + 1] = float(_disagreement(fns.evaluate, s0, s1, x))
+        out["pair_distance"][f + 1] = _distance(s0.params, s1.params)
+        out["pair_disagreement"][f + 1] = _disagreement(fns.evaluate, s0, s1, x)
     return out
 
 

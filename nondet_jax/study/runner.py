@@ -27,6 +27,7 @@ from nondet_jax.store.run import RunStore
 from nondet_jax.study import multihost as mh
 from nondet_jax.study.arm import arm_setup, finish_arm, fit_arm, grow_arm, train_arm
 from nondet_jax.study.child import run_in_child
+from nondet_jax.study.hardware import train_arm_per_process
 from nondet_jax.study.parts import block_meta, merge_blocks, write_part
 from nondet_jax.study.prepare import (
     check_epoch_shape,
@@ -252,8 +253,6 @@ def train_one(config: Config, data, fns, store, arm: Arm, bar, log, strategy: st
         mh.barrier(f"stored {arm.name}")
         return record
     if hardware and study.hardware_processes == "replica":
-        from nondet_jax.study.hardware import train_arm_per_process
-
         return train_arm_per_process(config, data, fns, store, arm, DETERMINISM_OFF, log)
     if hardware:
         log(f"arm {arm.name}: training in a child process with XLA_FLAGS {' '.join(DETERMINISM_OFF)}")
