@@ -27,8 +27,8 @@ timed from its start to its exit (interpreter start and imports included):
 * ``nondet_jax``: ``python -m nondet_jax.sweep --compile-cache off --out <fresh folder> --no-progress``
   (plus ``--epochs/--replicas/--arms`` where they differ from the preset), cold: JAX's persistent
   compilation cache is off, so every program is compiled in the run (``--jax-compile-cache DIR`` uses one
-  instead, recorded with how many entries it held before). Its table is read from the run folder's
-  ``arms.csv``.
+  instead, recorded with how many entries it held before; ``--jax-set KEY=VALUE`` adds a ``--set``). Its table
+  is read from the run folder's ``arms.csv``.
 * ``pytorch``: this file's PyTorch program (``--torch-child``), with the thread count and memory layout the
   probe found fastest. Before either side, a probe child times training steps of the same ResNet-8 for
   ``torch.set_num_threads`` 1 and 2, channels-last and contiguous, interleaved, best of its rounds; the
@@ -367,6 +367,8 @@ def main(argv=None) -> int:
                    help="the sweep's --compile-cache: 'off' (cold, the default) or a folder")
     p.add_argument("--jax-out", type=Path, help="the sweep's run folder, kept (must not exist; default: a temporary "
                                                 "folder, removed)")
+    p.add_argument("--jax-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a --set for the sweep (repeatable), e.g. train.replica_threads=1: the study as it ran before")
     p.add_argument("--out", type=Path, default=RESULTS / "peer_study_pytorch.json")
     p.add_argument("--torch-child", help=argparse.SUPPRESS)  # JSON: the PyTorch study in this process
     p.add_argument("--probe-child", help=argparse.SUPPRESS)  # JSON: the probe in this process
@@ -425,6 +427,8 @@ def main(argv=None) -> int:
             if value != default:
                 cmd += [flag, str(value)]
         cmd += ["--compile-cache", cache, "--out", str(run), "--no-progress"]
+        for setting in args.jax_set:
+            cmd += ["--set", setting]
         print("nondet_jax: " + " ".join(cmd[1:]), flush=True)
         jax_s, jax_out, rc = child_result(cmd, env)
         if rc:
@@ -438,7 +442,8 @@ def main(argv=None) -> int:
             "wall_s": round(jax_s, 2), "reported_s": float(done[-1].split()[2]) if done else None,
             "compile_cache": cache, "persistent_compile_cache_used": cache.lower() != "off",
             "compile_cache_entries_before": cache_entries, "strategy": environment.get("strategy"),
-            "epoch_shape": environment.get("epoch_shape"), "table": jax_table(run)}
+            "epoch_shape": environment.get("epoch_shape"), "replica_threads": environment.get("replica_threads"),
+            "table": jax_table(run)}
 
         # 3. PyTorch: the same study as a plain program
         spec = {"arms": list(arms), "replicas": replicas, "epochs": epochs, "threads": threads,

@@ -9,7 +9,9 @@ Both run the default study's ResNet-8 on digits at batch 128, one replica, jitte
   warm-up/cosine schedule, the health and metrics it returns);
 * ``bare``: ``value_and_grad`` of the mean cross-entropy of the model's ``train_apply`` on one fixed batch and
   ``optax.sgd(0.05, momentum=0.9)`` (no augmentation, no gather, no schedule);
-* ``forward``: the bare loss alone.
+* ``forward``: the bare loss alone;
+* ``threads``: the library's step for ``--threads`` replicas at once, each replica's steps dispatched from a Python
+  thread of its own, as the sequential strategy trains them (``train.replica_threads``); ms per replica-step.
 
 Rounds alternate the rows (``--rounds``), each the mean of ``--steps`` steps after a warm-up call; the table
 prints the median ms per step and the ratio to ``bare``. A ratio near 1 says the library's step costs what the
@@ -23,6 +25,7 @@ import json
 import platform
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 
@@ -30,6 +33,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--threads", type=int, default=2, help="replicas (threads) of the threads row")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "step_overhead.json")
     args = ap.parse_args()
 
@@ -78,7 +82,12 @@ def main() -> None:
     def forward_steps(n):
         return [forward(state.params, state.batch_stats) for _ in range(n)][-1]
 
-    rows = {"library": library_steps, "bare": bare_steps, "forward": forward_steps}
+    def threads_steps(n):  # args.threads replicas, each from its own thread: n steps of each, per replica-step
+        with ThreadPoolExecutor(args.threads) as pool:
+            return list(pool.map(lambda _: jax.block_until_ready(library_steps(n)), range(args.threads)))
+
+    rows = {"library": library_steps, "bare": bare_steps, "forward": forward_steps, "threads": threads_steps}
+    per_call = {"threads": args.threads}  # replica-steps per step of a row
     times: dict[str, list[float]] = {k: [] for k in rows}
     for f in rows.values():
         jax.block_until_ready(f(1))  # compile
@@ -86,7 +95,7 @@ def main() -> None:
         for name, f in rows.items():
             t = time.perf_counter()
             jax.block_until_ready(f(args.steps))
-            times[name].append((time.perf_counter() - t) / args.steps * 1e3)
+            times[name].append((time.perf_counter() - t) / (args.steps * per_call.get(name, 1)) * 1e3)
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"{'row':<10} {'ms/step (median)':>17} {'x bare':>7}  rounds")
     for k in rows:
@@ -95,7 +104,8 @@ def main() -> None:
         load = f.read().split()[:3]
     out = {"machine": {"platform": platform.platform(), "processor": platform.processor()}, "load_average": load,
            "jax": jax.__version__, "batch": b, "steps": args.steps, "ms_per_step": times, "median_ms": med,
-           "library_vs_bare": med["library"] / med["bare"]}
+           "library_vs_bare": med["library"] / med["bare"], "threads": args.threads,
+           "threads_vs_library": med["threads"] / med["library"]}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -74,6 +74,9 @@ class TrainConfig:
     eval_batch_size: int = 500
     unroll: int = 0  # training steps unrolled per scan iteration (0 = auto: see train.scan_unroll)
     epoch_shape: str = "auto"  # scan (one program per epoch) | step (one step program driven from Python) | auto
+    # replicas the sequential strategy trains at once, each dispatched from its own Python thread (0 = auto: the
+    # CPU cores this process may use, on CPU; 1 elsewhere); results are bitwise the same whatever it is
+    replica_threads: int = 0
     checkpoint_every: int = 1  # epochs between orbax checkpoints of an arm in training (0 = none)
     checkpoint_seconds: float = 30.0  # ... and at least this much training since the last one (0 = every due epoch)
     # default (softmax cross-entropy; squared error for regression) | PACKAGE.MODULE:ATTR (per-example (outputs, labels) -> losses)
@@ -534,6 +537,9 @@ def validate(config: Config) -> None:
         raise UsageError(f"train.checkpoint_seconds must be >= 0 (0 = every due epoch), got {t.checkpoint_seconds}")
     if t.unroll < 0:
         raise UsageError(f"train.unroll must be >= 0 (0 = auto), got {t.unroll}")
+    if t.replica_threads < 0:
+        raise UsageError(f"train.replica_threads must be >= 0 (0 = auto: one per CPU core), got {t.replica_threads}; "
+                         "use e.g. --set train.replica_threads=2")
     if t.epoch_shape not in EPOCH_SHAPES:
         raise UsageError(f"unknown train.epoch_shape '{t.epoch_shape}'; use auto, scan or step")
     if t.batch_size < 1:

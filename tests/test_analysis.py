@@ -12,6 +12,7 @@ from nondet_jax.analysis.arm import (
     interpolation_error_fn,
     lmc_pairs,
 )
+from nondet_jax.analysis.metrics import interpolation_curve
 from nondet_jax.config import MetricsConfig
 from nondet_jax.replicas.choice import run_replicas
 from nondet_jax.sources import arm_keys, arm_sources, perturbations
@@ -64,6 +65,11 @@ def test_batchnorm_is_recomputed_for_interpolated_weights(trained, small_digits)
     np.testing.assert_allclose(new["stem_bn"]["mean"], stem.mean((0, 1, 2)), rtol=1e-4, atol=1e-5)
     err = interpolation_error_fn(fns, bs0, x, jnp.asarray(small_digits.x_test), small_digits.y_test)
     assert 0.0 <= err(mid) <= 1.0
+    # the study's curve, its points from several threads at once: the same errors as one after another
+    alphas = np.linspace(0.0, 1.0, 5)
+    one = interpolation_curve(err, take(0), take(1), alphas)
+    assert np.array_equal(interpolation_curve(err, take(0), take(1), alphas, threads=3), one)
+    assert one[0] == err(take(1))
 
 
 def test_lmc_pairs_are_disjoint():

@@ -222,6 +222,7 @@ CASES: list[tuple[str, str]] = [
     ("CLI", "--method base: --method lr2:optim.lr=0.2 --replicas 4 --until decided --arms control,hardware"),
     ("API", "run_study(model='mlp', until='decided')"),
     ("CLI", "--set study.dynamics_every=2 --set train.epoch_shape=scan"),
+    ("CLI", "--set train.replica_threads=-1"),
 ]
 
 class Linear:  # a user's model without dropout (built lazily: flax is imported by the cases that use it)

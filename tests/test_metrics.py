@@ -114,14 +114,18 @@ def test_identical_models_have_zero_diversity(logits, labels):
     np.testing.assert_allclose(metrics.pearson(same), 1.0)
     assert (metrics.weight_distance(np.repeat(np.arange(5.0)[None] + 1, 3, 0)) == 0).all()
     theta = {"w": np.linspace(-1, 1, 7, dtype=np.float32)}
-    curve = metrics.interpolation_curve(lambda t: float(np.abs(t["w"]).sum()), theta, theta, np.linspace(0, 1, 5))
-    assert metrics.barrier(curve) == 0.0 and len(set(curve)) == 1
+    calls = []
+    curve = metrics.interpolation_curve(lambda t: calls.append(1) or float(np.abs(t["w"]).sum()), theta, theta,
+                                        np.linspace(0, 1, 5), threads=2)
+    assert metrics.barrier(curve) == 0.0 and len(set(curve)) == 1 and len(curve) == 5
+    assert len(calls) == 1  # identical endpoints (the control arm): every point is the same weights, evaluated once
 
 
 def test_interpolation_curve_and_barrier():
     ta, tb = {"w": np.array([1.0, 0.0], np.float32)}, {"w": np.array([0.0, 1.0], np.float32)}
     err = lambda t: float(1 - np.abs(t["w"]).max())  # noqa: E731  max error at the midpoint
     curve = metrics.interpolation_curve(err, ta, tb, [0.0, 0.25, 0.5, 0.75, 1.0])
+    assert np.array_equal(metrics.interpolation_curve(err, ta, tb, [0.0, 0.25, 0.5, 0.75, 1.0], threads=3), curve)
     np.testing.assert_allclose(curve, [0.0, 0.25, 0.5, 0.25, 0.0], atol=1e-7)
     assert metrics.barrier(curve) == pytest.approx(0.5)
 

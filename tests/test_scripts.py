@@ -160,5 +160,5 @@ def test_step_overhead_times_the_library_step_against_a_bare_one(tmp_path):
     proc = run("benchmarks/step_overhead.py", "--rounds", "1", "--steps", "2", "--out", out)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
-    assert set(result["median_ms"]) == {"library", "bare", "forward"}
+    assert set(result["median_ms"]) == {"library", "bare", "forward", "threads"} and result["threads"] == 2
     assert all(v > 0 for v in result["median_ms"].values()) and result["library_vs_bare"] > 0

@@ -117,6 +117,27 @@ def test_sequential_equals_plain_single_replica_training(small_digits):
     assert tree_equal(jax.tree.map(lambda a: a[2], res.state.params), state.params)
 
 
+@pytest.mark.parametrize("shape", ["step", "scan"])
+def test_replica_threads_change_no_bit(small_digits, shape):
+    """The sequential strategy trains replicas from several threads at once: every replica's weights, logits and
+    per-step metrics are bitwise those of one thread, whatever the epoch's shape."""
+    base = {"model.name": "resnet8", "model.width": 0.5, "model.dropout": 0.2, "data.augment": "on",
+            "train.epoch_shape": shape}
+    one = train_arm(tiny_config(**base, **{"train.replica_threads": 1}), small_digits, "all", replicas=4)
+    three = train_arm(tiny_config(**base, **{"train.replica_threads": 3}), small_digits, "all", replicas=4)
+    assert np.array_equal(one.logits, three.logits) and tree_equal(one.state, three.state)
+    assert tree_equal(one.steps, three.steps)
+    assert not np.array_equal(one.logits[0], one.logits[1])
+
+
+def test_replica_threads_auto_is_one_per_core_on_cpu_only():
+    import os
+
+    from nondet_jax.train import replica_threads
+    assert replica_threads(0, "cpu") == len(os.sched_getaffinity(0))
+    assert replica_threads(0, "gpu") == 1 and replica_threads(3, "gpu") == 3
+
+
 def test_vmap_matches_sequential_up_to_rounding(small_digits):
     config = tiny_config(**{"model.name": "resnet8", "model.width": 0.5})
     seq = train_arm(config, small_digits, "all", "sequential")

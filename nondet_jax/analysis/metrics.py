@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import jax
@@ -225,18 +226,26 @@ def independent_errors_std(logits, labels) -> float:
     return float(np.sqrt((p * (1 - p)).sum() * r / (r - 1)) / wrong.shape[1])
 
 
-def interpolation_curve(error_fn: Callable, theta_a, theta_b, alphas) -> np.ndarray:
+def interpolation_curve(error_fn: Callable, theta_a, theta_b, alphas, threads: int = 1) -> np.ndarray:
     """``error_fn(θb + α (θa − θb))`` for each α (α = 1 is θa, α = 0 is θb).
 
-    ``error_fn`` maps one pytree of weights to a scalar error; the trainer's version recomputes
-    BatchNorm statistics on training data at each point (see ``train.make_interpolation_error``).
-    Identical endpoints give exactly the endpoint at every α.
+    ``error_fn`` maps one pytree of weights to a scalar error; the study's version recomputes
+    BatchNorm statistics on training data at each point (:func:`nondet_jax.analysis.arm.interpolation_error_fn`).
+    Identical endpoints give exactly the endpoint at every α (computed once: every point is θb + α·0, the same
+    weights). ``threads`` > 1: the first point alone (it compiles ``error_fn``'s programs), then the others from
+    that many threads at once (the same values).
     """
-    out = []
-    for alpha in np.asarray(alphas, dtype=np.float32):
-        theta = jax.tree.map(lambda a, b: b + alpha * (a - b), theta_a, theta_b)
-        out.append(float(error_fn(theta)))
-    return np.asarray(out)
+    def point(alpha):
+        return float(error_fn(jax.tree.map(lambda a, b: b + alpha * (a - b), theta_a, theta_b)))
+
+    alphas = list(np.asarray(alphas, dtype=np.float32))
+    if all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(theta_a), jax.tree.leaves(theta_b))):
+        return np.full(len(alphas), point(alphas[0]))
+    if threads <= 1 or len(alphas) < 3:
+        return np.asarray([point(a) for a in alphas])
+    first = point(alphas[0])
+    with ThreadPoolExecutor(threads, thread_name_prefix="lmc") as pool:
+        return np.asarray([first, *pool.map(point, alphas[1:])])
 
 
 def barrier(curve: np.ndarray) -> float:

@@ -3,6 +3,7 @@ single-replica programs in a Python loop) and ``unrolled`` (those programs insid
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 
 import jax
@@ -31,11 +32,16 @@ def _jit(fn, in_axes=None):
 
 
 def sequential_strategy(fns: TrainFns) -> Strategy:
-    """The single-replica programs, each compiled once, in a Python loop over replicas. Watched (``watch``), a
-    stepped epoch runs step-major: step i of every replica, then step i + 1 (the same programs on the same
-    inputs, so the same results), and ``watch(i, replica)`` sees every replica's state before step i."""
+    """The single-replica programs, each compiled once, in a loop over replicas: ``fns.replica_threads`` of them
+    at once, each replica's epoch dispatched from a thread of its own (XLA:CPU runs one thread's programs one after
+    another; each replica's programs and inputs are the same whichever thread runs them, so the results are too).
+    The strategy's first epoch trains replica 0 alone first, so the threads find its programs compiled. Watched
+    (``watch``), a stepped epoch runs step-major in one thread: step i of every replica, then step i + 1 (the same
+    programs on the same inputs, so the same results), and ``watch(i, replica)`` sees every replica's state before
+    step i."""
     init, evaluate = quick(fns.init), jax.jit(fns.evaluate)
     epoch_fn = epoch_program(fns, _jit)
+    compiled = []  # [True] once an epoch has run: its programs are compiled
 
     def init_all(keys, perturb, x):
         r_count = jax.tree.leaves(keys)[0].shape[0]
@@ -45,13 +51,26 @@ def sequential_strategy(fns: TrainFns) -> Strategy:
         r_count = jax.tree.leaves(keys)[0].shape[0]
         if watch is not None:
             return watched_epoch(state, x, y, keys, perturb, e, progress, watch, r_count)
-        states, metrics = [], []
-        for r in range(r_count):
+
+        def one(r):
             s, m = epoch_fn(_take(state, r), x, y, replica_slice(keys, r), perturb, e)
-            states.append(s)
-            metrics.append(jax.block_until_ready(m))
+            return s, jax.block_until_ready(m)
+
+        outs, threads = [], min(fns.replica_threads, r_count)
+        if threads <= 1 or not compiled:
+            outs.append(one(0))
             progress(1)
-        return _stack(states), _stack(metrics)
+            compiled.append(True)
+        if threads <= 1:
+            for r in range(1, r_count):
+                outs.append(one(r))
+                progress(1)
+        else:
+            with ThreadPoolExecutor(threads, thread_name_prefix="replica") as pool:
+                for out in pool.map(one, range(len(outs), r_count)):
+                    outs.append(out)
+                    progress(1)
+        return _stack([o[0] for o in outs]), _stack([o[1] for o in outs])
 
     def watched_epoch(state, x, y, keys, perturb, e, progress, watch, r_count):
         if fns.epoch_shape != "step":

@@ -32,9 +32,10 @@ LOCK = ".lock"
 
 
 # Keys a folder's results do not depend on: arms may be added (each arm is stored on its own), the
-# checkpoint interval and cadence only decide how much a crash costs, and the power ratios are read by the report.
+# checkpoint interval and cadence only decide how much a crash costs, the replica threads how fast the sequential
+# strategy trains (bitwise the same results), and the power ratios are read by the report.
 RESULT_NEUTRAL = {("study", "arms"), ("train", "checkpoint_every"), ("train", "checkpoint_seconds"),
-                  ("metrics", "power_ratios")}
+                  ("train", "replica_threads"), ("metrics", "power_ratios")}
 
 
 # Keys added after run folders existed, with the value that means what a folder without them meant: at that

@@ -64,6 +64,7 @@ def write_run_files(store, config: Config, data, fns, command: str | None, model
     env["strategy"] = {"requested": study.strategy, "chosen": strategy, "reason": reason}
     env["scan_unroll"] = fns.unroll
     env["epoch_shape"] = study_epoch_shape(config, fns)
+    env["replica_threads"] = fns.replica_threads if strategy == "sequential" else 1
     env["processes"] = processes
     note = batch_norm_note(config, data, fns)
     if note:
