@@ -400,7 +400,17 @@ def test_compare_arms_pairs_replicas_sharing_seeds_and_names_failed_runs():
     out = compare_arms(records)
     c = out["init"]["accuracy"]
     assert c["paired"] and c["pairs"] == 8
-    assert c["paired_p"] == pytest.approx(sps.pearsonr(acc["init"] + acc["all"], acc["init"] - acc["all"]).pvalue)
+    # the p printed beside the paired interval is that interval's: at level 1 − p one end of it touches 1
+    p = c["paired_p"]
+    assert 0 < p < 1 and c["pair_correlation"] == pytest.approx(np.corrcoef(acc["init"], acc["all"])[0, 1])
+    lo, hi = stats.paired_ratio_ci(acc["init"], acc["all"], 1 - p)
+    assert min(abs(lo - 1), abs(hi - 1)) < 1e-9
+    rng2 = np.random.default_rng(3)  # and on many studies: p < 0.05 exactly where the 95% interval excludes 1
+    a2 = rng2.normal(size=(2000, 8))
+    b2 = a2 + 1.5 * rng2.normal(size=(2000, 8))  # std ratio 0.55, correlation 0.55
+    lo2, hi2 = stats.paired_ratio_ci(a2, b2)
+    assert np.array_equal(stats.paired_ratio_p(a2, b2) < 0.05, (lo2 > 1) | (hi2 < 1))
+    assert 0.05 < ((lo2 > 1) | (hi2 < 1)).mean() < 0.95
     assert c["family_level"] == pytest.approx(1 - 0.05 / 2)
     assert c["family_ci"] == pytest.approx(list(stats.paired_ratio_ci(acc["init"], acc["all"], 1 - 0.05 / 2)))
     assert "failed_replicas" not in c

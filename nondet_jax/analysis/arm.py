@@ -105,7 +105,8 @@ def compare_arms(records: dict[str, dict], reference: str = "all", ratios=S.POWE
 
     Arms of one study share seeds (replica r of every arm has the same keys for the sources it does not
     vary), so replicas with the same index in both arms are compared as pairs: ``paired_ratio_ci``
-    (:func:`nondet_jax.analysis.stats.paired_ratio_ci`), Pitman-Morgan's ``paired_p``. ``family_ci`` is the
+    (:func:`nondet_jax.analysis.stats.paired_ratio_ci`) and its p (``paired_p``: below 0.05 exactly when that 95%
+    interval excludes 1). ``family_ci`` is the
     interval the findings read: the paired one (else the independent one) at level 1 − 0.05/m over the m arms
     compared (Bonferroni: the findings' family-wise error at most 5%). ``failed_replicas``: the replica
     indices of either arm that :func:`nondet_jax.analysis.stats.failed_replicas` names (runs that failed to
@@ -160,9 +161,8 @@ def _paired_and_failed(rows: list[dict], ref: list[dict], key: str, resolution) 
     out: dict = {"_arms": (np.array(list(by_a.values())), np.array(list(by_b.values())), resolution)}
     # a tied arm (a count no replica moved) keeps the independent interval, which has its tie bound
     if len(common) >= S.MIN_REPLICAS["paired_ratio"] and np.ptp(x) > 0 and np.ptp(y) > 0:
-        pm = S.pitman_morgan(x, y)
-        out.update(paired=True, pairs=len(common), paired_ratio_ci=list(S.paired_ratio_ci(x, y)), paired_p=pm["p"],
-                   pair_correlation=pm["correlation"], _pairs=(x, y))
+        out.update(paired=True, pairs=len(common), paired_ratio_ci=list(S.paired_ratio_ci(x, y)),
+                   paired_p=S.paired_ratio_p(x, y), pair_correlation=float(np.corrcoef(x, y)[0, 1]), _pairs=(x, y))
     failed = {"arm": [list(by_a)[i] for i in S.failed_replicas(list(by_a.values()), resolution=resolution)],
               "reference": [list(by_b)[i] for i in S.failed_replicas(list(by_b.values()), resolution=resolution)]}
     if failed["arm"] or failed["reference"]:

@@ -121,7 +121,7 @@ def _findings(summary: dict) -> list[str]:
         out.append(f"- `{arm}`: {q.label} std is {a['ratio']:.2f}× the `all` arm's; the {kind} "
                    f"{ci} {where} (permutation spread test p = {fmt_p(a.get('spread_p'))}, Holm-adjusted over "
                    f"{family} arms {fmt_p(a.get('spread_p_holm'))}"
-                   + (f"; Pitman-Morgan paired p = {fmt_p(a.get('paired_p'))}" if a.get("paired") else "") + ").")
+                   + (f"; the paired interval's p = {fmt_p(a.get('paired_p'))}" if a.get("paired") else "") + ").")
         failed = a.get("failed_replicas")
         if failed:
             w = a["without_failed"]
