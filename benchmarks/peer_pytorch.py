@@ -243,12 +243,15 @@ def jax_child(settings: dict, steps: int) -> dict:
         from nondet_jax.replicas.choice import run_replicas
         result = run_replicas(fns, keys, perturb, data, epochs, settings["strategy"], progress)
     wall = time.perf_counter() - t0
-    dt = np.diff([t0] + stamps)
+    # one rate per epoch (all replicas' images over the epoch's wall time): replicas trained from threads report
+    # their progress in bursts, so a rate per progress call would be meaningless
     calls_per_epoch = len(stamps) // epochs
-    steady = slice(calls_per_epoch, None)  # drop the first epoch's calls: compilation
-    rates = [float(n * BATCH / t) for n, t in zip(counts[steady], dt[steady])]
-    first_epoch = float(dt[:calls_per_epoch].sum())
-    return {"rates": rates, "compile_s": first_epoch - float(np.sum(dt[steady]) / (epochs - 1)),
+    ends = np.array([t0] + stamps[calls_per_epoch - 1::calls_per_epoch])
+    images = np.add.reduceat(np.asarray(counts), np.arange(0, len(counts), calls_per_epoch)) * BATCH
+    dt = np.diff(ends)
+    rates = [float(n / t) for n, t in zip(images[1:], dt[1:])]  # the first epoch compiles
+    first_epoch = float(dt[0])
+    return {"rates": rates, "compile_s": first_epoch - float(np.sum(dt[1:]) / (epochs - 1)),
             "wall_s": wall, "devices": len(jax.devices()), "strategy": result.strategy,
             "final_loss_mean": float(np.mean(result.train_loss[:, -1]))}
 

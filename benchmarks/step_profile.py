@@ -1,5 +1,7 @@
 """Where one ResNet-14 training step (CIFAR-style 32x32x3, batch 128, the library's default
-``train_epoch`` of one step) spends its time on XLA:CPU, by kind of work, next to PyTorch eager.
+``train_epoch`` of one step) spends its time on XLA:CPU, by kind of work, next to PyTorch eager
+(``--model`` and ``--image`` profile another model and input on the XLA side: the default study's step is
+``--model resnet8 --image 8,8,1``).
 
 XLA: the compiled step runs ``--steps`` times under ``jax.profiler``; XLA:CPU's thunk runtime
 records one trace event per executed thunk (a fusion, a convolution, a YNNPACK fusion, a copy).
@@ -20,6 +22,7 @@ instead of ``models.common.conv_general_dilated`` (the weight gradient behind a 
 
     taskset -c 0 python benchmarks/step_profile.py --torch           # XLA and torch on one core
     python benchmarks/step_profile.py --conv plain --top 20           # the previous convolution, 20 slowest thunks
+    taskset -c 0 python benchmarks/step_profile.py --model resnet8 --image 8,8,1 --top 12   # the default study's step
 
 Prints the table; ``--out`` writes it with the per-thunk times as JSON.
 """
@@ -85,7 +88,7 @@ def classify(shape: str, line: str, body: list[str]) -> str:
     return "other"
 
 
-def profile_jax(steps: int, conv: str, top: int) -> dict:
+def profile_jax(steps: int, conv: str, top: int, model: str = "resnet14", image: tuple = (32, 32, 3)) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -102,10 +105,10 @@ def profile_jax(steps: int, conv: str, top: int) -> dict:
         resnet.conv_bn = lambda train, m, dtype=None: (
             partial(nn.Conv, use_bias=False, kernel_init=conv_init, dtype=dtype), conv_bn(train, m, dtype)[1])
     rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((BATCH, 32, 32, 3), dtype=np.float32))
+    x = jnp.asarray(rng.standard_normal((BATCH, *image), dtype=np.float32))
     y = jnp.asarray(rng.integers(0, CLASSES, BATCH).astype(np.int32))
-    config = from_flat({"model.name": "resnet14", "train.batch_size": BATCH, "train.epochs": 5})
-    fns = make_train(config, DataSpec(BATCH, (32, 32, 3), CLASSES, "synthetic"))
+    config = from_flat({"model.name": model, "train.batch_size": BATCH, "train.epochs": 5})
+    fns = make_train(config, DataSpec(BATCH, image, CLASSES, "synthetic"))
     keys, perturb = one_replica("all")
     state = jax.jit(fns.init)(keys, perturb, x)
     compiled = jax.jit(fns.train_epoch).lower(state, x, y, keys, perturb, jnp.int32(1)).compile()
@@ -194,10 +197,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--torch", action="store_true", help="also profile PyTorch eager")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch threads")
     p.add_argument("--top", type=int, default=0, help="list the N slowest XLA thunks")
+    p.add_argument("--model", default="resnet14", help="XLA side only: e.g. resnet8 with --image 8,8,1 (digits)")
+    p.add_argument("--image", default="32,32,3", help="height,width,channels of the XLA side's input")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
+    image = tuple(int(v) for v in args.image.split(","))
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    record = {"xla": profile_jax(args.steps, args.conv, args.top), "conv": args.conv,
+    record = {"xla": profile_jax(args.steps, args.conv, args.top, args.model, image), "conv": args.conv,
+              "model": args.model, "image": image,
               "load_average": os.getloadavg()}
     if args.torch:
         record["torch"] = profile_torch(args.steps, args.threads)

@@ -105,3 +105,43 @@ def test_environment_records_the_conv_choice_and_cpu_flags():
     assert env["vmap_conv"]["backend"] == jax.default_backend()
     assert "table" in env["vmap_conv"] and "override" in env["vmap_conv"]
     assert env["xla_cpu_defaults"]["cpu_type"]
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the operand swap is avoided on CPU only")
+def test_no_convolution_runs_with_swapped_operands_on_cpu():
+    """A 3x3 SAME convolution of a 2x2 map (ResNet-8's last stage on digits): XLA swaps lax's operands
+    (kernel as input: a slow path on CPU), in the forward and the input gradient; the models'
+    convolution pads the input first, so no convolution of its step is swapped, and the values and
+    both gradients are lax's within float32 rounding. A convolution XLA does not swap is bitwise lax's."""
+    rng = np.random.default_rng(2)
+    kw = dict(window_strides=(1, 1), padding="SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    def step(conv, size, stride=1):
+        x = jnp.asarray(rng.standard_normal((4, size, size, 8)), jnp.float32)
+        w = jnp.asarray(rng.standard_normal((3, 3, 8, 8)) / 8, jnp.float32)
+        f = lambda a, b: conv(a, b, **{**kw, "window_strides": (stride, stride)})  # noqa: E731
+        fn = jax.jit(lambda a, b: (f(a, b), *jax.grad(lambda a, b: jnp.sum(jnp.tanh(f(a, b)) ** 2), (0, 1))(a, b)))
+        # a swapped convolution: the kernel as input (dim_labels=01fb_o01i->f01b), its window reversed
+        swapped = [line for line in fn.lower(x, w).compile().as_text().splitlines()
+                   if " convolution(" in line and "rhs_reversal" in line]
+        return fn(x, w), swapped
+
+    conv_params = lambda size: dict(  # noqa: E731
+        window_strides=(1, 1), padding=((1, 1), (1, 1)), lhs_dilation=(1, 1), rhs_dilation=(1, 1),
+        dimension_numbers=lax.conv_dimension_numbers((4, size, size, 8), (3, 3, 8, 8), ("NHWC", "HWIO", "NHWC")),
+        feature_group_count=1, batch_group_count=1)
+    assert convs.swapped_by_xla((4, 2, 2, 8), (3, 3, 8, 8), conv_params(2))
+    assert not convs.swapped_by_xla((4, 8, 8, 8), (3, 3, 8, 8), conv_params(8))
+    state = rng.bit_generator.state
+    ref, ref_swapped = step(lax.conv_general_dilated, 2)
+    rng.bit_generator.state = state
+    got, got_swapped = step(conv_general_dilated, 2)
+    assert ref_swapped and not got_swapped, (ref_swapped, got_swapped)
+    for a, b in zip(ref, got):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-5)
+    state = rng.bit_generator.state
+    ref, _ = step(lax.conv_general_dilated, 8)
+    rng.bit_generator.state = state
+    got, _ = step(conv_general_dilated, 8)
+    for a, b in zip(ref, got):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
