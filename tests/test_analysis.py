@@ -12,7 +12,7 @@ from nondet_jax.analysis.arm import (
     interpolation_error_fn,
     lmc_pairs,
 )
-from nondet_jax.analysis.metrics import interpolation_curve
+from nondet_jax.analysis.metrics import interpolation_curve, interpolation_curves
 from nondet_jax.config import MetricsConfig
 from nondet_jax.replicas.choice import run_replicas
 from nondet_jax.sources import arm_keys, arm_sources, perturbations
@@ -70,6 +70,10 @@ def test_batchnorm_is_recomputed_for_interpolated_weights(trained, small_digits)
     one = interpolation_curve(err, take(0), take(1), alphas)
     assert np.array_equal(interpolation_curve(err, take(0), take(1), alphas, threads=3), one)
     assert one[0] == err(take(1))
+    # several pairs' points share one pool (an identical pair evaluated once): each row is its pair's curve
+    rows = interpolation_curves(err, [(take(0), take(1)), (take(1), take(1)), (take(1), take(0))], alphas, threads=2)
+    assert np.array_equal(rows[0], one) and np.array_equal(rows[2], interpolation_curve(err, take(1), take(0), alphas))
+    assert np.array_equal(rows[1], np.full(len(alphas), err(take(1))))
 
 
 def test_lmc_pairs_are_disjoint():

@@ -89,7 +89,7 @@ def arm_metrics(result, data, fns: TrainFns, cfg: MetricsConfig) -> tuple[dict, 
         error = interpolation_error_fn(fns, bs0, x_bn, np.asarray(data.x_test), labels)
         alphas = np.linspace(0.0, 1.0, cfg.lmc_points)
         take = lambda i: jax.tree.map(lambda x: x[i], host.params)  # noqa: E731
-        curves = np.stack([M.interpolation_curve(error, take(a), take(b), alphas, fns.replica_threads) for a, b in pairs])
+        curves = M.interpolation_curves(error, [(take(a), take(b)) for a, b in pairs], alphas, fns.replica_threads)
         barriers = np.array([M.barrier(c) for c in curves])
         arrays.update({"lmc_alphas": alphas, "lmc_curves": curves, "lmc_pairs": np.array(pairs),
                        "lmc_barrier": barriers})

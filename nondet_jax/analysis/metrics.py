@@ -235,17 +235,30 @@ def interpolation_curve(error_fn: Callable, theta_a, theta_b, alphas, threads: i
     weights). ``threads`` > 1: the first point alone (it compiles ``error_fn``'s programs), then the others from
     that many threads at once (the same values).
     """
-    def point(alpha):
+    return interpolation_curves(error_fn, [(theta_a, theta_b)], alphas, threads)[0]
+
+
+def interpolation_curves(error_fn: Callable, pairs, alphas, threads: int = 1) -> np.ndarray:
+    """:func:`interpolation_curve` of each ``(θa, θb)`` in ``pairs``, one row each; with ``threads`` > 1 the
+    points of every pair share one pool (only the very first point runs alone)."""
+    alphas = list(np.asarray(alphas, dtype=np.float32))
+
+    def point(job):
+        (theta_a, theta_b), alpha = pairs[job[0]], alphas[job[1]]
         return float(error_fn(jax.tree.map(lambda a, b: b + alpha * (a - b), theta_a, theta_b)))
 
-    alphas = list(np.asarray(alphas, dtype=np.float32))
-    if all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(theta_a), jax.tree.leaves(theta_b))):
-        return np.full(len(alphas), point(alphas[0]))
-    if threads <= 1 or len(alphas) < 3:
-        return np.asarray([point(a) for a in alphas])
-    first = point(alphas[0])
-    with ThreadPoolExecutor(threads, thread_name_prefix="lmc") as pool:
-        return np.asarray([first, *pool.map(point, alphas[1:])])
+    identical = [all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(ta), jax.tree.leaves(tb))) for ta, tb in pairs]
+    jobs = [(k, i) for k, same in enumerate(identical) for i in range(1 if same else len(alphas))]
+    if threads <= 1 or len(jobs) < 3:
+        values = [point(job) for job in jobs]
+    else:
+        first = point(jobs[0])
+        with ThreadPoolExecutor(threads, thread_name_prefix="lmc") as pool:
+            values = [first, *pool.map(point, jobs[1:])]
+    out = np.empty((len(pairs), len(alphas)))
+    for (k, i), v in zip(jobs, values):
+        out[k, slice(None) if identical[k] else i] = v
+    return out
 
 
 def barrier(curve: np.ndarray) -> float:
