@@ -151,7 +151,7 @@ def unswapped(fn):
             if eqn.primitive is lax.conv_general_dilated_p:
                 outs = [_conv_unswapped(*ins, **eqn.params)]
             else:
-                params = eqn.primitive.get_bind_params(eqn.params)  # (subfuns, params) before jax 0.8
+                params = eqn.primitive.get_bind_params(eqn.params)  # older jax returned (subfuns, params)
                 subfuns, params = params if isinstance(params, tuple) else ((), params)
                 outs = eqn.primitive.bind(*subfuns, *ins, **params)
                 outs = outs if eqn.primitive.multiple_results else [outs]
