@@ -239,7 +239,7 @@ def replica_threads(setting: int, backend: str | None = None) -> int:
     """Replicas the ``sequential`` strategy trains at once, each dispatched from its own Python thread:
     ``setting`` if > 0, else on CPU the cores this process may use, elsewhere 1. XLA:CPU runs the programs that
     one thread dispatches one after another, and a small model's step leaves cores idle (ResNet-8 at batch 128
-    on 2 cores: 13.4 ms per step alone, 11.1 ms per replica-step from 2 threads, benchmarks/step_overhead.py);
+    on 2 cores: 9.4 ms per step alone, 6.3 ms per replica-step from 2 threads, benchmarks/step_overhead.py);
     on an accelerator one stream runs them in turn anyway."""
     if setting > 0:
         return setting

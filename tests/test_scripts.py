@@ -47,6 +47,15 @@ def test_shell_scripts_parse():
 
 
 @pytest.mark.slow
+def test_conv_paths_quick_runs_and_names_the_paths(tmp_path):
+    proc = run("benchmarks/conv_paths.py", "--quick", "--out", tmp_path / "c.json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {(r["case"], r["variant"].split(" ")[0]): r for r in json.loads((tmp_path / "c.json").read_text())["rows"]}
+    assert rows["swap", "lax"]["swapped_convolutions"] > 0 and rows["swap", "models'"]["swapped_convolutions"] == 0
+    assert all(r["max_abs_difference"] < 1e-4 for r in rows.values())
+
+
+@pytest.mark.slow
 def test_step_profile_plain_conv_runs():
     proc = run("benchmarks/step_profile.py", "--conv", "plain", "--steps", "1")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -17,7 +17,6 @@ Example::
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import jax
@@ -25,6 +24,7 @@ import numpy as np
 from scipy.stats import rankdata
 
 from nondet_jax.errors import UsageError
+from nondet_jax.machine.threads import in_threads
 
 PAIR_CHUNK = 64  # pairs per vectorised block
 CHUNK_ELEMENTS = 1 << 24  # and at most this many float64 elements per block (128 MiB)
@@ -249,12 +249,7 @@ def interpolation_curves(error_fn: Callable, pairs, alphas, threads: int = 1) ->
 
     identical = [all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(ta), jax.tree.leaves(tb))) for ta, tb in pairs]
     jobs = [(k, i) for k, same in enumerate(identical) for i in range(1 if same else len(alphas))]
-    if threads <= 1 or len(jobs) < 3:
-        values = [point(job) for job in jobs]
-    else:
-        first = point(jobs[0])
-        with ThreadPoolExecutor(threads, thread_name_prefix="lmc") as pool:
-            values = [first, *pool.map(point, jobs[1:])]
+    values = in_threads(point, jobs, threads, name="lmc")
     out = np.empty((len(pairs), len(alphas)))
     for (k, i), v in zip(jobs, values):
         out[k, slice(None) if identical[k] else i] = v

@@ -16,7 +16,7 @@ in every role, so the gradient's convolutions are chosen too:
   strategy) computes bitwise what ``lax.conv_general_dilated`` computes; on CPU, except for a
   convolution XLA would run with its operands swapped (a kernel larger than its input, as in the last
   stage of a ResNet on 8x8 digits, :func:`swapped_by_xla`): that one gets its input's padding applied
-  first and runs on XLA:CPU's fast path (the same sums, 10x faster, not bitwise lax's).
+  first and runs on XLA:CPU's fast path (the same sums, 8-11x faster, not bitwise lax's).
 * Batched over replicas (both operands carry the axis), the role runs one of
   :data:`FORMULATIONS`: ``grouped`` (lax's own batching: a grouped convolution, what ``vmap`` always
   did), ``map`` (``lax.map`` over replicas: R plain convolutions in a loop), ``im2col`` (the k*k
@@ -103,8 +103,9 @@ def swapped_by_xla(lhs_shape, rhs_shape, params: dict) -> bool:
     """Whether XLA would run this convolution (``lax.conv_general_dilated_p``'s ``params``) with its
     operands exchanged: its simplifier (``ConvOperandSwapper``) makes the kernel the input when the kernel's
     spatial extent exceeds the input's, a 3x3 SAME convolution of a 2x2 map for instance (the last stage of
-    a ResNet on 8x8 digits). XLA:CPU runs the exchanged convolution on a slow path: 5.0 ms against 0.48 ms
-    for ResNet-8's 128x2x2x64 3x3 convolution on one core, its input gradient likewise. The rule read from
+    a ResNet on 8x8 digits). XLA:CPU runs the exchanged convolution on a slow path: ResNet-8's 128x2x2x64 3x3 convolution
+    took 4.9 ms against 0.45 ms padded first, its gradients 10.4 against 1.3 ms (one core,
+    ``benchmarks/conv_paths.py``). The rule read from
     XLA's ``SwapConvolutionOperandsIfBeneficial``: over the spatial dimensions that are neither a plain
     contraction nor a group, swap when the product of kernel sizes exceeds the product of input sizes."""
     if params["feature_group_count"] > 1 or params["batch_group_count"] > 1:

@@ -3,7 +3,6 @@ single-replica programs in a Python loop) and ``unrolled`` (those programs insid
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 
 import jax
@@ -11,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nondet_jax.machine.quick import once as quick
+from nondet_jax.machine.threads import in_threads
 from nondet_jax.replicas.loop import Strategy, _stack, _take, unwatched
 from nondet_jax.sources import replica_slice
 from nondet_jax.train import TrainFns, stepped_epoch, stepped_programs
@@ -41,7 +41,7 @@ def sequential_strategy(fns: TrainFns) -> Strategy:
     step i."""
     init, evaluate = quick(fns.init), jax.jit(fns.evaluate)
     epoch_fn = epoch_program(fns, _jit)
-    compiled = []  # [True] once an epoch has run: its programs are compiled
+    compiled = [False]  # True once an epoch has run: its programs are compiled
 
     def init_all(keys, perturb, x):
         r_count = jax.tree.leaves(keys)[0].shape[0]
@@ -56,20 +56,11 @@ def sequential_strategy(fns: TrainFns) -> Strategy:
             s, m = epoch_fn(_take(state, r), x, y, replica_slice(keys, r), perturb, e)
             return s, jax.block_until_ready(m)
 
-        outs, threads = [], min(fns.replica_threads, r_count)
-        if threads <= 1 or not compiled:
-            outs.append(one(0))
+        outs = []
+        for out in in_threads(one, range(r_count), fns.replica_threads, first_alone=not compiled[0], name="replica"):
+            outs.append(out)
             progress(1)
-            compiled.append(True)
-        if threads <= 1:
-            for r in range(1, r_count):
-                outs.append(one(r))
-                progress(1)
-        else:
-            with ThreadPoolExecutor(threads, thread_name_prefix="replica") as pool:
-                for out in pool.map(one, range(len(outs), r_count)):
-                    outs.append(out)
-                    progress(1)
+        compiled[0] = True
         return _stack([o[0] for o in outs]), _stack([o[1] for o in outs])
 
     def watched_epoch(state, x, y, keys, perturb, e, progress, watch, r_count):
