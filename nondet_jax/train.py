@@ -249,13 +249,14 @@ def replica_threads(setting: int, backend: str | None = None) -> int:
 
 
 def stepped_programs(fns: TrainFns, lift: Callable) -> tuple[Callable, Callable, Callable]:
-    """The three programs of an epoch driven step by step (:func:`stepped_epoch`), jitted by ``lift(fn, in_axes)``
-    for the strategy's replica layout (``jax.jit`` for one replica, ``jax.jit(jax.vmap(fn, in_axes))`` for a
-    replica axis): ``begin(keys, e)`` (the epoch's indices), ``step(state, x, y, keys, perturb, e, i, indices)``
-    and ``finish(state at the start, state at the end, [outputs per step], e)`` (the divergence guard, the
-    metrics)."""
-    return (lift(fns.epoch_indices, (0, None)), lift(fns.epoch_step, (0, None, None, 0, None, None, None, 0)),
-            lift(fns.epoch_finish, (0, 0, 0, None)))
+    """The three programs of an epoch driven step by step (:func:`stepped_epoch`), jitted by ``lift(fn, in_axes,
+    once=False)`` for the strategy's replica layout (``jax.jit`` for one replica, ``jax.jit(jax.vmap(fn, in_axes))``
+    for a replica axis): ``begin(keys, e)`` (the epoch's indices), ``step(state, x, y, keys, perturb, e, i,
+    indices)`` and ``finish(state at the start, state at the end, [outputs per step], e)`` (the divergence guard,
+    the metrics). ``begin`` draws integers and ``finish`` selects, compares and stacks, so they are lifted with
+    ``once=True`` (:func:`nondet_jax.machine.quick.once`: compiled without LLVM's optimisations, the same bits)."""
+    return (lift(fns.epoch_indices, (0, None), once=True), lift(fns.epoch_step, (0, None, None, 0, None, None, None, 0)),
+            lift(fns.epoch_finish, (0, 0, 0, None), once=True))
 
 
 def stepped_epoch(fns: TrainFns, lift: Callable) -> Callable:

@@ -1,4 +1,5 @@
-"""Programs compiled quickly: those that run once per replica (init) or only move or count bits.
+"""Programs compiled quickly: those that run once per replica (init) or only move or count bits (keys, stacking
+and slicing replicas, an epoch's indices and its end-of-epoch check).
 
 XLA's backend optimisation level 0 skips LLVM's optimisation passes. On the 2-core CPU that took the default
 study's ``init`` (ResNet-8: the random draws of every kernel) from 3.5 s to 1.2 s of compiling (``python

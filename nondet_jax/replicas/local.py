@@ -26,9 +26,10 @@ def epoch_program(fns: TrainFns, lift):
 
 
 @lru_cache(maxsize=32)
-def _jit(fn, in_axes=None):
-    """``jax.jit(fn)``, one per function (``in_axes`` unused: the one-replica layout of :func:`epoch_program`)."""
-    return jax.jit(fn)
+def _jit(fn, in_axes=None, once: bool = False):
+    """``jax.jit(fn)``, one per function (``in_axes`` unused: the one-replica layout of :func:`epoch_program`);
+    ``once``: compiled quickly (:func:`nondet_jax.machine.quick.once`)."""
+    return (quick if once else jax.jit)(fn)
 
 
 def sequential_strategy(fns: TrainFns) -> Strategy:
