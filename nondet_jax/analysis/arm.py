@@ -50,7 +50,8 @@ def interpolation_error_fn(fns: TrainFns, batch_stats, x_bn, x_test, y_test):
 def arm_metrics(result, data, fns: TrainFns, cfg: MetricsConfig) -> tuple[dict, dict[str, np.ndarray]]:
     """Metrics of one trained arm: a JSON-ready dict and the per-pair arrays to store.
 
-    Accuracy and cross-entropy: mean and std (ddof=1) with t and chi-square 95% CIs. Pairwise
+    Accuracy and cross-entropy: mean and std (ddof=1) with their intervals (:func:`stats.spread`: the mean's,
+    the std's robust one and its chi-square one for normal data). Pairwise
     metrics (when ``cfg.pairwise``): mean over the R(R-1)/2 pairs with a replica-jackknife CI
     (methods: ``stats.METHODS``).
     LMC: barrier on up to ``cfg.lmc_pairs`` disjoint pairs, BatchNorm recomputed at each point.
