@@ -255,7 +255,8 @@ def stepped_programs(fns: TrainFns, lift: Callable) -> tuple[Callable, Callable,
     indices)`` and ``finish(state at the start, state at the end, [outputs per step], e)`` (the divergence guard,
     the metrics). ``begin`` draws integers and ``finish`` selects, compares and stacks, so they are lifted with
     ``once=True`` (:func:`nondet_jax.machine.quick.once`: compiled without LLVM's optimisations, the same bits)."""
-    return (lift(fns.epoch_indices, (0, None), once=True), lift(fns.epoch_step, (0, None, None, 0, None, None, None, 0)),
+    return (lift(fns.epoch_indices, (0, None), once=True),
+            lift(fns.epoch_step, (0, None, None, 0, None, None, None, 0)),
             lift(fns.epoch_finish, (0, 0, 0, None), once=True))
 
 

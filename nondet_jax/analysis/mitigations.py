@@ -8,9 +8,10 @@ For each arm, the replicas' test logits come in *variants*, each (R, N, C):
   ``snapshot`` schedule (:func:`snapshot_ensemble`).
 
 Per variant: accuracy and cross-entropy mean and std with their intervals (:func:`stats.spread`: the mean's
-t interval widened for skew, the std's robust one), the std ratio to ``single`` (:func:`stats.compare_spread`: its robust interval
-and the permutation spread test's p), and over replica pairs the mean disagreement and logit correlation
-with replica-jackknife CIs (``stats.METHODS``). Everything reuses :mod:`nondet_jax.analysis.metrics` and :mod:`nondet_jax.analysis.stats`.
+t interval widened for skew, the std's robust one), the std ratio to ``single`` (:func:`stats.compare_spread`:
+its robust interval and the permutation spread test's p), and over replica pairs the mean disagreement and logit
+correlation with replica-jackknife CIs (``stats.METHODS``). Everything reuses :mod:`nondet_jax.analysis.metrics`
+and :mod:`nondet_jax.analysis.stats`.
 
 Example::
 
