@@ -16,6 +16,7 @@ from conftest import CLI_ENV, FAST, sweep_cli
 from nondet_jax.cli import sweep
 from nondet_jax.config import from_flat
 from nondet_jax.errors import UsageError
+from nondet_jax.machine import xla_flags
 from nondet_jax.store.run import RunStore
 from nondet_jax.study import runner
 from nondet_jax.study.prepare import default_out
@@ -72,6 +73,10 @@ def test_cli_writes_the_run_folder(run_dir):
     for key in ("jax_threefry_partitionable", "prng_impl", "backend", "device_kind", "xla_flags", "strategy", "versions"):
         assert key in env, key
     assert env["strategy"]["chosen"] == "sequential"
+    cpu = env["xla_cpu_defaults"]  # the CPU type's measured flags for the strategy it ran, unless the user set them
+    if not cpu["opted_out"] and "ynn" not in os.environ.get("XLA_FLAGS", ""):
+        assert cpu["added"] == xla_flags.cpu_defaults(cpu["cpu_type"], "sequential")
+        assert all(f in env["xla_flags"].split() for f in cpu["added"])
     summary = json.loads((out / "summary.json").read_text())
     assert summary["arms"]["control"]["replicas_bitwise_identical"] is True
     assert summary["arms"]["init"]["replicas_bitwise_identical"] is False

@@ -108,13 +108,24 @@ def test_unknown_dtype_is_a_usage_error():
 def test_cpu_type_tells_avx512_vendors_apart_and_the_table_follows_their_measurements(monkeypatch, vendor, flags,
                                                                                        kind):
     """The two vendors' AVX-512 machines measured differently (docs/performance.md), so they are two types:
-    the Intel rule turns YNNPACK's convolutions off, the AMD one adds nothing, an unmeasured vendor gets nothing."""
+    the Intel rule turns YNNPACK's convolutions off, the AMD one adds nothing, an unmeasured vendor gets nothing.
+    AVX2 turns them off too; both rules hold for the sequential strategy only (under vmap the flag broke replicas'
+    bitwise equality on AVX2)."""
     monkeypatch.setattr(xla_flags.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(xla_flags, "_cpuinfo", lambda: {"vendor_id": vendor, "flags": flags})
     assert xla_flags.cpu_type() == kind
-    expected = {"x86_64-avx512-intel": ["--xla_cpu_experimental_ynn_fusion_type=-individual_convolution"],
-                "x86_64-avx512-amd": [], "x86_64-avx512": [],
-                "x86_64-avx2": []}[kind]  # its YNNPACK-off flag broke vmap replicas' bitwise equality (measured.json)
-    assert xla_flags.cpu_defaults() == expected
+    off = ["--xla_cpu_experimental_ynn_fusion_type=-individual_convolution"]
+    expected = {"x86_64-avx512-intel": off, "x86_64-avx512-amd": [], "x86_64-avx512": [], "x86_64-avx2": off}[kind]
+    assert xla_flags.cpu_defaults(strategy="sequential") == expected
     env = {}
-    assert xla_flags.apply_cpu_defaults(env) == expected
+    assert xla_flags.apply_cpu_defaults(env, strategy="sequential") == expected
+    for other in ("vmap", "sharded", None):  # batched replicas, or a strategy the caller does not know
+        assert xla_flags.cpu_defaults(strategy=other) == []
+
+
+def test_the_cli_asks_the_cpu_rule_for_the_strategy_it_will_run():
+    from nondet_jax.cli.sweep import cpu_strategy
+
+    assert cpu_strategy(from_flat({"study.replicas": 8})) == "sequential"  # auto on a CPU (measured.json)
+    assert cpu_strategy(from_flat({"study.strategy": "vmap"})) == "vmap"
+    assert cpu_strategy(from_flat({}), batched=True) is None  # several methods' replicas in one vmapped program

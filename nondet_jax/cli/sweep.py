@@ -369,6 +369,17 @@ def enable_compile_cache(setting: str | None) -> Path | None:
     return folder
 
 
+def cpu_strategy(config: Config, batched: bool = False) -> str | None:
+    """The strategy the study runs where its backend is the CPU (``auto`` resolved by the CPU's measured rule),
+    for the CPU flags' rule (:func:`nondet_jax.machine.xla_flags.cpu_defaults`); None when several methods'
+    replicas are batched into one program (``--batch-methods``: a ``vmap``)."""
+    if batched:
+        return None
+    from nondet_jax.replicas.choice import resolve_strategy
+
+    return resolve_strategy(config.study.strategy, config.study.replicas, "cpu")[0]
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
     prog = prog or prog_name("nondet_jax.sweep", "nondet-jax-sweep")
@@ -377,8 +388,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     try:
         from nondet_jax.machine import xla_flags
 
-        xla_flags.apply_cpu_defaults()  # this CPU type's measured flags, before JAX starts (environment.json says)
-        if args.child_arm:
+        if args.child_arm:  # the parent's choice of flags arrives in XLA_FLAGS; a rule for every strategy adds its own
+            xla_flags.apply_cpu_defaults()
             enable_compile_cache(args.compile_cache)
             from nondet_jax.study import child
 
@@ -390,6 +401,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             config = config_from_args(args)
         planned = methods_from_args(args, config)
         until = until_from_args(args, config)
+        # this CPU type's measured flags for the strategy the study runs, before JAX starts (environment.json says)
+        xla_flags.apply_cpu_defaults(strategy=cpu_strategy(config, batched=args.batch_methods))
         enable_compile_cache(args.compile_cache)  # JAX starts here, once the arguments and the config are good
         if config.study.xla_determinism:
             set_determinism_flags()

@@ -65,23 +65,30 @@ def _names(flags: str) -> set[str]:
     return {f.split("=")[0] for f in flags.split()}
 
 
-def cpu_defaults(kind: str | None = None) -> list[str]:
-    """The flags the measured table sets on CPU type ``kind`` (default: this machine's)."""
-    return list(measured.xla_cpu_rule(kind or cpu_type()).get("flags", []))
+def cpu_defaults(kind: str | None = None, strategy: str | None = None) -> list[str]:
+    """The flags the measured table sets on CPU type ``kind`` (default: this machine's) for a study run with
+    ``strategy``. A rule that lists its ``strategies`` holds only for those (a flag can break the bitwise equality
+    of replicas batched by ``vmap`` while a loop of single-replica programs stays repeatable): for any other
+    strategy, or an unknown one (None), it sets nothing."""
+    rule = measured.xla_cpu_rule(kind or cpu_type())
+    if "strategies" in rule and strategy not in rule["strategies"]:
+        return []
+    return list(rule.get("flags", []))
 
 
-def apply_cpu_defaults(environ=None, kind: str | None = None) -> list[str]:
-    """Add this CPU type's measured flags to ``environ["XLA_FLAGS"]`` (default ``os.environ``) unless
-    the user set them or opted out; returns the flags added. Call it before JAX starts its backends:
+def apply_cpu_defaults(environ=None, kind: str | None = None, strategy: str | None = None) -> list[str]:
+    """Add this CPU type's measured flags for ``strategy`` (:func:`cpu_defaults`) to ``environ["XLA_FLAGS"]``
+    (default ``os.environ``) unless the user set them or opted out; returns the flags added. Call it before JAX
+    starts its backends:
 
     >>> from nondet_jax.machine import xla_flags
-    >>> xla_flags.apply_cpu_defaults()  # doctest: +SKIP
+    >>> xla_flags.apply_cpu_defaults(strategy="sequential")  # doctest: +SKIP
     """
     environ = os.environ if environ is None else environ
     if environ.get(OPT_OUT, "1") == "0":
         return []
     current = environ.get("XLA_FLAGS", "")
-    added = [f for f in cpu_defaults(kind) if f.split("=")[0] not in _names(current)]
+    added = [f for f in cpu_defaults(kind, strategy) if f.split("=")[0] not in _names(current)]
     if added:
         if environ is os.environ and _backend_started():
             warnings.warn(f"JAX's backend already started: XLA flags {added} take effect only in child processes",
