@@ -121,6 +121,7 @@ def test_cpu_type_tells_avx512_vendors_apart_and_the_table_follows_their_measure
     assert xla_flags.apply_cpu_defaults(env, strategy="sequential") == expected
     for other in ("vmap", "sharded", None):  # batched replicas, or a strategy the caller does not know
         assert xla_flags.cpu_defaults(strategy=other) == []
+    assert xla_flags.cpu_defaults(strategy="unrolled") == (off if kind == "x86_64-avx2" else [])  # checked there
 
 
 def test_the_cli_asks_the_cpu_rule_for_the_strategy_it_will_run():
