@@ -28,6 +28,9 @@ Rows
   with 2 spinning threads vs 140-160 with one), so ``vs best torch`` compares with the fastest
   torch row of the same pass: the fair opponent on a shared machine;
 * ``sequential R=1``, ``sequential R=4``: the default strategy on CPU (``auto``);
+* every jax row that names no XLA flags of its own runs with the flags ``python -m nondet_jax.sweep`` would set
+  for its strategy on this CPU type (``nondet_jax.machine.xla_flags.cpu_defaults``, shown as ``+ CPU rule``), so
+  it times what a study runs; ``seq1_jaxlib`` is ``sequential R=1`` with jaxlib's own defaults;
 * ``vmap R=4``: replica-batched convolutions computed as the measured table says
   (``nondet_jax/measured.json``); ``vmap4_<form>``: every one computed by formulation ``<form>``
   (``NONDET_JAX_VMAP_CONV``; ``grouped`` is what vmap did before the table);
@@ -66,6 +69,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from convs import kernel_conv, matmul_conv  # noqa: E402  (benchmarks/convs.py)
 
+from nondet_jax.machine import xla_flags
 from nondet_jax.store.io import atomic_write_json
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -91,6 +95,7 @@ ROWS = {
     "torch_cl": ("torch", {"channels_last": True}),
     "seq1": ("jax", {"strategy": "sequential", "replicas": 1}),
     "seq4": ("jax", {"strategy": "sequential", "replicas": 4}),
+    "seq1_jaxlib": ("jax", {"strategy": "sequential", "replicas": 1, "cpu_rule": False}),
     "vmap4": ("jax", {"strategy": "vmap", "replicas": 4, "steps": 2}),  # formulations from the measured table
     **{f"vmap4_{f}": ("jax", {"strategy": "vmap", "replicas": 4, "steps": 2, "env": {"NONDET_JAX_VMAP_CONV": f}})
        for f in ("grouped", "map", "im2col", "shifted")},
@@ -267,9 +272,17 @@ def flag_accepted(flags: str) -> tuple[bool, str]:
     return p.returncode == 0, (p.stderr or p.stdout)[-400:]
 
 
+def row_flags(settings: dict) -> str:
+    """The XLA flags a jax row runs with: its own, else what the CLI would set for its strategy on this CPU type."""
+    if "flags" in settings or not settings.get("cpu_rule", True):
+        return settings.get("flags", "")
+    return " ".join(xla_flags.cpu_defaults(strategy=settings["strategy"]))
+
+
 def run_row(name: str, steps: int, threads: int) -> dict:
     kind, settings = ROWS[name]
-    env = dict(os.environ, XLA_FLAGS=settings.get("flags", ""), JAX_PLATFORMS="cpu", **settings.get("env", {}))
+    flags = row_flags(settings) if kind == "jax" else ""
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu", **settings.get("env", {}))
     steps = min(steps, settings.get("steps", steps))
     cmd = [sys.executable, __file__, "--child", name, "--steps", str(steps), "--threads", str(threads)]
     t0 = time.perf_counter()
@@ -278,7 +291,7 @@ def run_row(name: str, steps: int, threads: int) -> dict:
     if p.returncode != 0 or not lines:
         return {"error": (p.stderr or p.stdout)[-2000:], "process_s": time.perf_counter() - t0}
     out = json.loads(lines[-1][len("RESULT "):])
-    out["process_s"] = time.perf_counter() - t0
+    out["process_s"], out["xla_flags"] = time.perf_counter() - t0, flags
     return out
 
 
@@ -298,6 +311,8 @@ def describe(name: str) -> str:
     flag = next((k for k, v in FLAG_SETS.items() if v and v == s.get("flags")), None)
     if flag:
         parts.append(f"flags={flag}")
+    elif "flags" not in s and row_flags(s):
+        parts.append("+ CPU rule")
     return " ".join(parts)
 
 
