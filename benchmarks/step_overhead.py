@@ -13,6 +13,9 @@ Both run the default study's ResNet-8 on digits at batch 128, one replica, jitte
 * ``threads``: the library's step for ``--threads`` replicas at once, each replica's steps dispatched from a Python
   thread of its own, as the sequential strategy trains them (``train.replica_threads``); ms per replica-step.
 
+Every row runs with the XLA flags ``python -m nondet_jax.sweep`` sets on this CPU type for the sequential
+strategy (``nondet_jax.machine.xla_flags``; ``NONDET_JAX_CPU_DEFAULTS=0`` for jaxlib's own).
+
 Rounds alternate the rows (``--rounds``), each the mean of ``--steps`` steps after a warm-up call; the table
 prints the median ms per step and the ratio to ``bare``. A ratio near 1 says the library's step costs what the
 model's own forward and backward cost, so a gap to PyTorch lies in XLA's kernels, not the library.
@@ -37,6 +40,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "step_overhead.json")
     args = ap.parse_args()
 
+    from nondet_jax.machine import xla_flags
+
+    added = xla_flags.apply_cpu_defaults(strategy="sequential")  # the flags a study sets on this CPU type
     import jax
     import numpy as np
     import optax
@@ -105,7 +111,7 @@ def main() -> None:
     out = {"machine": {"platform": platform.platform(), "processor": platform.processor()}, "load_average": load,
            "jax": jax.__version__, "batch": b, "steps": args.steps, "ms_per_step": times, "median_ms": med,
            "library_vs_bare": med["library"] / med["bare"], "threads": args.threads,
-           "threads_vs_library": med["threads"] / med["library"]}
+           "threads_vs_library": med["threads"] / med["library"], "xla_flags_added": added}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {args.out}")

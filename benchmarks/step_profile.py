@@ -14,6 +14,10 @@ and backward, the optimiser, the rest. Thunks can run concurrently on several th
 of the categories is thread time; run it pinned to one core (``taskset -c 0``) for a sum that
 equals the wall time and a comparison with PyTorch on one thread.
 
+The XLA side runs with the flags ``python -m nondet_jax.sweep`` sets on this CPU type for the sequential strategy
+(``nondet_jax.machine.xla_flags``; ``NONDET_JAX_CPU_DEFAULTS=0`` for jaxlib's own), so it profiles the step a study
+runs.
+
 PyTorch (``--torch``): ``torch.profiler`` over the same number of steps of
 ``benchmarks/peer_pytorch.py``'s ResNet-14, self CPU time per aten operator, grouped alike.
 
@@ -203,8 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     image = tuple(int(v) for v in args.image.split(","))
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from nondet_jax.machine import xla_flags
+
+    added = xla_flags.apply_cpu_defaults(strategy="sequential")  # the flags a study sets on this CPU type
     record = {"xla": profile_jax(args.steps, args.conv, args.top, args.model, image), "conv": args.conv,
-              "model": args.model, "image": image,
+              "model": args.model, "image": image, "xla_flags_added": added,
               "load_average": os.getloadavg()}
     if args.torch:
         record["torch"] = profile_torch(args.steps, args.threads)
@@ -217,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'sum (thread time)':<34}" + "".join(f"{sum(record[c]['categories'].values()):>10.1f}" for c in cols))
     print(f"{'wall time per step':<34}" + "".join(f"{record[c]['wall_ms']:>10.1f}" for c in cols))
     print(f"cores available: {record['xla']['threads']}; torch threads: "
-          f"{record.get('torch', {}).get('threads', '-')}; conv: {args.conv}; load average {record['load_average']}")
+          f"{record.get('torch', {}).get('threads', '-')}; conv: {args.conv}; CPU rule's flags: {added or 'none'}; "
+          f"load average {record['load_average']}")
     for name, ms, cat, shape in record["xla"]["slowest"]:
         print(f"{ms:8.1f} ms  {name:<32} {cat:<32} {shape}")
     if args.out:
