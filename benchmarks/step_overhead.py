@@ -16,7 +16,9 @@ Both run the default study's ResNet-8 on digits at batch 128, one replica, jitte
 Every row runs with the XLA flags ``python -m nondet_jax.sweep`` sets on this CPU type for the sequential
 strategy (``nondet_jax.machine.xla_flags``; ``NONDET_JAX_CPU_DEFAULTS=0`` for jaxlib's own).
 
-Rounds alternate the rows (``--rounds``), each the mean of ``--steps`` steps after a warm-up call; the table
+Each row's program is also compiled once ahead of time (``jit(...).lower(...).compile()``), timed: the seconds
+XLA takes for the library's step against the bare step's say what the library's features add to a study's
+compile. Rounds alternate the rows (``--rounds``), each the mean of ``--steps`` steps after a warm-up call; the table
 prints the median ms per step and the ratio to ``bare``. A ratio near 1 says the library's step costs what the
 model's own forward and backward cost, so a gap to PyTorch lies in XLA's kernels, not the library.
 """
@@ -95,6 +97,14 @@ def main() -> None:
     rows = {"library": library_steps, "bare": bare_steps, "forward": forward_steps, "threads": threads_steps}
     per_call = {"threads": args.threads}  # replica-steps per step of a row
     times: dict[str, list[float]] = {k: [] for k in rows}
+    compile_s = {}  # XLA's compile of each row's program, alone (jax_log_compiles' figure, without tracing)
+    for name, (fn, fargs) in {"library": (step, (state, x, y, keys, perturb, np.int32(0), np.int32(0), idx)),
+                              "bare": (bare, (state.params, state.batch_stats, tx.init(state.params))),
+                              "forward": (forward, (state.params, state.batch_stats))}.items():
+        lowered = fn.lower(*fargs)
+        t = time.perf_counter()
+        lowered.compile()
+        compile_s[name] = time.perf_counter() - t
     for f in rows.values():
         jax.block_until_ready(f(1))  # compile
     for _ in range(args.rounds):
@@ -103,15 +113,17 @@ def main() -> None:
             jax.block_until_ready(f(args.steps))
             times[name].append((time.perf_counter() - t) / (args.steps * per_call.get(name, 1)) * 1e3)
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"{'row':<10} {'ms/step (median)':>17} {'x bare':>7}  rounds")
+    print(f"{'row':<10} {'ms/step (median)':>17} {'x bare':>7} {'compile s':>10}  rounds")
     for k in rows:
-        print(f"{k:<10} {med[k]:>17.2f} {med[k] / med['bare']:>7.2f}  {', '.join(f'{t:.2f}' for t in times[k])}")
+        c = f"{compile_s[k]:.2f}" if k in compile_s else "-"
+        print(f"{k:<10} {med[k]:>17.2f} {med[k] / med['bare']:>7.2f} {c:>10}  {', '.join(f'{t:.2f}' for t in times[k])}")
     with open("/proc/loadavg") as f:
         load = f.read().split()[:3]
     out = {"machine": {"platform": platform.platform(), "processor": platform.processor()}, "load_average": load,
            "jax": jax.__version__, "batch": b, "steps": args.steps, "ms_per_step": times, "median_ms": med,
            "library_vs_bare": med["library"] / med["bare"], "threads": args.threads,
-           "threads_vs_library": med["threads"] / med["library"], "xla_flags_added": added}
+           "threads_vs_library": med["threads"] / med["library"], "xla_flags_added": added,
+           "compile_s": compile_s}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {args.out}")
