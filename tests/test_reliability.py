@@ -129,6 +129,9 @@ def test_corrupt_or_foreign_checkpoint_is_detected_and_half_saved_one_discarded(
     # a checkpoint from before the epoch shape was recorded (or of another shape) is another run's
     with pytest.raises(CorruptCheckpoint, match="epoch_shape differs: it was written with another epoch shape"):
         ArmCheckpoints(tmp_path / "ck").restore_latest(target, {"k": 1, "epoch_shape": "step"})
+    # nor one whose epochs ran under other XLA flags (a resume would mix two kinds of kernels in one arm)
+    with pytest.raises(CorruptCheckpoint, match="xla_flags differs: it was written with other XLA flags"):
+        ArmCheckpoints(tmp_path / "ck").restore_latest(target, {"k": 1, "xla_flags": "--xla_cpu_enable_fast_math=true"})
     data = max((p for p in (tmp_path / "ck" / "orbax" / "2").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])  # truncate the biggest file
     with pytest.raises(CorruptCheckpoint, match="does not match its sha256 manifest"):

@@ -91,7 +91,9 @@ def verify_latest(root: Path, expect: dict | None = None) -> None:
 
 _META_WHAT = {"config_sha256": "another config", "identity_sha256": "another study's data, model, optimiser, loss or "
               "augmentation", "keys_sha256": "other replica keys", "strategy": "another strategy",
-              "epoch_shape": "another epoch shape (train.epoch_shape, or an older nondet_jax)"}
+              "epoch_shape": "another epoch shape (train.epoch_shape, or an older nondet_jax)",
+              "xla_flags": "other XLA flags (XLA_FLAGS, or those the sweep sets for this CPU type and strategy; or an "
+              "older nondet_jax): its epochs ran other kernels"}
 
 
 def _check_meta(folder: Path, meta: dict, expect: dict) -> None:
