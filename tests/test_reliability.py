@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from conftest import spec_of, tiny_config, tree_equal
 
+from nondet_jax.machine import xla_flags
 from nondet_jax.replicas.choice import make_strategy
 from nondet_jax.replicas.loop import EpochState, train_replicas
 from nondet_jax.sources import arm_keys, arm_sources, perturbations
@@ -117,6 +118,20 @@ def test_checkpoints_wait_for_checkpoint_seconds_and_resume_bitwise(arm, small_d
     assert restored[0] == 3 and tree_equal(resumed.state, full.state)
 
 
+def test_a_checkpoint_resumes_only_under_the_xla_flags_it_was_written_with(arm, small_digits, tmp_path):
+    fns, keys, perturb, strategy = arm
+    written = xla_flags.kernel_flags("--xla_cpu_enable_fast_math=false --xla_dump_to=/tmp/x")
+    assert written == "--xla_cpu_enable_fast_math=false"  # dump and log flags do not change kernels
+    ckpt = ArmCheckpoints(tmp_path / "ck", every=1)
+    train_replicas(strategy, keys, perturb, small_digits, 1, on_epoch=lambda p: ckpt.save(p, {"xla_flags": written}))
+    ckpt.close()
+    target = jax.eval_shape(strategy.init, keys, perturb, small_digits.x_train[:1])
+    assert ArmCheckpoints(tmp_path / "ck").restore_latest(target, {"xla_flags": written}) is not None
+    with pytest.raises(CorruptCheckpoint, match="xla_flags differs"):
+        ArmCheckpoints(tmp_path / "ck").restore_latest(target, {"xla_flags": xla_flags.kernel_flags(
+            "--xla_cpu_enable_fast_math=false --xla_cpu_experimental_ynn_fusion_type=-individual_convolution")})
+
+
 def test_corrupt_or_foreign_checkpoint_is_detected_and_half_saved_one_discarded(arm, small_digits, tmp_path):
     fns, keys, perturb, strategy = arm
     ckpt = ArmCheckpoints(tmp_path / "ck", every=2)
@@ -129,7 +144,7 @@ def test_corrupt_or_foreign_checkpoint_is_detected_and_half_saved_one_discarded(
     # a checkpoint from before the epoch shape was recorded (or of another shape) is another run's
     with pytest.raises(CorruptCheckpoint, match="epoch_shape differs: it was written with another epoch shape"):
         ArmCheckpoints(tmp_path / "ck").restore_latest(target, {"k": 1, "epoch_shape": "step"})
-    # nor one whose epochs ran under other XLA flags (a resume would mix two kinds of kernels in one arm)
+    # nor one whose epochs ran under other XLA flags (a resume would continue the arm under other kernels)
     with pytest.raises(CorruptCheckpoint, match="xla_flags differs: it was written with other XLA flags"):
         ArmCheckpoints(tmp_path / "ck").restore_latest(target, {"k": 1, "xla_flags": "--xla_cpu_enable_fast_math=true"})
     data = max((p for p in (tmp_path / "ck" / "orbax" / "2").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)

@@ -126,7 +126,11 @@ def test_cpu_type_tells_avx512_vendors_apart_and_the_table_follows_their_measure
 
 def test_the_cli_asks_the_cpu_rule_for_the_strategy_it_will_run():
     from nondet_jax.cli.sweep import cpu_strategy
+    from nondet_jax.study.methods import Method
 
     assert cpu_strategy(from_flat({"study.replicas": 8})) == "sequential"  # auto on a CPU (measured.json)
     assert cpu_strategy(from_flat({"study.strategy": "vmap"})) == "vmap"
-    assert cpu_strategy(from_flat({}), batched=True) is None  # several methods' replicas in one vmapped program
+    same = ([Method("a", {}, {}), Method("b", {"optim.lr": "0.2"}, {})], "a")
+    assert cpu_strategy(from_flat({}), same) == "sequential"
+    mixed = ([Method("a", {}, {}), Method("v", {"study.strategy": "vmap"}, {})], "a")
+    assert cpu_strategy(from_flat({}), mixed) is None  # the flags are process-wide: no rule holds for both

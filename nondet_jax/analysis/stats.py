@@ -15,7 +15,7 @@ Example::
     a, b = np.random.default_rng(0).normal(0, 1, 20), np.random.default_rng(1).normal(0, 2, 20)
     stats.std_ci(a)                       # (low, high) robust CI of the std (Bonett's, z at 98.75%)
     stats.std_ci_normal(a)                # (low, high) 95% chi-square CI of the std (exact for normal data)
-    stats.compare_spread(a, b)            # std ratio, its CI, F-test and Brown-Forsythe p, replicas for 80% power
+    stats.compare_spread(a, b)            # std ratio, its robust CI, permutation spread p, F-test p, replicas
     stats.compare_spread_from_summary(0.00302, 50, 0.00346, 50, ddof=0)["f_test_p"]   # 0.34: published stds
     stats.compare_means(a, b)             # difference with Welch CI, p, probability of improvement, replicas needed
 """

@@ -369,15 +369,15 @@ def enable_compile_cache(setting: str | None) -> Path | None:
     return folder
 
 
-def cpu_strategy(config: Config, batched: bool = False) -> str | None:
+def cpu_strategy(config: Config, planned: tuple[list, str] | None = None) -> str | None:
     """The strategy the study runs where its backend is the CPU (``auto`` resolved by the CPU's measured rule),
-    for the CPU flags' rule (:func:`nondet_jax.machine.xla_flags.cpu_defaults`); None when several methods'
-    replicas are batched into one program (``--batch-methods``: a ``vmap``)."""
-    if batched:
-        return None
+    for the CPU flags' rule (:func:`nondet_jax.machine.xla_flags.cpu_defaults`), which is process-wide: with
+    methods (``planned``) that resolve to different strategies, None (no strategy's rule may hold for all)."""
     from nondet_jax.replicas.choice import resolve_strategy
 
-    return resolve_strategy(config.study.strategy, config.study.replicas, "cpu")[0]
+    configs = [config, *(cfg.from_flat(m.settings, config) for m in (planned[0] if planned else []))]
+    chosen = {resolve_strategy(c.study.strategy, c.study.replicas, "cpu")[0] for c in configs}
+    return chosen.pop() if len(chosen) == 1 else None
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
@@ -402,7 +402,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         planned = methods_from_args(args, config)
         until = until_from_args(args, config)
         # this CPU type's measured flags for the strategy the study runs, before JAX starts (environment.json says)
-        xla_flags.apply_cpu_defaults(strategy=cpu_strategy(config, batched=args.batch_methods))
+        xla_flags.apply_cpu_defaults(strategy=cpu_strategy(config, planned))
         enable_compile_cache(args.compile_cache)  # JAX starts here, once the arguments and the config are good
         if config.study.xla_determinism:
             set_determinism_flags()

@@ -1,9 +1,11 @@
-"""XLA:CPU flags the CLI sets before JAX starts, per CPU type, from a measured table.
+"""XLA:CPU flags the CLI sets before JAX starts, per CPU type and strategy, from a measured table.
 
 jaxlib 0.10.2 sends a convolution's weight gradient to YNNPACK by default. Whether turning that
 off (``--xla_cpu_experimental_ynn_fusion_type=``) is faster depends on the CPU: the table in
 ``measured.json`` (section ``xla_cpu``) holds, per :func:`cpu_type`, the flags measured faster and
-bitwise repeatable there, with the command and numbers they rest on. :func:`apply_cpu_defaults`
+bitwise repeatable there, with the command and numbers they rest on, and the strategies they hold for
+(a flag that keeps a loop of single-replica programs repeatable can break the bitwise equality of
+replicas batched by ``vmap``). :func:`apply_cpu_defaults`
 adds them to ``XLA_FLAGS`` unless the user already set the same flag (any value, including
 empty) or set ``NONDET_JAX_CPU_DEFAULTS=0``; flags are read when the backend starts, so it must run
 before JAX initialises its backends (child processes inherit the variable). :func:`record` is what
@@ -59,6 +61,12 @@ def cpu_type() -> str:
 def cpu_model() -> str | None:
     """The CPU's model name (``/proc/cpuinfo``), for the record."""
     return _cpuinfo().get("model name") or platform.processor() or None
+
+
+def kernel_flags(flags: str) -> str:
+    """``XLA_FLAGS`` as what can change the kernels a program runs: each flag once, sorted, without the flags
+    that only dump or log (a checkpoint records this: the same flags in another order resume it)."""
+    return " ".join(sorted({f for f in flags.split() if not f.startswith(("--xla_dump", "--xla_log"))}))
 
 
 def _names(flags: str) -> set[str]:

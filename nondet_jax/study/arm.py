@@ -26,6 +26,7 @@ from nondet_jax.analysis.tta import tta_logits, view_grid
 from nondet_jax.config import Config
 from nondet_jax.errors import UsageError
 from nondet_jax.instruments.dashboard import tidy_rows
+from nondet_jax.machine import xla_flags
 from nondet_jax.machine.determinism import provenance
 from nondet_jax.replicas.choice import make_strategy, resolve_strategy, strategy_epoch_shape
 from nondet_jax.replicas.loop import EpochState, _take, train_replicas
@@ -105,12 +106,12 @@ def fit_arm(config: Config, data, fns, store, arm: Arm, progress, log=print, blo
         folder = folder / f"replicas{block.start}-{block.stop - 1}"
     ckpt = ArmCheckpoints(folder, config.train.checkpoint_every, seconds=config.train.checkpoint_seconds)
     # The study that wrote a checkpoint (its config and parts by content) and the XLA flags its kernels ran under
-    # (the user's, the CLI's determinism and CPU-type flags): another one is never resumed, so an arm never mixes
-    # epochs of two kinds of kernels.
+    # (the user's, the CLI's determinism and CPU-type flags): another one is never resumed, so an arm in training
+    # never continues under other kernels.
     meta = {"arm": arm.name, "keys_sha256": key_fingerprint(keys), "strategy": strategy_name,
             "epoch_shape": strategy_epoch_shape(fns, strategy_name),
             "config_sha256": config_digest(cfg.to_dict(config)), "identity_sha256": store.identity,
-            "xla_flags": os.environ.get("XLA_FLAGS", "")}
+            "xla_flags": xla_flags.kernel_flags(os.environ.get("XLA_FLAGS", ""))}
     try:
         restored = ckpt.restore_latest(jax.eval_shape(strategy.init, keys, perturb, data.x_train[:1]),
                                        {k: v for k, v in meta.items() if k != "arm"})
