@@ -97,7 +97,7 @@ def main() -> None:
     rows = {"library": library_steps, "bare": bare_steps, "forward": forward_steps, "threads": threads_steps}
     per_call = {"threads": args.threads}  # replica-steps per step of a row
     times: dict[str, list[float]] = {k: [] for k in rows}
-    compile_s = {}  # XLA's compile of each row's program, alone (jax_log_compiles' figure, without tracing)
+    compile_s = {}  # XLA's compile of each row's program alone, tracing and lowering excluded
     for name, (fn, fargs) in {"library": (step, (state, x, y, keys, perturb, np.int32(0), np.int32(0), idx)),
                               "bare": (bare, (state.params, state.batch_stats, tx.init(state.params))),
                               "forward": (forward, (state.params, state.batch_stats))}.items():

@@ -386,10 +386,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = build_parser(prog).parse_args(argv)
     progress = False if args.no_progress else None
     try:
-        from nondet_jax.machine import xla_flags
-
-        if args.child_arm:  # the parent's choice of flags arrives in XLA_FLAGS; a rule for every strategy adds its own
-            xla_flags.apply_cpu_defaults()
+        if args.child_arm:  # the parent's choice of CPU flags arrives in the XLA_FLAGS it inherits
             enable_compile_cache(args.compile_cache)
             from nondet_jax.study import child
 
@@ -402,6 +399,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         planned = methods_from_args(args, config)
         until = until_from_args(args, config)
         # this CPU type's measured flags for the strategy the study runs, before JAX starts (environment.json says)
+        from nondet_jax.machine import xla_flags
+
         xla_flags.apply_cpu_defaults(strategy=cpu_strategy(config, planned))
         enable_compile_cache(args.compile_cache)  # JAX starts here, once the arguments and the config are good
         if config.study.xla_determinism:
