@@ -83,6 +83,11 @@ FLAG_SETS = {
     "onednn": "--xla_cpu_use_onednn=true --xla_cpu_experimental_onednn_custom_call=true",
     "fast_math": "--xla_cpu_enable_fast_math=true",
     "eigen_1thread": "--xla_cpu_multi_thread_eigen=false",
+    # YNNPACK's convolutions off, its elementwise (and reduction) fusions on: BatchNorm/ReLU/add
+    # loops are most of what XLA loses to PyTorch once the convolutions are fast
+    "no_ynn_conv_elt": "--xla_cpu_experimental_ynn_fusion_type=-individual_convolution,+eltwise",
+    "no_ynn_conv_eltred": "--xla_cpu_experimental_ynn_fusion_type=-individual_convolution,+eltwise,+reduce",
+    "no_ynn_conv_vec512": "--xla_cpu_experimental_ynn_fusion_type=-individual_convolution --xla_cpu_prefer_vector_width=512",
 }
 TWO_DEVICES = "--xla_force_host_platform_device_count=2"
 

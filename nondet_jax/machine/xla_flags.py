@@ -45,8 +45,8 @@ VENDORS = {"GenuineIntel": "intel", "AuthenticAMD": "amd"}
 
 def cpu_type() -> str:
     """The CPU family the table is keyed by: ``x86_64-avx512-intel``, ``x86_64-avx512-amd`` (AVX-512 CPUs of
-    the two vendors differed: turning YNNPACK's convolutions off was 1.3-1.7x faster on an Intel Xeon and
-    slower on an AMD EPYC Zen 4, docs/performance.md), ``x86_64-avx512`` (another vendor), ``x86_64-avx2``, else the machine name."""
+    the two vendors are measured apart: turning YNNPACK's convolutions off was 1.4-2.1x faster on an Intel Xeon and
+    1.35x on an AMD EPYC Zen 4, whose first measurement under load had been undecided, docs/performance.md), ``x86_64-avx512`` (another vendor), ``x86_64-avx2``, else the machine name."""
     machine = platform.machine() or "unknown"
     info = _cpuinfo()
     flags = set(info.get("flags", "").split())
