@@ -103,3 +103,44 @@ def test_the_arms_of_a_study_share_its_compiled_programs(tmp_path, strategy):
     # and schedules are one program each; epochs are stepped on CPU (on jax 0.10.2 this 1-arm study compiled 71
     # programs, then 43, now 16 sequential and 12 vmap)
     assert counts[0] <= 20, counts
+
+
+def test_replicas_are_stacked_and_sliced_on_the_host_on_a_cpu_and_by_one_program_otherwise():
+    """On a CPU, stacking replicas' states and taking one back compile nothing and give the bits the compiled
+    programs give; typed PRNG keys (no numpy dtype) and host-only trees take the compiled programs."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from nondet_jax.replicas import loop
+
+    compiled = []
+
+    def count(event, seconds, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(seconds)
+
+    rng = np.random.default_rng(0)
+    trees = [{"w": jnp.asarray(rng.normal(size=(3, 4)).astype(np.float32)), "n": jnp.asarray(np.int32(r)),
+              "b": (jnp.asarray(rng.normal(size=5).astype(np.float32)),)} for r in range(3)]
+    jax.block_until_ready(trees)
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        stacked = loop._stack(trees)
+        taken = loop._take(stacked, 1)
+        jax.block_until_ready((stacked, taken))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    assert compiled == []
+    reference = loop._stack_trees(trees)
+    for got, want in zip(jax.tree.leaves(stacked), jax.tree.leaves(reference)):
+        assert isinstance(got, jax.Array) and got.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    for got, want in zip(jax.tree.leaves(taken), jax.tree.leaves(trees[1])):
+        assert isinstance(got, jax.Array)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert loop._host_device(jax.tree.leaves(trees)) == jax.devices("cpu")[0]
+    keys = [jax.random.key(r) for r in range(3)]
+    assert loop._host_device(keys) is None  # keys: the compiled program
+    np.testing.assert_array_equal(jax.random.key_data(loop._take(loop._stack(keys), 2)), jax.random.key_data(keys[2]))
+    assert loop._host_device([np.zeros(2)]) is None  # nothing on a device: nothing to say where to put it

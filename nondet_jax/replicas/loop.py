@@ -85,15 +85,39 @@ def _take_tree(tree: Any, r) -> Any:
     return jax.tree.map(lambda a: a[r], tree)
 
 
+def _host_device(leaves: list) -> Any:
+    """The CPU device every leaf lives on, else None: there numpy stacks and slices in the process's own memory
+    and nothing is compiled; on an accelerator, traced (``jax.eval_shape``, an enclosing ``jit``) or for typed PRNG
+    keys (numpy has no such dtype), a program does."""
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+        return None
+    devices = {d for x in leaves for d in (x.devices() if isinstance(x, jax.Array) else ())}
+    if len(devices) != 1 or next(iter(devices)).platform != "cpu":
+        return None
+    if any(jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) for x in leaves):
+        return None
+    return next(iter(devices))
+
+
 def _stack(trees: list[Any]) -> Any:
-    """Stack R pytrees on a new leading axis: one compiled program per tree structure and R (stacking leaf by
-    leaf outside a program compiled one per leaf shape: 16 of a study's 126 programs)."""
-    return _stack_trees(list(trees))
+    """Stack R pytrees on a new leading axis. On a CPU by numpy (copies, the same bits; the default study
+    compiled 3 programs fewer, 0.5 s: ``benchmarks/study_compile.py``), elsewhere one compiled program per tree
+    structure and R (stacking leaf by leaf outside a program compiled one per leaf shape: 16 of a study's 126
+    programs)."""
+    trees = list(trees)
+    device = _host_device(jax.tree.leaves(trees))
+    if device is None:
+        return _stack_trees(trees)
+    return jax.device_put(jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *trees), device)
 
 
 def _take(tree: Any, r: int) -> Any:
-    """Replica ``r`` of a stacked pytree: one compiled program per tree structure, ``r`` an argument."""
-    return _take_tree(tree, r)
+    """Replica ``r`` of a stacked pytree: on a CPU by numpy, elsewhere one compiled program per tree structure,
+    ``r`` an argument."""
+    device = _host_device(jax.tree.leaves(tree))
+    if device is None:
+        return _take_tree(tree, r)
+    return jax.device_put(jax.tree.map(lambda a: np.asarray(a)[r], tree), device)
 
 
 def _distances(params) -> np.ndarray:
