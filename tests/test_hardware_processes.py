@@ -15,7 +15,11 @@ from nondet_jax.store.run import RunStore
 from nondet_jax.study.hardware import train_arm_per_process
 from nondet_jax.study.prepare import model_record, prepare
 
-ENV = {**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1", "JAX_PLATFORMS": "cpu"}
+# The sweep's run and the in-process one below under the same XLA flags: NONDET_JAX_CPU_DEFAULTS=0 (the CLI would
+# add its CPU type's rule, which changes the kernels) and XLA_FLAGS as this module found them (set again below for
+# the processes the in-process half starts, whatever another test's in-process sweep left there)
+ENV = {**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1", "JAX_PLATFORMS": "cpu", "NONDET_JAX_CPU_DEFAULTS": "0",
+       "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
 
 
 @pytest.mark.slow

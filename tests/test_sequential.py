@@ -135,6 +135,36 @@ def test_an_arm_grown_look_by_look_equals_the_arm_trained_whole(tmp_path):
         runner.run(cfg.from_flat({**MLP, "study.replicas": 5}), tmp_path / "grown", progress=False, grow=True, log=quiet)
 
 
+def test_a_part_trained_under_other_xla_flags_is_not_merged(tmp_path, monkeypatch):
+    """A look grown under other XLA flags (changed XLA_FLAGS, or a new CPU rule) would mix two kernels' arithmetic
+    in one arm: the part that differs is refused in one line naming both flag sets and --recompute; the part
+    itself is kept, and under its own flags the arm merges."""
+    from nondet_jax.study import parts, runner
+
+    quiet = lambda *a, **k: None  # noqa: E731
+    monkeypatch.setenv("XLA_FLAGS", "")
+    runner.run(cfg.from_flat({**MLP, "study.replicas": 3}), tmp_path, progress=False, grow=True, log=quiet)
+    part = tmp_path / "parts" / "all" / "0.npz"
+    before = part.read_bytes()
+    (tmp_path / "arms" / "all.json").unlink()  # a killed look: the rerun merges the kept part
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_fusion_emitters=false")  # read only here: JAX already started
+    with pytest.raises(UsageError, match=r"part .*parts/all/0.npz \(replicas 0..2 of arm 'all'\) was trained under "
+                                         r"XLA flags '', this run under '--xla_cpu_use_fusion_emitters=false'.*"
+                                         r"--recompute all"):
+        runner.run(cfg.from_flat({**MLP, "study.replicas": 3}), tmp_path, progress=False, grow=True, log=quiet)
+    assert part.read_bytes() == before
+    monkeypatch.setenv("XLA_FLAGS", "")
+    runner.run(cfg.from_flat({**MLP, "study.replicas": 3}), tmp_path, progress=False, grow=True, log=quiet)
+    assert json.loads((tmp_path / "arms" / "all.json").read_text())["replicas"] == 3
+    # a part from before parts carried their flags: "unrecorded flags"
+    with np.load(part) as f:
+        arrays = {k: f[k] for k in f.files if k != f"meta{parts.SEP}xla_flags"}
+    np.savez(part, **arrays)
+    (tmp_path / "arms" / "all.json").unlink()
+    with pytest.raises(UsageError, match=r"was trained under unrecorded flags, this run under ''"):
+        runner.run(cfg.from_flat({**MLP, "study.replicas": 3}), tmp_path, progress=False, grow=True, log=quiet)
+
+
 def test_a_sequential_study_of_methods_stops_once_answered_and_resumes(tmp_path):
     """The command line end to end: a learning rate twice the baseline's is decided better at the second look
     (8 replicas per method), recorded look by look in methods.json and the report; the same command again

@@ -2,6 +2,7 @@
 and mixed precision (model.dtype)."""
 
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +56,19 @@ def test_cpu_defaults_land_in_xla_flags_and_the_environment_record(monkeypatch):
 
     rec = environment()["xla_cpu_defaults"]
     assert rec["added"] == [flag] and rec["rule"]["source"] == "test" and rec["cpu_type"] == xla_flags.cpu_type()
+
+
+def test_cpu_defaults_are_not_set_once_jax_started(monkeypatch):
+    """In a process whose JAX backend already runs (an in-process sweep), the rule's flags could reach only the
+    processes it starts, which would then run other kernels than it: nothing is set, with a warning."""
+    jnp.zeros(1).block_until_ready()  # the backend runs
+    flag = "--xla_cpu_experimental_ynn_fusion_type="
+    monkeypatch.setattr(measured, "xla_cpu_rule", lambda kind: {"flags": [flag], "source": "test"})
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+    monkeypatch.delenv(xla_flags.OPT_OUT, raising=False)
+    with pytest.warns(UserWarning, match="already started.*not set"):
+        assert xla_flags.apply_cpu_defaults() == []
+    assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=1"
 
 
 def test_cpu_type_is_a_table_key():

@@ -86,7 +86,8 @@ def cpu_defaults(kind: str | None = None, strategy: str | None = None) -> list[s
 
 def apply_cpu_defaults(environ=None, kind: str | None = None, strategy: str | None = None) -> list[str]:
     """Add this CPU type's measured flags for ``strategy`` (:func:`cpu_defaults`) to ``environ["XLA_FLAGS"]``
-    (default ``os.environ``) unless the user set them or opted out; returns the flags added. Call it before JAX
+    (default ``os.environ``) unless the user set them or opted out, or JAX already started in this process (then
+    nothing is added: the processes it starts must run its kernels); returns the flags added. Call it before JAX
     starts its backends:
 
     >>> from nondet_jax.machine import xla_flags
@@ -97,10 +98,13 @@ def apply_cpu_defaults(environ=None, kind: str | None = None, strategy: str | No
         return []
     current = environ.get("XLA_FLAGS", "")
     added = [f for f in cpu_defaults(kind, strategy) if f.split("=")[0] not in _names(current)]
+    if added and environ is os.environ and _backend_started():
+        # this process's kernels can no longer change: adding the flags would give only its child processes
+        # (hardware replicas, blocks, parts) other kernels than its own
+        warnings.warn(f"JAX's backend already started: XLA flags {added} of this CPU type's rule are not set, so "
+                      "processes this one starts run the kernels it runs", stacklevel=2)
+        return []
     if added:
-        if environ is os.environ and _backend_started():
-            warnings.warn(f"JAX's backend already started: XLA flags {added} take effect only in child processes",
-                          stacklevel=2)
         environ["XLA_FLAGS"] = " ".join([*current.split(), *added])
         environ[APPLIED] = " ".join(added)
     return added

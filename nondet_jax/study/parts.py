@@ -5,17 +5,19 @@ each, :mod:`nondet_jax.study.multihost`), a ``hardware`` arm trained one fresh p
 (:mod:`nondet_jax.study.hardware`), and a sequential study of methods, whose every look adds a block
 (``grow`` in :func:`nondet_jax.study.runner.run`). Each block is one part,
 ``parts/<arm>/<first replica>.npz``: the block's :class:`~nondet_jax.replicas.loop.ArmResult` as plain
-arrays (no pickles) with the block's replicas, its keys' fingerprint and the study's identity. A part
-is read back only when those match the block this study would train there, so a part another study
-left (or one planted) is never merged. Replica r's training does not depend on its block (its keys
-are ``fold_in`` of its index), so a merged arm equals one trained whole under the same strategy; the
-per-epoch weight distances between replicas need every replica's state at every epoch, so a merged
-arm has them at initialisation and at the end only (NaN in between).
+arrays (no pickles) with the block's replicas, its keys' fingerprint, the study's identity and the XLA flags
+it trained under. A part is read back only when those match the block this study would train there, so a
+part another study left (or one planted) is never merged, nor one whose kernels differ (XLA_FLAGS, or the
+flags the sweep sets for the CPU type, changed between looks: an arm would mix two arithmetics). Replica r's
+training does not depend on its block (its keys are ``fold_in`` of its index), so a merged arm equals one
+trained whole under the same strategy; the per-epoch weight distances between replicas need every replica's
+state at every epoch, so a merged arm has them at initialisation and at the end only (NaN in between).
 """
 
 from __future__ import annotations
 
 import io
+import os
 from pathlib import Path
 
 import jax
@@ -23,6 +25,7 @@ import numpy as np
 from flax import traverse_util
 
 from nondet_jax.errors import UsageError
+from nondet_jax.machine.xla_flags import kernel_flags
 from nondet_jax.replicas.choice import make_strategy
 from nondet_jax.replicas.loop import ArmResult, _distances
 from nondet_jax.sources import Arm, arm_keys, perturbations
@@ -31,7 +34,7 @@ from nondet_jax.store.io import atomic_write_bytes
 from nondet_jax.train import Health, TrainState
 
 SEP = "::"  # key separator in part files ('/' occurs inside instrument names)
-META = ("first", "stop", "keys_sha256", "identity_sha256")
+META = ("first", "stop", "keys_sha256", "identity_sha256", "xla_flags")
 
 
 def _flat(prefix: str, tree) -> dict[str, np.ndarray]:
@@ -47,10 +50,12 @@ def _tree(arrays: dict[str, np.ndarray], prefix: str):
     return traverse_util.unflatten_dict(sub) if sub else {}
 
 
-def block_meta(seed: int, arm: Arm, block: range, identity: str) -> dict:
-    """What a part of ``block`` must carry to be merged into ``arm`` of the study ``identity``."""
+def block_meta(seed: int, arm: Arm, block: range, identity: str, flags: str | None = None) -> dict:
+    """What a part of ``block`` must carry to be merged into ``arm`` of the study ``identity``: with the
+    ``XLA_FLAGS`` it trains under (default: this process's), as :func:`~nondet_jax.machine.xla_flags.kernel_flags`."""
     return {"first": block.start, "stop": block.stop, "identity_sha256": identity,
-            "keys_sha256": key_fingerprint(arm_keys(seed, arm.varied, block.stop, first=block.start))}
+            "keys_sha256": key_fingerprint(arm_keys(seed, arm.varied, block.stop, first=block.start)),
+            "xla_flags": kernel_flags(os.environ.get("XLA_FLAGS", "") if flags is None else flags)}
 
 
 def part_bytes(result, meta: dict) -> bytes:
@@ -79,9 +84,18 @@ def _read(path: Path, expect: dict, arm: str) -> dict[str, np.ndarray]:
     try:
         with np.load(path, allow_pickle=False) as f:
             arrays = {k: f[k] for k in f.files}
-        meta = {k: arrays.pop(f"meta{SEP}{k}").item() for k in META}
+        meta = {k: arrays.pop(f"meta{SEP}{k}").item() for k in META if k != "xla_flags"}
+        # a part written before parts carried their flags has none: unknown flags, refused below
+        meta["xla_flags"] = arrays.pop(f"meta{SEP}xla_flags").item() if f"meta{SEP}xla_flags" in arrays else None
     except (OSError, ValueError, KeyError, EOFError):
         raise UsageError(f"part {path} is unreadable, truncated or not a part of a block of replicas; {fix}") from None
+    if {k: v for k, v in meta.items() if k != "xla_flags"} == {k: v for k, v in expect.items() if k != "xla_flags"} \
+            and meta["xla_flags"] != expect["xla_flags"]:
+        was = "unrecorded flags" if meta["xla_flags"] is None else f"XLA flags '{meta['xla_flags']}'"
+        raise UsageError(f"part {path} (replicas {meta['first']}..{meta['stop'] - 1} of arm '{arm}') was trained "
+                         f"under {was}, this run under '{expect['xla_flags']}' (XLA_FLAGS, or the flags the sweep "
+                         f"sets for this CPU type and strategy): its kernels differ; {fix}, or run with the part's "
+                         "flags")
     if meta != expect:
         raise UsageError(f"part {path} holds replicas {meta['first']}..{meta['stop'] - 1} of another study or arm "
                          f"(its keys or identity differ from replicas {expect['first']}..{expect['stop'] - 1} of "
@@ -108,14 +122,16 @@ def merge(paths: list[Path], expect: list[dict], arm: str, init_params, parallel
 
 
 def merge_blocks(config, data, fns, store, arm: Arm, blocks: list[range], strategy_name: str,
-                 parallel: bool = False) -> ArmResult:
+                 parallel: bool = False, flags: str | None = None) -> ArmResult:
     """The arm whose replicas ``blocks`` (in order, covering ``0..study.replicas-1``) trained as parts
-    (:func:`merge`); ``fns``: the arm's own (:func:`nondet_jax.study.arm.arm_setup`)."""
+    (:func:`merge`); ``fns``: the arm's own (:func:`nondet_jax.study.arm.arm_setup`); ``flags``: the
+    ``XLA_FLAGS`` the blocks trained under, when not this process's (:func:`block_meta`)."""
     study = config.study
     init = make_strategy(fns, strategy_name).init(arm_keys(study.seed, arm.varied, study.replicas),
                                                   perturbations(arm.varied), jax.numpy.asarray(data.x_train[:1]))
     return merge([store.paths.part(arm.name, b.start) for b in blocks],
-                 [block_meta(study.seed, arm, b, store.identity) for b in blocks], arm.name, init.params, parallel)
+                 [block_meta(study.seed, arm, b, store.identity, flags) for b in blocks], arm.name, init.params,
+                 parallel)
 
 
 def trained_blocks(store, arm: Arm) -> list[range]:
