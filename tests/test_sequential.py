@@ -150,19 +150,24 @@ def test_a_part_trained_under_other_xla_flags_is_not_merged(tmp_path, monkeypatc
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_fusion_emitters=false")  # read only here: JAX already started
     with pytest.raises(UsageError, match=r"part .*parts/all/0.npz \(replicas 0..2 of arm 'all'\) was trained under "
                                          r"XLA flags '', this run under '--xla_cpu_use_fusion_emitters=false'.*"
-                                         r"--recompute all"):
+                                         r"--recompute all.*or run under the part's flags"):
         runner.run(cfg.from_flat({**MLP, "study.replicas": 3}), tmp_path, progress=False, grow=True, log=quiet)
     assert part.read_bytes() == before
-    monkeypatch.setenv("XLA_FLAGS", "")
-    runner.run(cfg.from_flat({**MLP, "study.replicas": 3}), tmp_path, progress=False, grow=True, log=quiet)
-    assert json.loads((tmp_path / "arms" / "all.json").read_text())["replicas"] == 3
+    # a look that would grow the arm is refused before it trains the new block
+    with pytest.raises(UsageError, match=r"part .*parts/control/0.npz \(replicas 0..2 of arm 'control'\)"):
+        runner.run(cfg.from_flat({**MLP, "study.replicas": 5}), tmp_path, progress=False, grow=True, log=quiet)
+    assert sorted(p.name for p in (tmp_path / "parts").rglob("*.npz")) == ["0.npz", "0.npz"]
+    monkeypatch.setenv("XLA_FLAGS", "")  # under the parts' flags the look goes on
+    runner.run(cfg.from_flat({**MLP, "study.replicas": 5}), tmp_path, progress=False, grow=True, log=quiet)
+    assert json.loads((tmp_path / "arms" / "all.json").read_text())["replicas"] == 5
+    assert part.read_bytes() == before
     # a part from before parts carried their flags: "unrecorded flags"
     with np.load(part) as f:
         arrays = {k: f[k] for k in f.files if k != f"meta{parts.SEP}xla_flags"}
     np.savez(part, **arrays)
     (tmp_path / "arms" / "all.json").unlink()
-    with pytest.raises(UsageError, match=r"was trained under unrecorded flags, this run under ''"):
-        runner.run(cfg.from_flat({**MLP, "study.replicas": 3}), tmp_path, progress=False, grow=True, log=quiet)
+    with pytest.raises(UsageError, match=r"was trained under unrecorded flags, this run under ''.*again$"):
+        runner.run(cfg.from_flat({**MLP, "study.replicas": 5}), tmp_path, progress=False, grow=True, log=quiet)
 
 
 def test_a_sequential_study_of_methods_stops_once_answered_and_resumes(tmp_path):

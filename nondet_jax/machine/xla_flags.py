@@ -1,15 +1,16 @@
 """XLA:CPU flags the CLI sets before JAX starts, per CPU type and strategy, from a measured table.
 
 jaxlib 0.10.2 sends a convolution's weight gradient to YNNPACK by default. Whether turning that
-off (``--xla_cpu_experimental_ynn_fusion_type=``) is faster depends on the CPU: the table in
-``measured.json`` (section ``xla_cpu``) holds, per :func:`cpu_type`, the flags measured faster and
-bitwise repeatable there, with the command and numbers they rest on, and the strategies they hold for
-(a flag that keeps a loop of single-replica programs repeatable can break the bitwise equality of
-replicas batched by ``vmap``). :func:`apply_cpu_defaults`
+off (``--xla_cpu_experimental_ynn_fusion_type=-individual_convolution``) is faster depends on the CPU, and
+so does whether XLA:CPU's older loop emitters (``--xla_cpu_use_fusion_emitters=false``: faster to compile)
+run as fast: the table in ``measured.json`` (section ``xla_cpu``) holds, per :func:`cpu_type`, the flags
+measured faster and bitwise repeatable there, with the command and numbers they rest on, and the strategies
+they hold for (a flag that keeps a loop of single-replica programs repeatable can break the bitwise equality
+of replicas batched by ``vmap``, or of ``unrolled`` with ``sequential``). :func:`apply_cpu_defaults`
 adds them to ``XLA_FLAGS`` unless the user already set the same flag (any value, including
 empty) or set ``NONDET_JAX_CPU_DEFAULTS=0``; flags are read when the backend starts, so it must run
-before JAX initialises its backends (child processes inherit the variable). :func:`record` is what
-``environment.json`` stores.
+before JAX initialises its backends (child processes inherit the variable; once the backend started it adds
+nothing). :func:`record` is what ``environment.json`` stores.
 """
 
 from __future__ import annotations

@@ -87,16 +87,23 @@ def _take_tree(tree: Any, r) -> Any:
 
 def _host_device(leaves: list) -> Any:
     """The CPU device every leaf lives on, else None: there numpy stacks and slices in the process's own memory
-    and nothing is compiled; on an accelerator, traced (``jax.eval_shape``, an enclosing ``jit``) or for typed PRNG
-    keys (numpy has no such dtype), a program does."""
-    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+    and nothing is compiled; on an accelerator, traced (``jax.eval_shape``, an enclosing ``jit``), for typed PRNG
+    keys (numpy has no such dtype), weakly typed leaves (numpy would make them strong) or leaves that are not
+    JAX arrays, a program does."""
+    if not leaves or not all(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) for x in leaves):
         return None
-    devices = {d for x in leaves for d in (x.devices() if isinstance(x, jax.Array) else ())}
+    devices = {d for x in leaves for d in x.devices()}
     if len(devices) != 1 or next(iter(devices)).platform != "cpu":
         return None
-    if any(jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) for x in leaves):
+    if any(jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) or x.weak_type for x in leaves):
         return None
     return next(iter(devices))
+
+
+def _put(tree: Any, device) -> Any:
+    """Host arrays onto ``device``: left uncommitted on the default device, as a compiled program's outputs are
+    (read-only views of one stacked buffer are fine: no program here donates its inputs)."""
+    return jax.device_put(tree) if device == jax.devices()[0] else jax.device_put(tree, device)
 
 
 def _stack(trees: list[Any]) -> Any:
@@ -108,7 +115,7 @@ def _stack(trees: list[Any]) -> Any:
     device = _host_device(jax.tree.leaves(trees))
     if device is None:
         return _stack_trees(trees)
-    return jax.device_put(jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *trees), device)
+    return _put(jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *trees), device)
 
 
 def _take(tree: Any, r: int) -> Any:
@@ -117,7 +124,7 @@ def _take(tree: Any, r: int) -> Any:
     device = _host_device(jax.tree.leaves(tree))
     if device is None:
         return _take_tree(tree, r)
-    return jax.device_put(jax.tree.map(lambda a: np.asarray(a)[r], tree), device)
+    return _put(jax.tree.map(lambda a: np.asarray(a)[r], tree), device)
 
 
 def _distances(params) -> np.ndarray:

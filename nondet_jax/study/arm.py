@@ -145,6 +145,7 @@ def grow_arm(config: Config, data, fns, store, arm: Arm, progress_for, log=print
     ``progress_for(total)`` gives the progress callback for ``total`` replica-epochs."""
     study = config.study
     blocks = parts.trained_blocks(store, arm)
+    parts.check_blocks(store, study.seed, arm, blocks)  # before training a block the merge would refuse beside them
     done = blocks[-1].stop if blocks else 0
     if done > study.replicas:
         raise UsageError(f"{store.paths.parts(arm.name)} holds {done} replicas of arm '{arm.name}', more than this "

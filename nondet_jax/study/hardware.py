@@ -29,7 +29,7 @@ from nondet_jax.store.io import atomic_write_json, guarded
 from nondet_jax.store.paths import RunPaths
 from nondet_jax.store.run import RunStore
 from nondet_jax.study.arm import arm_setup, finish_arm, fit_arm
-from nondet_jax.study.parts import block_meta, merge_blocks, write_part
+from nondet_jax.study.parts import block_meta, check_blocks, merge_blocks, write_part
 from nondet_jax.study.prepare import prepare_child
 from nondet_jax.study.processes import REPLICA_CHILD, child_env, require_child, run_child
 from nondet_jax.study.provenance import environment
@@ -47,6 +47,8 @@ def train_arm_per_process(config, data, fns, store, arm, flags, log=print) -> di
     study = config.study
     paths = RunPaths(store.root)
     xla_flags = child_env(flags, REPLICA_CHILD)["XLA_FLAGS"]
+    check_blocks(store, study.seed, arm, [range(r, r + 1) for r in range(study.replicas)
+                                          if paths.part(arm.name, r, ".json").exists()], xla_flags)
     for r in range(study.replicas):
         if paths.part(arm.name, r, ".json").exists():
             log(f"arm {arm.name}: replica {r} already trained in its own process, reusing it")

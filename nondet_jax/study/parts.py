@@ -79,11 +79,19 @@ def write_part(store, arm: Arm, result, meta: dict) -> Path:
     return path
 
 
-def _read(path: Path, expect: dict, arm: str) -> dict[str, np.ndarray]:
-    fix = f"rerun with --recompute {arm} to train arm '{arm}' again"
+def _fix(arm: str, path: Path) -> str:
+    return (f"rerun with --recompute {arm} (in a study of methods: delete {path.parent}) to train arm '{arm}' "
+            "again")
+
+
+def _read(path: Path, expect: dict, arm: str, meta_only: bool = False) -> dict[str, np.ndarray]:
+    """The part's arrays (``meta_only``: none, only the check), refused in one line unless its metadata is
+    ``expect``."""
+    fix = _fix(arm, path)
     try:
         with np.load(path, allow_pickle=False) as f:
-            arrays = {k: f[k] for k in f.files}
+            names = [k for k in f.files if not meta_only or k.startswith(f"meta{SEP}")]
+            arrays = {k: f[k] for k in names}
         meta = {k: arrays.pop(f"meta{SEP}{k}").item() for k in META if k != "xla_flags"}
         # a part written before parts carried their flags has none: unknown flags, refused below
         meta["xla_flags"] = arrays.pop(f"meta{SEP}xla_flags").item() if f"meta{SEP}xla_flags" in arrays else None
@@ -92,15 +100,23 @@ def _read(path: Path, expect: dict, arm: str) -> dict[str, np.ndarray]:
     if {k: v for k, v in meta.items() if k != "xla_flags"} == {k: v for k, v in expect.items() if k != "xla_flags"} \
             and meta["xla_flags"] != expect["xla_flags"]:
         was = "unrecorded flags" if meta["xla_flags"] is None else f"XLA flags '{meta['xla_flags']}'"
+        also = "" if meta["xla_flags"] is None else ", or run under the part's flags"
         raise UsageError(f"part {path} (replicas {meta['first']}..{meta['stop'] - 1} of arm '{arm}') was trained "
                          f"under {was}, this run under '{expect['xla_flags']}' (XLA_FLAGS, or the flags the sweep "
-                         f"sets for this CPU type and strategy): its kernels differ; {fix}, or run with the part's "
-                         "flags")
+                         f"sets for this CPU type and strategy): its kernels differ; {fix}{also}")
     if meta != expect:
         raise UsageError(f"part {path} holds replicas {meta['first']}..{meta['stop'] - 1} of another study or arm "
                          f"(its keys or identity differ from replicas {expect['first']}..{expect['stop'] - 1} of "
                          f"this one); {fix}")
     return arrays
+
+
+def check_blocks(store, seed: int, arm: Arm, blocks: list[range], flags: str | None = None) -> None:
+    """Refuse, before anything is trained, a kept part of ``blocks`` that :func:`merge_blocks` would refuse
+    (another study's, or trained under other XLA flags: ``flags`` as in :func:`block_meta`)."""
+    for b in blocks:
+        _read(store.paths.part(arm.name, b.start), block_meta(seed, arm, b, store.identity, flags), arm.name,
+              meta_only=True)
 
 
 def merge(paths: list[Path], expect: list[dict], arm: str, init_params, parallel: bool = False) -> ArmResult:
@@ -144,10 +160,9 @@ def trained_blocks(store, arm: Arm) -> list[range]:
             with np.load(path, allow_pickle=False) as f:
                 stop = int(f[f"meta{SEP}stop"])
         except (OSError, ValueError, KeyError, EOFError):
-            raise UsageError(f"part {path} is unreadable, truncated or not a part of a block of replicas; rerun "
-                             f"with --recompute {arm.name} to train arm '{arm.name}' again") from None
+            raise UsageError(f"part {path} is unreadable, truncated or not a part of a block of replicas; "
+                             f"{_fix(arm.name, path)}") from None
         if stop <= start:
-            raise UsageError(f"part {path} claims replicas {start}..{stop - 1}; rerun with --recompute {arm.name} "
-                             f"to train arm '{arm.name}' again")
+            raise UsageError(f"part {path} claims replicas {start}..{stop - 1}; {_fix(arm.name, path)}")
         out.append(range(start, stop))
     return out

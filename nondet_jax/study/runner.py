@@ -244,11 +244,17 @@ def train_one(config: Config, data, fns, store, arm: Arm, bar, log, strategy: st
                                  log, block)
         write_part(store, arm, result, block_meta(study.seed, arm, block, store.identity))
         mh.barrier(f"trained {arm.name}")
-        record = None
+        record, error = None, None
         if procs.leader:
             blocks = [mh.replica_block(study.replicas, i, procs.count) for i in range(procs.count)]
-            merged = merge_blocks(config, data, arm_setup(config, fns, arm)[1], store, arm, blocks, strategy,
-                                  parallel=True)
+            try:  # a part refused (e.g. a process under other XLA flags) stops every process, not only this one
+                merged = merge_blocks(config, data, arm_setup(config, fns, arm)[1], store, arm, blocks, strategy,
+                                      parallel=True)
+            except UsageError as e:
+                error = e
+        if not mh.agree(error is None):
+            raise error or UsageError(f"process 0 could not merge the parts of arm '{arm.name}'; see its error")
+        if procs.leader:
             record = finish_arm(config, data, fns, store, arm, merged, reason, log)
             guarded("rmtree", store.root, store.paths.parts(arm.name))
         mh.barrier(f"stored {arm.name}")
