@@ -46,8 +46,9 @@ VENDORS = {"GenuineIntel": "intel", "AuthenticAMD": "amd"}
 
 def cpu_type() -> str:
     """The CPU family the table is keyed by: ``x86_64-avx512-intel``, ``x86_64-avx512-amd`` (AVX-512 CPUs of
-    the two vendors are measured apart: turning YNNPACK's convolutions off was 1.4-2.1x faster on an Intel Xeon and
-    1.35x on an AMD EPYC Zen 4, whose first measurement under load had been undecided, docs/performance.md), ``x86_64-avx512`` (another vendor), ``x86_64-avx2``, else the machine name."""
+    the two vendors are measured apart: turning YNNPACK's convolutions off was 1.4-2.1x faster on an Intel Xeon
+    and 1.35x on an AMD EPYC Zen 4, whose first measurement under load had been undecided, docs/performance.md),
+    ``x86_64-avx512`` (another vendor), ``x86_64-avx2``, else the machine name."""
     machine = platform.machine() or "unknown"
     info = _cpuinfo()
     flags = set(info.get("flags", "").split())
@@ -64,9 +65,11 @@ def cpu_model() -> str | None:
     return _cpuinfo().get("model name") or platform.processor() or None
 
 
-def kernel_flags(flags: str) -> str:
-    """``XLA_FLAGS`` as what can change the kernels a program runs: each flag once, sorted, without the flags
-    that only dump or log (a checkpoint records this: the same flags in another order resume it)."""
+def kernel_flags(flags: str | None = None) -> str:
+    """``XLA_FLAGS`` (default: this process's) as what can change the kernels a program runs: each flag once,
+    sorted, without the flags that only dump or log (checkpoints and parts record this: the same flags in another
+    order resume or merge them)."""
+    flags = os.environ.get("XLA_FLAGS", "") if flags is None else flags
     return " ".join(sorted({f for f in flags.split() if not f.startswith(("--xla_dump", "--xla_log"))}))
 
 

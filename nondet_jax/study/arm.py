@@ -111,7 +111,7 @@ def fit_arm(config: Config, data, fns, store, arm: Arm, progress, log=print, blo
     meta = {"arm": arm.name, "keys_sha256": key_fingerprint(keys), "strategy": strategy_name,
             "epoch_shape": strategy_epoch_shape(fns, strategy_name),
             "config_sha256": config_digest(cfg.to_dict(config)), "identity_sha256": store.identity,
-            "xla_flags": xla_flags.kernel_flags(os.environ.get("XLA_FLAGS", ""))}
+            "xla_flags": xla_flags.kernel_flags()}
     try:
         restored = ckpt.restore_latest(jax.eval_shape(strategy.init, keys, perturb, data.x_train[:1]),
                                        {k: v for k, v in meta.items() if k != "arm"})

@@ -17,7 +17,6 @@ state at every epoch, so a merged arm has them at initialisation and at the end 
 from __future__ import annotations
 
 import io
-import os
 from pathlib import Path
 
 import jax
@@ -55,7 +54,7 @@ def block_meta(seed: int, arm: Arm, block: range, identity: str, flags: str | No
     ``XLA_FLAGS`` it trains under (default: this process's), as :func:`~nondet_jax.machine.xla_flags.kernel_flags`."""
     return {"first": block.start, "stop": block.stop, "identity_sha256": identity,
             "keys_sha256": key_fingerprint(arm_keys(seed, arm.varied, block.stop, first=block.start)),
-            "xla_flags": kernel_flags(os.environ.get("XLA_FLAGS", "") if flags is None else flags)}
+            "xla_flags": kernel_flags(flags)}
 
 
 def part_bytes(result, meta: dict) -> bytes:
@@ -97,14 +96,14 @@ def _read(path: Path, expect: dict, arm: str, meta_only: bool = False) -> dict[s
         meta["xla_flags"] = arrays.pop(f"meta{SEP}xla_flags").item() if f"meta{SEP}xla_flags" in arrays else None
     except (OSError, ValueError, KeyError, EOFError):
         raise UsageError(f"part {path} is unreadable, truncated or not a part of a block of replicas; {fix}") from None
-    if {k: v for k, v in meta.items() if k != "xla_flags"} == {k: v for k, v in expect.items() if k != "xla_flags"} \
-            and meta["xla_flags"] != expect["xla_flags"]:
+    differs = {k for k in META if meta[k] != expect[k]}
+    if differs == {"xla_flags"}:
         was = "unrecorded flags" if meta["xla_flags"] is None else f"XLA flags '{meta['xla_flags']}'"
         also = "" if meta["xla_flags"] is None else ", or run under the part's flags"
         raise UsageError(f"part {path} (replicas {meta['first']}..{meta['stop'] - 1} of arm '{arm}') was trained "
                          f"under {was}, this run under '{expect['xla_flags']}' (XLA_FLAGS, or the flags the sweep "
                          f"sets for this CPU type and strategy): its kernels differ; {fix}{also}")
-    if meta != expect:
+    if differs:
         raise UsageError(f"part {path} holds replicas {meta['first']}..{meta['stop'] - 1} of another study or arm "
                          f"(its keys or identity differ from replicas {expect['first']}..{expect['stop'] - 1} of "
                          f"this one); {fix}")
