@@ -3,6 +3,7 @@ single-replica programs in a Python loop) and ``unrolled`` (those programs insid
 
 from __future__ import annotations
 
+import weakref
 from functools import lru_cache
 
 import jax
@@ -25,6 +26,12 @@ def epoch_program(fns: TrainFns, lift):
     return lift(fns.train_epoch, (0, None, None, 0, None, None))
 
 
+# the programs (``fns.train_epoch``, ``fns.epoch_step`` stepped, ``fns.evaluate``) that have run once in this process: their
+# programs are compiled, so a later arm's first epoch starts every thread at once (an arm of 8 replicas in 2 threads:
+# 4 rounds, not replica 0 alone and then 4 more)
+_RAN: weakref.WeakSet = weakref.WeakSet()
+
+
 @lru_cache(maxsize=32)
 def _jit(fn, in_axes=None, once: bool = False):
     """``jax.jit(fn)``, one per function (``in_axes`` unused: the one-replica layout of :func:`epoch_program`);
@@ -36,13 +43,14 @@ def sequential_strategy(fns: TrainFns) -> Strategy:
     """The single-replica programs, each compiled once, in a loop over replicas: ``fns.replica_threads`` of them
     at once, each replica's epoch dispatched from a thread of its own (XLA:CPU runs one thread's programs one after
     another; each replica's programs and inputs are the same whichever thread runs them, so the results are too).
-    The strategy's first epoch trains replica 0 alone first, so the threads find its programs compiled. Watched
+    The first epoch this process runs of ``fns``'s programs trains replica 0 alone first, so the threads find them
+    compiled (a later arm's strategy shares them: ``_jit``). Watched
     (``watch``), a stepped epoch runs step-major in one thread: step i of every replica, then step i + 1 (the same
     programs on the same inputs, so the same results), and ``watch(i, replica)`` sees every replica's state before
     step i."""
     init, evaluate = quick(fns.init), jax.jit(fns.evaluate)
     epoch_fn = epoch_program(fns, _jit)
-    compiled = [False]  # True once an epoch has run: its programs are compiled
+    program = fns.epoch_step if fns.epoch_shape == "step" else fns.train_epoch  # what _RAN knows
 
     def init_all(keys, perturb, x):
         r_count = jax.tree.leaves(keys)[0].shape[0]
@@ -58,10 +66,11 @@ def sequential_strategy(fns: TrainFns) -> Strategy:
             return s, jax.block_until_ready(m)
 
         outs = []
-        for out in in_threads(one, range(r_count), fns.replica_threads, first_alone=not compiled[0], name="replica"):
+        for out in in_threads(one, range(r_count), fns.replica_threads, first_alone=program not in _RAN,
+                              name="replica"):
             outs.append(out)
             progress(1)
-        compiled[0] = True
+        _RAN.add(program)
         return _stack([o[0] for o in outs]), _stack([o[1] for o in outs])
 
     def watched_epoch(state, x, y, keys, perturb, e, progress, watch, r_count):
@@ -81,7 +90,13 @@ def sequential_strategy(fns: TrainFns) -> Strategy:
         return _stack([d[0] for d in done]), _stack([jax.block_until_ready(d[1]) for d in done])
 
     def evaluate_all(state, x):
-        outputs = [evaluate(_take(state, r), x) for r in range(jax.tree.leaves(state.params)[0].shape[0])]
+        def one(r):
+            return jax.block_until_ready(evaluate(_take(state, r), x))
+
+        r_count = jax.tree.leaves(state.params)[0].shape[0]
+        outputs = list(in_threads(one, range(r_count), fns.replica_threads, first_alone=fns.evaluate not in _RAN,
+                                  name="replica"))
+        _RAN.add(fns.evaluate)
         return tuple(np.stack([np.asarray(o[i]) for o in outputs]) for i in (0, 1))
 
     return Strategy("sequential", init_all, epoch_all, evaluate_all)
