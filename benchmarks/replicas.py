@@ -85,7 +85,8 @@ import numpy as np
 from nondet_jax.config import from_flat
 from nondet_jax.data import Dataset, load_dataset
 from nondet_jax.machine.determinism import environment
-from nondet_jax.replicas.choice import resolve_strategy, run_replicas
+from nondet_jax.replicas.choice import run_replicas
+from nondet_jax.replicas.rule import resolve_strategy
 from nondet_jax.sources import ReplicaKeys, arm_keys, arm_sources, perturbations
 from nondet_jax.store.io import atomic_write_json
 from nondet_jax.train import DataSpec, TrainFns, make_train

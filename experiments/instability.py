@@ -34,8 +34,9 @@ def train_arm_curves(config, data, fns, arm: str) -> dict:
     import jax.numpy as jnp
 
     from nondet_jax.analysis import metrics as M
-    from nondet_jax.replicas.choice import make_strategy, resolve_strategy
+    from nondet_jax.replicas.choice import make_strategy
     from nondet_jax.replicas.loop import train_replicas
+    from nondet_jax.replicas.rule import resolve_strategy
     from nondet_jax.sources import arm_keys, arm_sources, perturbations
 
     study = config.study

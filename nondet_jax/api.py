@@ -25,7 +25,7 @@ from nondet_jax.analysis.replicated import Replicated
 from nondet_jax.data import ARRAY_NAMES, DATASETS, Dataset, from_arrays
 from nondet_jax.errors import UsageError
 from nondet_jax.models.parts import Parts, label_of
-from nondet_jax.replicas.choice import resolve_strategy
+from nondet_jax.replicas.rule import resolve_strategy
 from nondet_jax.report.frames import COLUMNS as FRAME_COLUMNS
 from nondet_jax.report.frames import FRAMES
 from nondet_jax.report.summary import arm_rows

@@ -1,5 +1,7 @@
 """ulp distances on hand-made cases, XLA flag handling, provenance."""
 
+import os
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -101,8 +103,8 @@ def test_check_flags_asks_once_per_flag_set_and_jaxlib(tmp_path, monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "")
     monkeypatch.setattr(D, "_KNOWN", set())
     calls = []
-    real_run = D.subprocess.run
-    monkeypatch.setattr(D.subprocess, "run", lambda *a, **k: calls.append(k["env"]["XLA_FLAGS"]) or real_run(*a, **k))
+    real_popen = D.subprocess.Popen
+    monkeypatch.setattr(D.subprocess, "Popen", lambda *a, **k: calls.append(k["env"]["XLA_FLAGS"]) or real_popen(*a, **k))
     D.check_flags(D.DETERMINISM_ON)
     D.check_flags(D.DETERMINISM_ON)
     assert len(calls) == 1
@@ -123,3 +125,29 @@ def test_check_flags_asks_once_per_flag_set_and_jaxlib(tmp_path, monkeypatch):
     monkeypatch.setattr(D, "_version", lambda pkg: "0.0.0-other" if pkg == "jaxlib" else None)
     D.check_flags(D.DETERMINISM_ON)
     assert len(calls) == 5
+
+
+def test_sweep_sets_determinism_flags_only_once_checked(monkeypatch):
+    """The CLI starts the flags' check, imports while the child runs, and sets XLA_FLAGS only when the wait says
+    the flags are known: an unknown one is a UsageError and XLA_FLAGS stays as it was."""
+    from nondet_jax.cli import sweep
+    from nondet_jax.machine import xla_flags
+
+    monkeypatch.setenv(D.CACHE_ENV, "off")
+    monkeypatch.setenv("XLA_FLAGS", "")
+    monkeypatch.setattr(D, "_KNOWN", set())
+    monkeypatch.setattr(xla_flags, "backend_started", lambda: False)  # this test process's backend runs already
+    apply = sweep.set_determinism_flags()
+    assert os.environ["XLA_FLAGS"] == ""
+    apply()
+    assert os.environ["XLA_FLAGS"] == D.with_flags(D.DETERMINISM_ON)
+    monkeypatch.setenv("XLA_FLAGS", "")
+    monkeypatch.setattr(sweep, "DETERMINISM_ON", ["--xla_no_such_flag=1"])
+    apply = sweep.set_determinism_flags()
+    with pytest.raises(UsageError, match="--xla_no_such_flag=1"):
+        apply()
+    assert os.environ["XLA_FLAGS"] == ""
+    monkeypatch.setattr(xla_flags, "backend_started", lambda: True)
+    monkeypatch.setattr(sweep, "DETERMINISM_ON", D.DETERMINISM_ON)
+    with pytest.raises(RuntimeError, match="backend started"):
+        sweep.set_determinism_flags()()

@@ -13,7 +13,8 @@ from conftest import spec_of, tiny_config
 from nondet_jax.config import from_flat
 from nondet_jax.errors import UsageError
 from nondet_jax.machine import measured, xla_flags
-from nondet_jax.replicas.choice import resolve_strategy, run_replicas
+from nondet_jax.replicas.choice import run_replicas
+from nondet_jax.replicas.rule import resolve_strategy
 from nondet_jax.sources import arm_keys, arm_sources, perturbations
 from nondet_jax.train import make_train
 

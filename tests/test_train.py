@@ -8,7 +8,8 @@ from conftest import one_replica, spec_of, tiny_config, tree_equal
 
 from nondet_jax.config import from_flat
 from nondet_jax.data.pipeline import augment, epoch_indices
-from nondet_jax.replicas.choice import resolve_strategy, run_replicas
+from nondet_jax.replicas.choice import run_replicas
+from nondet_jax.replicas.rule import resolve_strategy
 from nondet_jax.sources import arm_keys, arm_sources, perturbations
 from nondet_jax.train import make_schedule, make_train
 

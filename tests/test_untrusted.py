@@ -149,9 +149,9 @@ def test_arm_names_from_a_folder_pass_the_command_lines_grammar(name):
 
 def test_every_destructive_operation_goes_through_the_guarded_helper():
     """rmtree, unlink, rmdir, os.replace, os.remove and rename are called in one place in the package:
-    store.io.guarded (and the compilation-cache marker of machine.determinism.check_flags, which writes
+    store.io.guarded (and the compilation-cache marker of machine.determinism.check_flags (``_remember``), which writes
     outside any run folder under a name no folder gives, in a layer below the store)."""
-    allowed = {("store/io.py", "guarded"), ("machine/determinism.py", "check_flags")}
+    allowed = {("store/io.py", "guarded"), ("machine/determinism.py", "_remember")}
     methods = {"rmtree", "unlink", "rmdir", "rename", "removedirs"}
     found = set()
 

@@ -12,13 +12,14 @@ import sys
 import time
 from importlib import resources
 from pathlib import Path
+from typing import Callable
 
 from nondet_jax import config as cfg
 from nondet_jax.arms import IMPLEMENTED
 from nondet_jax.cli import prog_name, sweep_entry
 from nondet_jax.config import Config
 from nondet_jax.errors import OneLineParser, UsageError
-from nondet_jax.machine.determinism import CACHE_ENV, DETERMINISM_ON, check_flags, with_flags
+from nondet_jax.machine.determinism import CACHE_ENV, DETERMINISM_ON, start_check, with_flags
 from nondet_jax.store.paths import RunPaths, arm_name
 from nondet_jax.study import methods
 
@@ -373,7 +374,7 @@ def cpu_strategy(config: Config, planned: tuple[list, str] | None = None) -> str
     """The strategy the study runs where its backend is the CPU (``auto`` resolved by the CPU's measured rule),
     for the CPU flags' rule (:func:`nondet_jax.machine.xla_flags.cpu_defaults`), which is process-wide: with
     methods (``planned``) that resolve to different strategies, None (no strategy's rule may hold for all)."""
-    from nondet_jax.replicas.choice import resolve_strategy
+    from nondet_jax.replicas.rule import resolve_strategy
 
     configs = [config, *(cfg.from_flat(m.settings, config) for m in (planned[0] if planned else []))]
     chosen = {resolve_strategy(c.study.strategy, c.study.replicas, "cpu")[0] for c in configs}
@@ -403,14 +404,16 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
         xla_flags.apply_cpu_defaults(strategy=cpu_strategy(config, planned))
         enable_compile_cache(args.compile_cache)  # JAX starts here, once the arguments and the config are good
-        if config.study.xla_determinism:
-            set_determinism_flags()
+        # the determinism flags are checked in a child process while this one imports the study (not starting JAX's
+        # backend); they are set once they are known good
+        determinism = set_determinism_flags() if config.study.xla_determinism else (lambda: None)
         command = prog + "".join(f" {os.fsencode(a).decode('utf-8', 'backslashreplace')}"  # as UTF-8 text
                                  for a in (argv if argv is not None else sys.argv[1:]))
         t0 = time.perf_counter()
         recompute = tuple(a.strip() for a in (args.recompute or "").split(",") if a.strip())
         from nondet_jax.study import multihost, runner
 
+        determinism()
         after_arm = tensorboard_logger() if args.log == "tensorboard" else None
         procs = multihost.initialize(args.coordinator, args.num_processes, args.process_id, args.distributed == "auto")
         if planned is not None:
@@ -459,12 +462,24 @@ def tensorboard_logger():
     return after_arm
 
 
-def set_determinism_flags() -> None:
-    """Put XLA's determinism flags into this process's XLA_FLAGS before the backend starts, so
-    that arms run here are deterministic on GPU too (only ``hardware`` arms run without them)."""
-    if with_flags(DETERMINISM_ON) != os.environ.get("XLA_FLAGS", ""):
-        check_flags(DETERMINISM_ON)
-        os.environ["XLA_FLAGS"] = with_flags(DETERMINISM_ON)
+def set_determinism_flags() -> Callable[[], None]:
+    """Start checking XLA's determinism flags against the installed jaxlib (:func:`start_check`); the returned
+    call waits for the check and puts them into this process's XLA_FLAGS, so that arms run here are deterministic
+    on GPU too (only ``hardware`` arms run without them). Call it before JAX's backend starts."""
+    flags = with_flags(DETERMINISM_ON)
+    if flags == os.environ.get("XLA_FLAGS", ""):
+        return lambda: None
+    from nondet_jax.machine import xla_flags
+
+    wait = start_check(DETERMINISM_ON)
+
+    def apply() -> None:
+        wait()
+        if xla_flags.backend_started():  # something started the backend between the check and here: a bug, said plainly
+            raise RuntimeError("JAX's backend started before XLA's determinism flags were set")
+        os.environ["XLA_FLAGS"] = flags
+
+    return apply
 
 
 def entry() -> int:

@@ -22,6 +22,7 @@ import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -91,36 +92,58 @@ def _known_file(key: str) -> Path | None:
 
 
 def check_flags(flags) -> None:
-    """Raise UsageError when the installed jaxlib does not know one of ``flags``.
+    """Raise UsageError when the installed jaxlib does not know one of ``flags`` (:func:`start_check`, waited for)."""
+    start_check(flags)()
 
-    XLA aborts the whole process on an unknown flag, so the check runs in a throw-away child (1.6-2 CPU-s).
-    An accepted ``XLA_FLAGS`` string is remembered in this process and, when the persistent compilation
-    cache is on, as a file beside it, keyed by the whole string and the installed jax/jaxlib (see
-    :func:`_flags_key`): only acceptance is remembered, so a refusal is always asked afresh.
+
+def start_check(flags) -> Callable[[], None]:
+    """Start checking that the installed jaxlib knows every one of ``flags``; returns the wait, which raises
+    UsageError when it does not. Between the two the caller may import (not start JAX's backend).
+
+    XLA aborts the whole process on an unknown flag, so the check runs in a throw-away child (1.1-2 s, on a
+    core of its own while the caller goes on). An accepted ``XLA_FLAGS`` string is remembered in this process
+    and, when the persistent compilation cache is on, as a file beside it, keyed by the whole string and the
+    installed jax/jaxlib (see :func:`_flags_key`): only acceptance is remembered, so a refusal is always asked
+    afresh.
     """
     merged = with_flags(flags)
     key = _flags_key(merged)
     known = _known_file(key)
     if key in _KNOWN or (known is not None and known.is_file()):
         _KNOWN.add(key)
-        return
+        return lambda: None
     env = {**os.environ, "XLA_FLAGS": merged, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True,
-                          text=True, timeout=120)
-    if proc.returncode != 0:
-        bad = [ln.split("XLA_FLAGS:")[-1].strip() for ln in proc.stderr.splitlines() if "Unknown flag" in ln]
-        what = f"XLA flag {bad[0]}" if bad else "XLA_FLAGS"
-        raise UsageError(f"{what} is not known to the installed jaxlib {_version('jaxlib')}; remove it from "
-                         "XLA_FLAGS, or upgrade jaxlib")
-    _KNOWN.add(key)
-    if known is not None:
+    proc = subprocess.Popen([sys.executable, "-c", "import jax; jax.devices()"], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+    def wait() -> None:
         try:
-            known.parent.mkdir(parents=True, exist_ok=True)
-            tmp = known.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(merged + "\n")
-            os.replace(tmp, known)
-        except OSError:  # a read-only cache: the check is asked again next time, nothing else changes
-            pass
+            _, stderr = proc.communicate(timeout=120)
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        if proc.returncode != 0:
+            bad = [ln.split("XLA_FLAGS:")[-1].strip() for ln in stderr.splitlines() if "Unknown flag" in ln]
+            what = f"XLA flag {bad[0]}" if bad else "XLA_FLAGS"
+            raise UsageError(f"{what} is not known to the installed jaxlib {_version('jaxlib')}; remove it from "
+                             "XLA_FLAGS, or upgrade jaxlib")
+        _KNOWN.add(key)
+        if known is not None:
+            _remember(known, merged)
+
+    return wait
+
+
+def _remember(known: Path, merged: str) -> None:
+    """Write the marker of an accepted flag string beside the compilation cache (atomically)."""
+    try:
+        known.parent.mkdir(parents=True, exist_ok=True)
+        tmp = known.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(merged + "\n")
+        os.replace(tmp, known)
+    except OSError:  # a read-only cache: the check is asked again next time, nothing else changes
+        pass
 
 
 def _ordered(x: np.ndarray) -> np.ndarray:

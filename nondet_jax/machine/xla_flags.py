@@ -102,7 +102,7 @@ def apply_cpu_defaults(environ=None, kind: str | None = None, strategy: str | No
         return []
     current = environ.get("XLA_FLAGS", "")
     added = [f for f in cpu_defaults(kind, strategy) if f.split("=")[0] not in _names(current)]
-    if added and environ is os.environ and _backend_started():
+    if added and environ is os.environ and backend_started():
         # this process's kernels can no longer change: adding the flags would give only its child processes
         # (hardware replicas, blocks, parts) other kernels than its own
         warnings.warn(f"JAX's backend already started: XLA flags {added} of this CPU type's rule are not set, so "
@@ -114,7 +114,7 @@ def apply_cpu_defaults(environ=None, kind: str | None = None, strategy: str | No
     return added
 
 
-def _backend_started() -> bool:
+def backend_started() -> bool:
     if "jax" not in sys.modules:
         return False
     try:

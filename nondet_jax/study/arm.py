@@ -28,8 +28,9 @@ from nondet_jax.errors import UsageError
 from nondet_jax.instruments.dashboard import tidy_rows
 from nondet_jax.machine import xla_flags
 from nondet_jax.machine.determinism import provenance
-from nondet_jax.replicas.choice import make_strategy, resolve_strategy, strategy_epoch_shape
+from nondet_jax.replicas.choice import make_strategy, strategy_epoch_shape
 from nondet_jax.replicas.loop import EpochState, _take, train_replicas
+from nondet_jax.replicas.rule import resolve_strategy
 from nondet_jax.replicas.watch import pair_trace, pair_watcher
 from nondet_jax.sources import Arm, arm_keys, perturbations
 from nondet_jax.store.checkpoint import (

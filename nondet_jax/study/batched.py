@@ -23,8 +23,9 @@ import optax
 
 from nondet_jax import config as cfg
 from nondet_jax.models.parts import Parts
-from nondet_jax.replicas.choice import make_strategy, resolve_strategy
+from nondet_jax.replicas.choice import make_strategy
 from nondet_jax.replicas.loop import EpochState, _distances, train_replicas
+from nondet_jax.replicas.rule import resolve_strategy
 from nondet_jax.replicas.watch import pair_watcher
 from nondet_jax.sources import arm_keys, perturbations
 from nondet_jax.store.paths import RunPaths

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from nondet_jax.errors import UsageError
-from nondet_jax.replicas.choice import resolve_strategy
+from nondet_jax.replicas.rule import resolve_strategy
 from nondet_jax.sources import parse_arm
 from nondet_jax.store.io import atomic_write_json, guarded
 from nondet_jax.store.paths import RunPaths

@@ -17,7 +17,8 @@ from nondet_jax.machine.determinism import (
     check_flags,
 )
 from nondet_jax.models.parts import Parts
-from nondet_jax.replicas.choice import resolve_strategy, strategy_epoch_shape
+from nondet_jax.replicas.choice import strategy_epoch_shape
+from nondet_jax.replicas.rule import resolve_strategy
 from nondet_jax.report.markdown import write_report
 from nondet_jax.report.summary import format_table
 from nondet_jax.sources import Arm
