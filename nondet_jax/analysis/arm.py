@@ -122,22 +122,24 @@ def compare_arms(records: dict[str, dict], reference: str = "all", ratios=S.POWE
     quantities = quantities or QUANTITIES[task_of(records[reference])]
     ref = healthy(records[reference]["rows"])
     out = {}
+    cells = []  # (arm, quantity, its rows, x, y, resolution)
     for arm, rec in records.items():
-        if arm == reference or len(ref) < 2:
-            continue
         rows = healthy(rec["rows"])
-        if len(rows) < 2:
+        if arm == reference or len(ref) < 2 or len(rows) < 2:
             continue
-        out[arm] = {}
         for q in quantities:
             res = (rec.get("metrics") or {}).get(q.name, {}).get("resolution")
-            x, y = np.array([row[q.row] for row in rows]), np.array([row[q.row] for row in ref])
-            c = S.compare_spread(x, y, resolution=res, ratios=ratios)
-            c.update(_paired_and_failed(rows, ref, q.row, res))
-            out[arm][q.name] = c
-        if not rec.get("varied", True):  # control varies nothing: its spread is 0 by design, no test can mean anything
-            for c in out[arm].values():
-                c.update({"spread_p": None, "f_test_p": None, "brown_forsythe_p": None})
+            cells.append((arm, q, rows, np.array([row[q.row] for row in rows]), np.array([row[q.row] for row in ref]), res))
+    # every permutation spread test at once (control's is not read: it varies nothing)
+    tested = [i for i, (arm, _, _, x, y, _) in enumerate(cells)
+              if records[arm].get("varied", True) and min(len(x), len(y)) >= S.SPREAD_TEST_MIN]
+    spread_p = dict(zip(tested, S.spread_tests([cells[i][3:5] for i in tested])))
+    for i, (arm, q, rows, x, y, res) in enumerate(cells):
+        c = S.compare_spread(x, y, resolution=res, ratios=ratios, spread_p=spread_p.get(i, float("nan")))
+        c.update(_paired_and_failed(rows, ref, q.row, res))
+        if not records[arm].get("varied", True):  # control varies nothing: its spread is 0 by design, no test means anything
+            c.update({"spread_p": None, "f_test_p": None, "brown_forsythe_p": None})
+        out.setdefault(arm, {})[q.name] = c
     for q in quantities:
         arms = list(out)  # control's p is None: left out of the Holm family
         for arm, p in zip(arms, S.holm([out[a][q.name]["spread_p"] for a in arms])):
