@@ -1,6 +1,8 @@
 """ulp distances on hand-made cases, XLA flag handling, provenance."""
 
 import os
+import subprocess
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -131,12 +133,10 @@ def test_sweep_sets_determinism_flags_only_once_checked(monkeypatch):
     """The CLI starts the flags' check, imports while the child runs, and sets XLA_FLAGS only when the wait says
     the flags are known: an unknown one is a UsageError and XLA_FLAGS stays as it was."""
     from nondet_jax.cli import sweep
-    from nondet_jax.machine import xla_flags
 
     monkeypatch.setenv(D.CACHE_ENV, "off")
     monkeypatch.setenv("XLA_FLAGS", "")
     monkeypatch.setattr(D, "_KNOWN", set())
-    monkeypatch.setattr(xla_flags, "backend_started", lambda: False)  # this test process's backend runs already
     apply = sweep.set_determinism_flags()
     assert os.environ["XLA_FLAGS"] == ""
     apply()
@@ -147,7 +147,12 @@ def test_sweep_sets_determinism_flags_only_once_checked(monkeypatch):
     with pytest.raises(UsageError, match="--xla_no_such_flag=1"):
         apply()
     assert os.environ["XLA_FLAGS"] == ""
-    monkeypatch.setattr(xla_flags, "backend_started", lambda: True)
-    monkeypatch.setattr(sweep, "DETERMINISM_ON", D.DETERMINISM_ON)
-    with pytest.raises(RuntimeError, match="backend started"):
-        sweep.set_determinism_flags()()
+
+
+def test_importing_the_study_starts_no_backend():
+    """The CLI sets the determinism flags after importing the study (their check runs meanwhile): XLA reads them
+    when the backend starts, so no import on the way may start it."""
+    code = ("import nondet_jax.cli.sweep, nondet_jax.study.runner, nondet_jax.study.multihost, nondet_jax.study.batched;"
+            "from nondet_jax.machine.xla_flags import backend_started; print(backend_started())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
