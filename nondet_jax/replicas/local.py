@@ -51,10 +51,21 @@ def sequential_strategy(fns: TrainFns) -> Strategy:
     init, evaluate = quick(fns.init), jax.jit(fns.evaluate)
     epoch_fn = epoch_program(fns, _jit)
     program = fns.epoch_step if fns.epoch_shape == "step" else fns.train_epoch  # what _RAN knows
+    # the replicas the last stacked state was made of: the next epoch starts from them instead of slicing them back
+    # out of the stack (4 ms a ResNet-8 replica, in numpy and device_put: 2.8 s of a default study's Python)
+    kept: dict = {}
+
+    def stacked(replicas: list):
+        out = _stack(replicas)
+        kept.update(stacked=out, replicas=replicas)
+        return out
+
+    def replica(state, r: int):
+        return kept["replicas"][r] if kept.get("stacked") is state else _take(state, r)
 
     def init_all(keys, perturb, x):
         r_count = jax.tree.leaves(keys)[0].shape[0]
-        return _stack([init(replica_slice(keys, r), perturb, x) for r in range(r_count)])
+        return stacked([init(replica_slice(keys, r), perturb, x) for r in range(r_count)])
 
     def epoch_all(state, x, y, keys, perturb, e, progress, watch=None):
         r_count = jax.tree.leaves(keys)[0].shape[0]
@@ -62,7 +73,7 @@ def sequential_strategy(fns: TrainFns) -> Strategy:
             return watched_epoch(state, x, y, keys, perturb, e, progress, watch, r_count)
 
         def one(r):
-            s, m = epoch_fn(_take(state, r), x, y, replica_slice(keys, r), perturb, e)
+            s, m = epoch_fn(replica(state, r), x, y, replica_slice(keys, r), perturb, e)
             return s, jax.block_until_ready(m)
 
         outs = []
@@ -71,14 +82,14 @@ def sequential_strategy(fns: TrainFns) -> Strategy:
             outs.append(out)
             progress(1)
         _RAN.add(program)
-        return _stack([o[0] for o in outs]), _stack([o[1] for o in outs])
+        return stacked([o[0] for o in outs]), _stack([o[1] for o in outs])
 
     def watched_epoch(state, x, y, keys, perturb, e, progress, watch, r_count):
         if fns.epoch_shape != "step":
             raise unwatched("the sequential strategy with train.epoch_shape scan")
         begin, step, finish = stepped_programs(fns, _jit)
         ks = [replica_slice(keys, r) for r in range(r_count)]
-        start = [_take(state, r) for r in range(r_count)]
+        start = [replica(state, r) for r in range(r_count)]
         new, idx, outs = list(start), [begin(k, e) for k in ks], [[] for _ in ks]
         for i in range(fns.steps_per_epoch):
             watch(i, lambda r: new[r])
@@ -87,11 +98,11 @@ def sequential_strategy(fns: TrainFns) -> Strategy:
                 outs[r].append(out)
         done = [finish(start[r], new[r], outs[r], e) for r in range(r_count)]
         progress(r_count)
-        return _stack([d[0] for d in done]), _stack([jax.block_until_ready(d[1]) for d in done])
+        return stacked([d[0] for d in done]), _stack([jax.block_until_ready(d[1]) for d in done])
 
     def evaluate_all(state, x):
         def one(r):
-            return jax.block_until_ready(evaluate(_take(state, r), x))
+            return jax.block_until_ready(evaluate(replica(state, r), x))
 
         r_count = jax.tree.leaves(state.params)[0].shape[0]
         outputs = list(in_threads(one, range(r_count), fns.replica_threads, first_alone=fns.evaluate not in _RAN,
