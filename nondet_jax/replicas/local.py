@@ -56,6 +56,8 @@ def sequential_strategy(fns: TrainFns) -> Strategy:
     kept: dict = {}
 
     def stacked(replicas: list):
+        kept.clear()  # consumed: dropped before the new stack is made, so the peak is what it was (the old stack, the
+        # new replicas and the new stack)
         out = _stack(replicas)
         kept.update(stacked=out, replicas=replicas)
         return out
