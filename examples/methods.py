@@ -3,7 +3,7 @@
 Plain cross-entropy (the baseline), label smoothing (a loss of your own) and a larger learning rate (a
 config key), each trained for 7 replicas under the same keys: replica r of every method starts from the same
 initial weights and sees the same data order, so each method is compared with the baseline seed by seed
-(7 pairs: the fewest whose sign-flip p, Holm-adjusted over two methods, can fall below 0.05).
+(7 pairs: the paired t test of each difference, Holm-adjusted over the two methods).
 (``python examples/methods.py [OUT]``)
 """
 

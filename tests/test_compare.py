@@ -43,12 +43,13 @@ def test_paired_run_folders_compare_seed_by_seed(same_seeds, tmp_path, capsys):
     assert r["difference"] == pytest.approx(np.mean(sc - sa))
     n_test = len(np.load(a / "test_labels.npy"))
     assert r["difference_ci"] == pytest.approx(list(stats.mean_ci(sc - sa, resolution=1 / n_test)))
-    assert r["p"] in (0.25, 0.5, 0.75, 1.0)  # exact sign flips of 3 pairs: never below 2/2^3
+    assert r["p"] == stats.paired_t_p(sa, sc, resolution=1 / n_test)  # the printed interval's own test
+    assert (r["p"] < 0.05) == (r["difference_ci"][0] > 0 or r["difference_ci"][1] < 0)
     assert r["probability_of_improvement"] == pytest.approx(np.mean((sc > sa) + 0.5 * (sc == sa)))
     plot = tmp_path / "paired.png"
     assert main([str(a), str(c), "--paired", "--plot", str(plot)]) == 0
     out = capsys.readouterr().out
-    assert "paired by replica: 3 seed pairs" in out and "sign-flip p" in out and plot.stat().st_size > 10_000
+    assert "paired by replica: 3 seed pairs" in out and "paired t p" in out and plot.stat().st_size > 10_000
     assert main([str(a), str(c), "--paired", "--arm", "init", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["a"]["arm"] == "init"
 
@@ -81,18 +82,17 @@ def test_a_family_verdict_says_whether_the_finding_survives_holm(tmp_path):
     assert "Cannot tell A and B apart" in verdict(other)
 
 
-def test_a_verdict_follows_its_printed_test_and_says_when_the_design_cannot_reach_it():
-    """Five seeds all favouring B: the paired interval excludes 0 but the sign-flip p cannot fall below 2/2^5 =
-    0.0625, so no difference is claimed, the sentence says why, and the planned pairs are ones that can reject."""
+def test_a_verdict_follows_its_printed_test():
+    """Five seeds all favouring B: the paired interval excludes 0 and its own test, the paired t, rejects (the
+    sign-flip p printed before could not fall below 2/2^5 = 0.0625 there, so no difference was claimed); a
+    difference the interval does not exclude is not claimed either."""
     a = np.array([0.80, 0.82, 0.81, 0.83, 0.79])
     five = stats.compare_paired(a, a + np.array([0.020, 0.022, 0.019, 0.021, 0.020]))
-    assert five["difference_ci"][0] > 0 and five["p"] == pytest.approx(0.0625)
-    said = verdict(five)
-    assert said.startswith("Not decided") and "B is" not in said
-    assert "with 5 seed pairs no sign-flip p can fall below 0.05" in said and "6 pairs are the fewest" in said
-    assert five["pairs_for_80pct_power"] >= stats.sign_flip_min_pairs() == 6
-    six = stats.compare_paired(np.append(a, 0.8), np.append(a + 0.02, 0.821))
-    assert six["p"] < 0.05 and verdict(six).startswith("B is better than A")
+    assert five["difference_ci"][0] > 0 and five["p"] < 0.05 and verdict(five).startswith("B is better than A")
+    assert "paired t p" in verdict(five) and five["pairs_for_80pct_power"] == 2  # sd 0.001: two pairs suffice
+    noisy = stats.compare_paired(a, a + np.array([0.02, -0.01, 0.015, -0.02, 0.01]))
+    assert noisy["difference_ci"][0] < 0 < noisy["difference_ci"][1] and noisy["p"] >= 0.05
+    assert verdict(noisy).startswith("Cannot tell A and B apart")
     # Welch: a p below 0.05 with an interval that (widened) still includes 0 is not a finding either
     r = {**stats.compare_means([0.0, 1.0, 2.0], [2.0, 3.0, 4.0]), "p": 0.04, "difference_ci": [-0.1, 4.1]}
     assert verdict(r).startswith("Not decided") and "includes 0" in verdict(r)
@@ -125,12 +125,24 @@ def test_paired_csv_files_pair_by_their_seed_column(tmp_path):
     assert compare(a, b, paired=True)["paired_by"] == "row"
 
 
-def test_sign_flip_p_holds_its_level_and_is_exact_for_few_pairs():
+def test_paired_t_p_is_scipys_and_agrees_with_the_printed_interval():
+    """The paired p is scipy's ttest_rel; it falls below 0.05 exactly when the printed 95% interval excludes 0,
+    tied differences of counts included (their p is where the tie bound reaches 0); no difference: about 5%."""
+    from scipy import stats as sps
+
     rng = np.random.default_rng(0)
     u = rng.normal(size=(300, 8))
-    p = [stats.sign_flip_p(u[i] + rng.normal(0, 0.3, 8), u[i] + rng.normal(0, 0.3, 8)) for i in range(300)]
-    assert np.mean(np.array(p) < 0.05) <= 0.08  # no difference: about 5% false alarms
-    assert stats.sign_flip_p([0.0, 0.0, 0.0], [1.0, 2.0, 3.0]) == pytest.approx(0.25)  # 2 of 8 sign patterns
+    p = [stats.paired_t_p(u[i] + rng.normal(0, 0.3, 8), u[i] + rng.normal(0, 0.3, 8)) for i in range(300)]
+    assert np.mean(np.array(p) < 0.05) <= 0.08
+    a, b = [0.0, 0.0, 0.0], [1.0, 2.0, 3.0]
+    assert stats.paired_t_p(a, b) == pytest.approx(sps.ttest_rel(b, a).pvalue)
+    for n, steps in ((3, 1), (8, 1), (8, 3), (20, 1)):  # every pair differs by the same count of test images
+        a = np.full(n, 0.9)
+        b = a + steps / 360
+        r = stats.compare_paired(a, b, resolution=1 / 360)
+        lo, hi = r["difference_ci"]
+        assert (r["p"] < 0.05) == (lo > 0 or hi < 0), (n, steps, r["p"], lo, hi)
+    assert stats.paired_t_p([0.9] * 4, [0.9] * 4, resolution=1 / 360) == 1.0
 
 
 def scores(run, arm):

@@ -248,17 +248,14 @@ def _label(w: dict) -> str:
 
 def verdict(r: dict) -> str:
     """One sentence on what the printed interval and the printed test support together: a difference is claimed
-    only when the 95% CI excludes 0 and the test's p is below 0.05 (Holm-adjusted too, in a family); a design
-    whose test cannot reach 0.05 (too few seed pairs for a sign-flip p) says so."""
+    only when the 95% CI excludes 0 and the test's p is below 0.05 (Holm-adjusted too, in a family). The paired
+    test is the printed interval's own (the paired t), so there the two never disagree; Welch's p and interval
+    are one test too."""
     lo, hi = r["difference_ci"]
     better = "better" if (r["difference"] > 0) == r["higher_is_better"] else "worse"
-    test = "sign-flip p" if r.get("paired") else "Welch p"
+    test = "paired t p" if r.get("paired") else "Welch p"
     family = r.get("holm_family", 1)
     excludes, rejects = lo > 0 or hi < 0, r["p"] < 0.05
-    floor = S.sign_flip_floor(r["n_pairs"]) if r.get("paired") else 0.0
-    cannot = (f" (with {r['n_pairs']} seed pairs no sign-flip p can fall below 0.05: the smallest is "
-              f"2/2^{r['n_pairs']} = {floor:.3g}; {S.sign_flip_min_pairs()} pairs are the fewest that can)"
-              if floor >= 0.05 else "")
     if excludes and rejects:
         if family > 1:
             held = "holds" if r["p_holm"] < 0.05 else "does not hold"
@@ -267,7 +264,7 @@ def verdict(r: dict) -> str:
         return f"B is {better} than A: the 95% CI of the difference excludes 0 ({test} = {r['p']:.3g})."
     if excludes != rejects:
         said = ("the 95% CI of the difference excludes 0 but the " + test.split(" p")[0] + f" test does not reject "
-                f"({test} = {r['p']:.3g}){cannot}") if excludes else (
+                f"({test} = {r['p']:.3g})") if excludes else (
                 f"the {test.split(' p')[0]} test rejects ({test} = {r['p']:.3g}) but the 95% CI of the difference "
                 "includes 0")
         return f"Not decided: {said}; more seeds would settle it."
@@ -275,7 +272,7 @@ def verdict(r: dict) -> str:
         n = r["pairs_for_80pct_power"]
         need = (f"about {n} seed pairs would detect a difference this size 80% of the time" if n
                 else "no difference was observed to size a study for")
-        return f"Cannot tell A and B apart with {r['n_pairs']} seed pairs: the 95% CI includes 0{cannot}; {need}."
+        return f"Cannot tell A and B apart with {r['n_pairs']} seed pairs: the 95% CI includes 0; {need}."
     n = r["replicas_for_80pct_power"]
     need = (f"about {n} runs per method would detect a difference this size 80% of the time" if n
             else "no difference was observed to size a study for")
@@ -303,17 +300,16 @@ def format_paired(r: dict) -> str:
         f"A: {_label(r['a'])}: mean {g(r['mean_a'])}, std {g(r['std_a'])}",
         f"B: {_label(r['b'])}: mean {g(r['mean_b'])}, std {g(r['std_b'])}",
         f"paired by {r['paired_by']}: {r['n_pairs']} seed pairs{left}; correlation of the pairs {corr}",
-        f"mean difference B − A over seeds: {r['difference']:+.4g}  95% CI [{g(lo)}, {g(hi)}]  sign-flip p = "
+        f"mean difference B − A over seeds: {r['difference']:+.4g}  95% CI [{g(lo)}, {g(hi)}]  paired t p = "
         f"{r['p']:.3g}{_holm(r)} (std of the differences {g(r['std_difference'])})",
         f"share of seeds where B {op} A (ties ½): {r['probability_of_improvement']:.3f}  95% CI [{plo:.3f}, {phi:.3f}]",
-        f"seed pairs for 80% power at this difference: {r['pairs_for_80pct_power'] or 'n/a'} (paired t-test, and at "
-        f"least the {S.sign_flip_min_pairs()} pairs a sign-flip p needs to fall below 0.05; a planning figure for the "
-        "next study, not evidence about this one)",
+        f"seed pairs for 80% power at this difference: {r['pairs_for_80pct_power'] or 'n/a'} (paired t-test; a "
+        "planning figure for the next study, not evidence about this one)",
         *([f"seed pairs for 80% power at a difference of {g(r['detect'])} (--detect): "
            f"{r['pairs_for_detect'] or 'n/a'}"] if r.get("detect") is not None else []),
         verdict(r),
         f"methods: difference: {r['methods']['difference']}; share of seeds: "
-        f"{r['methods']['probability_of_improvement']}; p: {S.TESTS['sign_flip_p']}",
+        f"{r['methods']['probability_of_improvement']}; p: {S.TESTS['paired_t_p']}",
     ])
 
 

@@ -353,7 +353,7 @@ COMPARE_GAIN = 0.014  # about +0.44 images of 360 (the issue's real gain); the t
 
 COMPARE_METHODS = {"joined": "paired t at t(96.5%) joined with Garwood (replaced)",
                    "paired_t": "paired t interval, 95% (printed: scipy's ttest_rel confidence_interval)",
-                   "sign_flip": "sign-flip test, p < 0.05 (the p printed)"}
+                   "sign_flip": "sign-flip test, p < 0.05 (the p printed before; now the paired t's own)"}
 
 
 def _sign_flip_p(d):
@@ -369,8 +369,9 @@ def _sign_flip_p(d):
 
 
 def compare_cell(replicas: int, trials: int = 2000, seed: int = 0, gain: float = COMPARE_GAIN) -> dict:
-    """Paired compare on 360 images: coverage of the true gain and power (excludes 0 / p < 0.05) of the printed
-    interval, the paired t interval and the sign-flip test; the truth in images."""
+    """Paired compare on 360 images: coverage of the true gain and power (excludes 0 / p < 0.05) of the interval
+    printed before, the paired t interval (printed, with its own p) and the sign-flip test (printed before); the
+    truth in images."""
     big_a, big_b = _paired_counts(np.random.default_rng(55), (100_000,), gain)
     truth = float((big_b - big_a).mean())
     a, b = _paired_counts(np.random.default_rng(seed), (trials, replicas), gain)

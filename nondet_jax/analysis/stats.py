@@ -26,7 +26,7 @@ import functools
 import math
 
 import numpy as np
-from scipy import optimize, special
+from scipy import integrate, optimize, special
 from scipy import stats as sps
 
 from nondet_jax.analysis.metrics import PAIRWISE_RANGE, PAIRWISE_SCALE, pair_indices
@@ -74,8 +74,9 @@ TESTS = {
     "spread_p_holm": "spread_p Holm-adjusted over the arms compared with `all` (per quantity)",
     "f_test_p": "F-test of equal variances (normal data only; Morin & Willetts' test)",
     "brown_forsythe_p": "Brown–Forsythe (Levene with medians), F approximation",
-    "sign_flip_p": ("paired sign-flip permutation test of mean(B_i − A_i) = 0, exact over every sign pattern up to 16 "
-                    "pairs (100,000 seeded draws above), two-sided"),
+    "paired_t_p": ("paired t-test of mean(B_i − A_i) = 0, two-sided: scipy's ttest_rel(b, a).pvalue, the test of the "
+                   "printed paired interval (below 0.05 exactly when the 95% interval excludes 0; differences of counts "
+                   "that all tie: the level at which their tie bound reaches 0)"),
 }
 MIN_REPLICAS = {"mean": 2, "std": 3, "pairwise": 3, "ratio": 5, "difference": 2, "probability_of_improvement": 2,
                 "paired_difference": 2, "paired_probability_of_improvement": 2, "decomposition": 5, "paired_ratio": 5}
@@ -770,26 +771,27 @@ def paired_difference(a, b, level: float = LEVEL, resolution: float | None = Non
     return {"difference": _out(d.mean(-1)), "ci": [lo, hi], "std": _out(np.asarray(std(d)))}
 
 
-def sign_flip_p(a, b, resamples: int = 100_000) -> float:
-    """Two-sided p of the paired sign-flip permutation test of mean(b − a) = 0 (scipy's
-    ``permutation_test`` with ``permutation_type="samples"``): exact up to 16 pairs (every one of the
-    2^n sign patterns), ``resamples`` seeded draws above. Never below 1/2^(n−1): it claims no more
-    certainty than n pairs can give."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    res = sps.permutation_test((a, b), lambda x, y, axis: np.mean(y - x, axis=axis), permutation_type="samples",
-                               vectorized=True, n_resamples=resamples, alternative="two-sided",
-                               rng=np.random.default_rng(BOOTSTRAP_SEED))
-    return float(res.pvalue)
-
-
-def sign_flip_floor(n_pairs: int) -> float:
-    """The smallest two-sided sign-flip p that ``n_pairs`` pairs can give (every difference one way): 2 / 2^n."""
-    return min(1.0, 2.0 / 2.0 ** n_pairs)
-
-
-def sign_flip_min_pairs(alpha: float = 0.05) -> int:
-    """The fewest pairs whose sign-flip test can reach ``p < alpha`` at all (6 at 0.05)."""
-    return next(n for n in range(1, 64) if sign_flip_floor(n) < alpha)
+def paired_t_p(a, b, resolution: float | None = None) -> float:
+    """Two-sided p of the paired t-test of mean(b − a) = 0, the test of :func:`paired_difference`'s interval (p
+    below 1 − level exactly when that interval excludes 0): scipy's ``ttest_rel(b, a).pvalue``, computed from the
+    interval's own mean and std (so the two agree to the last bit, and differences equal but for rounding raise no
+    precision warning). Differences of counts (``resolution``) that all tie have the tie bound for an interval,
+    ``mean ± tie_rate(n, level) · resolution``: their p is the 1 − level at which that bound just reaches 0 (1.0
+    when every difference is 0)."""
+    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
+    d = b - a
+    if np.ptp(d) > 0:
+        return float(2 * sps.t.sf(abs(d.mean()) / (std(d) / math.sqrt(len(d))), len(d) - 1))
+    if d[0] == 0:
+        return 1.0
+    if not resolution:  # no spread and no count: nothing bounds the mean's uncertainty from below
+        return 0.0
+    reach = lambda alpha: tie_rate(len(d), 1.0 - alpha) * resolution - abs(d[0])  # noqa: E731  (falls with alpha)
+    if reach(1.0 - 1e-9) >= 0:  # even the narrowest bound reaches 0
+        return 1.0
+    if reach(1e-6) < 0:  # beyond what the tie bound can be computed for: p is below 1e-6, given as 1e-6
+        return 1e-6
+    return float(optimize.brentq(reach, 1e-6, 1.0 - 1e-9, xtol=1e-12))
 
 
 def paired_probability_of_improvement(a, b, level: float = LEVEL) -> dict:
@@ -831,8 +833,8 @@ def pairs_for_difference(difference: float, sd: float, power: float = 0.8, alpha
 def compare_paired(a, b, level: float = LEVEL, higher_is_better: bool = True, detect: float | None = None,
                    resolution: float | None = None) -> dict:
     """:func:`compare_means` for runs that share seeds: ``a[i]`` and ``b[i]`` are the two methods'
-    scores under seed i. The difference ``mean(B_i − A_i)`` with its paired t interval and the
-    sign-flip permutation p, the share of seeds where B is better (higher, or lower when
+    scores under seed i. The difference ``mean(B_i − A_i)`` with its paired t interval and that test's p
+    (:func:`paired_t_p`), the share of seeds where B is better (higher, or lower when
     ``higher_is_better`` is False) with its interval, the correlation of the pairs, and the pairs a
     paired t-test needs for 80% power at the observed (and at ``detect``) difference."""
     a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
@@ -844,24 +846,26 @@ def compare_paired(a, b, level: float = LEVEL, higher_is_better: bool = True, de
         corr = float(np.corrcoef(a, b)[0, 1]) if std(a) > 0 and std(b) > 0 else float("nan")
     return {"paired": True, "n_a": len(a), "n_b": len(b), "n_pairs": len(a), "mean_a": float(a.mean()),
             "mean_b": float(b.mean()), "std_a": std(a), "std_b": std(b), "difference": d["difference"],
-            "difference_ci": d["ci"], "std_difference": d["std"], "p": sign_flip_p(a, b),
+            "difference_ci": d["ci"], "std_difference": d["std"], "p": paired_t_p(a, b, resolution),
             "correlation": corr, "probability_of_improvement": poi["probability"],
             "probability_of_improvement_ci": poi["ci"],
-            "pairs_for_80pct_power": _reachable(pairs_for_difference(d["difference"], d["std"])), "level": level,
+            "pairs_for_80pct_power": pairs_for_difference(d["difference"], d["std"]), "level": level,
             "higher_is_better": higher_is_better, "detect": detect,
-            "pairs_for_detect": None if detect is None else _reachable(pairs_for_difference(abs(detect), d["std"]))}
-
-
-def _reachable(pairs: int | None) -> int | None:
-    """A planned number of seed pairs, at least the fewest whose sign-flip test (the p a paired comparison
-    prints) can reject at all: the paired t-test's figure alone can be 3, where no sign-flip p falls below 0.05."""
-    return None if pairs is None else max(pairs, sign_flip_min_pairs())
+            "pairs_for_detect": None if detect is None else pairs_for_difference(abs(detect), d["std"])}
 
 
 def _t_power(ncp: float, df: int, alpha: float) -> float:
     """Power of a two-sided t-test with noncentrality ``ncp`` and ``df`` degrees of freedom."""
     crit = sps.t.ppf(1 - alpha / 2, df)
-    return float(sps.nct.sf(crit, df, ncp) + sps.nct.cdf(-crit, df, ncp))
+    power = float(sps.nct.sf(crit, df, ncp) + sps.nct.cdf(-crit, df, ncp))
+    if np.isfinite(power):
+        return power
+    # scipy's noncentral t gives NaN far out (a large ncp): T = (Z + ncp) / √(V/df), so integrate over V ~ χ²(df)
+    def given(v):
+        c = crit * math.sqrt(v / df)
+        return (sps.norm.sf(c - ncp) + sps.norm.cdf(-c - ncp)) * sps.chi2.pdf(v, df)
+
+    return float(integrate.quad(given, 0.0, np.inf)[0])
 
 
 def t_test_power(effect: float, n: int, alpha: float = 0.05) -> float:

@@ -90,7 +90,7 @@ def _md_comparisons(comparisons: list[dict], decisions: dict | None = None) -> l
     """The comparisons' table and one sentence each: :func:`verdict`'s, or for a sequential study its
     ``decisions`` (``{(method_b, method_a, arm): row}`` of the last look), the answers it stopped on."""
     g = lambda x: f"{x:.4g}"  # noqa: E731
-    lines = ["| method | vs | arm | mean (method) | mean (vs) | difference [95% CI] | sign-flip p | Holm p | "
+    lines = ["| method | vs | arm | mean (method) | mean (vs) | difference [95% CI] | paired t p | Holm p | "
              "share of seeds it wins [95% CI] | pairs |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in comparisons:
         lo, hi = r["difference_ci"]
@@ -144,13 +144,13 @@ def write_methods_report(root: str | Path, command: str | None = None, log=print
     md += [f"## Each method against `{baseline}`, paired by seed ({metric})", ""]
     if summary["until"] and comparisons:
         md += ["This study stopped sequentially: its answers, in words below, are the repeated intervals' (section "
-               "*Sequential design*). The 95% CI and sign-flip p in the table read the replicas as if their number "
+               "*Sequential design*). The 95% CI and paired t p in the table read the replicas as if their number "
                "had been fixed in advance.", ""]
     if comparisons:
         decisions = {key(c): c for c in summary["until"]["looks"][-1]["comparisons"]} if summary["until"] else None
         md += [*_md_comparisons(comparisons, decisions), "",
                f"Difference: {S.METHODS['paired_difference']}. Share of seeds: "
-               f"{S.METHODS['paired_probability_of_improvement']}. p: {S.TESTS['sign_flip_p']}. Holm: over the "
+               f"{S.METHODS['paired_probability_of_improvement']}. p: {S.TESTS['paired_t_p']}. Holm: over the "
                f"{len(names) - 1} methods compared with `{baseline}` on each arm. Differences and means are in the "
                f"metric's stored units ({'a fraction: 0.01 = 1 point of accuracy' if 'accuracy' in metric else metric}).",
                ""]
