@@ -191,3 +191,13 @@ def test_step_overhead_times_the_library_step_against_a_bare_one(tmp_path):
     result = json.loads(out.read_text())
     assert set(result["median_ms"]) == {"library", "bare", "forward", "threads"} and result["threads"] == 2
     assert all(v > 0 for v in result["median_ms"].values()) and result["library_vs_bare"] > 0
+
+
+def test_study_overheads_runs_and_checks_each_piece_is_the_same_answer(tmp_path):
+    """benchmarks/study_overheads.py times each piece before and now and asserts both give the same answer."""
+    out = tmp_path / "overheads.json"
+    proc = run("benchmarks/study_overheads.py", "--rounds", "1", "--out", out)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == {"spread tests", "ratio design figure", "replicas of an epoch", "flag check"}
+    assert all(r["before_median"] > 0 for r in rows.values())
