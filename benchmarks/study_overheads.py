@@ -21,7 +21,6 @@ Prints a table and writes the JSON (machine, versions, every round).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
