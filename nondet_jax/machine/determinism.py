@@ -100,8 +100,8 @@ def start_check(flags) -> Callable[[], None]:
     """Start checking that the installed jaxlib knows every one of ``flags``; returns the wait, which raises
     UsageError when it does not. Between the two the caller may import (not start JAX's backend).
 
-    XLA aborts the whole process on an unknown flag, so the check runs in a throw-away child (1.1-2 s, on a
-    core of its own while the caller goes on). An accepted ``XLA_FLAGS`` string is remembered in this process
+    XLA aborts the whole process on an unknown flag, so the check runs in a throw-away child (1.4 s in
+    benchmarks/study_overheads.py, on a core of its own while the caller goes on). An accepted ``XLA_FLAGS`` string is remembered in this process
     and, when the persistent compilation cache is on, as a file beside it, keyed by the whole string and the
     installed jax/jaxlib (see :func:`_flags_key`): only acceptance is remembered, so a refusal is always asked
     afresh.
