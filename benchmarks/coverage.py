@@ -10,6 +10,9 @@ every arm drawn from one scenario, how often each spread test says "different" a
 the disagreement's jackknife alone) on the same data; last, what an n/a for arms that look strongly skewed
 would do to the strong-skew case (:func:`skew_flag`). Writes benchmarks/results/coverage.json.
 
+``--sequential-grid`` sets the sequential design's boundary shapes and futility thresholds side by side
+(:data:`GRID`, 2000 studies per cell with ``--trials 2000``, into power.json's ``sequential_grid``).
+
 ``--power`` instead measures power beside coverage (:mod:`nondet_jax.analysis.power`: std ratios of independent
 arms and of arms sharing seeds, paired compare on 360 images, the failed-replica rule's false alarms, the
 findings' family-wise error over 6 arms, the sequential design) into benchmarks/results/power.json: ``python
@@ -195,6 +198,48 @@ def power_tables(trials: int, replicas: list) -> dict:
     return out
 
 
+GRID = [(0.5, 0.1, False), (0.5, 0.1, True), (0.5, 0.3, True), (0.4, 0.1, True), (0.4, 0.2, True), (0.4, 0.3, True),
+        (0.3, 0.2, True), (0.3, 0.3, True)]  # (boundary shape, futility, futility counted in the calibration)
+
+
+def sequential_grid(trials: int) -> list[dict]:
+    """The sequential design's choice (``--sequential-grid``): for each boundary shape and futility threshold of
+    :data:`GRID` (the first row the design before: Pocock's level, 10%, not counted), the error where there is
+    no difference and, at standardised differences 0.5, 0.7 and 1, the power, mean replicas and the share saved
+    against the fixed paired t design of the same power, on normal and 360-image differences (looks every 4
+    replicas from 8 to 32)."""
+    design = sequential.Until("decided", None, 8, 32)
+    scenarios = {"normal": None, "360 images": power.paired_accuracy_differences}
+    pct = lambda v: "—" if v is None else f"{100 * v:.1f}%"  # noqa: E731
+    rows = []
+    for shape, futility, binding in GRID:
+        levels = sequential.look_levels(tuple(design.looks()), sequential.ALPHA, shape, futility if binding else 0.0)
+        for sc, gen in scenarios.items():
+            for effect in (0.0, 0.5, 0.7, 1.0):
+                cell = sequential.simulate(design, effect, trials, seed=1, differences=gen, levels=levels,
+                                           futility=futility)
+                rows.append({"shape": shape, "futility": futility, "binding": binding, "scenario": sc, **cell})
+            got = rows[-4:]
+            print(f"shape {shape} futility {futility:.0%} {'binding' if binding else 'not counted'}  {sc:<10} error "
+                  f"{pct(got[0]['decided'])}  " + "  ".join(f"{r['effect']:g}: power {pct(r['decided'])} replicas "
+                                                            f"{r['mean_replicas']:.1f} saved {pct(r['saved'])}"
+                                                            for r in got[1:]), flush=True)
+    return rows
+
+
+def grid_markdown(rows: list[dict]) -> str:
+    lines = ["| boundary shape | futility | counted in the calibration | scenario | error | power 0.5 / 0.7 / 1 | mean "
+             "replicas 0.5 / 0.7 / 1 | saved against the same power 0.5 / 0.7 / 1 |", "|---|---|---|---|---|---|---|---|"]
+    for i in range(0, len(rows), 4):
+        null, *real = rows[i:i + 4]
+        lines.append(f"| {null['shape']:g} | {100 * null['futility']:.0f}% | {'yes' if null['binding'] else 'no'} | "
+                     f"{null['scenario']} | {100 * null['decided']:.1f}% | "
+                     + " / ".join(f"{100 * r['decided']:.0f}%" for r in real) + " | "
+                     + " / ".join(f"{r['mean_replicas']:.1f}" for r in real) + " | "
+                     + " / ".join("—" if r["saved"] is None else f"{100 * r['saved']:.0f}%" for r in real) + " |")
+    return "\n".join(lines)
+
+
 def power_markdown(stored: dict) -> str:
     """docs/statistics.md's power tables, from the stored power JSON (``--power --markdown``)."""
     lines = ["| std ratio 2, independent arms | R | " + " | ".join(power.RATIO_METHODS.values()) + " |",
@@ -251,6 +296,8 @@ def power_markdown(stored: dict) -> str:
                      f"{share(row['within'])} | {share(row['futile'])} | {row['mean_replicas']:.1f} | "
                      f"{share(row['coverage'])} | {100 * row['saved_against_max']:.0f}% | {fixed or '—'} | "
                      f"{'—' if saved is None else f'{100 * saved:.0f}%'} |")
+    if stored.get("sequential_grid"):
+        lines += ["", grid_markdown(stored["sequential_grid"])]
     return "\n".join(lines)
 
 
@@ -271,6 +318,8 @@ def main(argv=None) -> int:
                    help="power beside coverage (nondet_jax.analysis.power) instead, written to --power-out; with "
                         "--markdown, its tables from --power-out")
     p.add_argument("--power-out", type=Path, default=ROOT / "benchmarks" / "results" / "power.json")
+    p.add_argument("--sequential-grid", action="store_true",
+                   help="the sequential design's boundary shapes and futility thresholds side by side, into --power-out")
     p.add_argument("--quick", action="store_true",
                    help="with --power: 300 studies per cell at R=8 only (about a minute; what the test runs)")
     args = p.parse_args(argv)
@@ -280,9 +329,18 @@ def main(argv=None) -> int:
     if args.markdown:
         print(markdown(json.loads(args.out.read_text())))
         return 0
+    if args.sequential_grid:
+        stored = json.loads(args.power_out.read_text()) if args.power_out.exists() else {}
+        stored["sequential_grid"] = sequential_grid(args.trials)
+        atomic_write_json(args.power_out, stored)
+        print(f"{args.trials} simulated studies per cell; wrote {args.power_out}")
+        return 0
     if args.power:
         trials, reps = (300, [8]) if args.quick else (args.trials, args.replicas)
         result = power_tables(trials, reps)
+        if args.power_out.exists():  # the design grid (--sequential-grid) is kept
+            grid = json.loads(args.power_out.read_text()).get("sequential_grid")
+            result.update({"sequential_grid": grid} if grid else {})
         atomic_write_json(args.power_out, result)
         print(f"{trials} simulated studies per cell; wrote {args.power_out}")
         return 0

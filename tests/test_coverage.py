@@ -113,6 +113,34 @@ def test_power_beside_coverage_quick_run_writes_every_table(tmp_path):
     assert "| std ratio 2, independent arms |" in bench.power_markdown(stored)
 
 
+def test_the_sequential_grid_compares_designs_at_their_error(tmp_path, monkeypatch):
+    """``benchmarks/coverage.py --sequential-grid``: each design's error, power and replicas saved, kept in the power
+    JSON beside the other tables and printed as a table; the design the tool runs is one of the grid's rows and a
+    design whose giving up is counted in its calibration keeps its error near 5%."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from nondet_jax.analysis import sequential
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("coverage_benchmark", root / "benchmarks" / "coverage.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert (sequential.BOUNDARY_SHAPE, sequential.FUTILITY, True) in bench.GRID
+    monkeypatch.setattr(bench, "GRID", [(0.5, 0.1, False), (sequential.BOUNDARY_SHAPE, sequential.FUTILITY, True)])
+    out = tmp_path / "power.json"
+    out.write_text(json.dumps({"ratio": ["kept"]}))
+    assert bench.main(["--sequential-grid", "--trials", "1500", "--power-out", str(out)]) == 0
+    stored = json.loads(out.read_text())
+    assert stored["ratio"] == ["kept"] and len(stored["sequential_grid"]) == 2 * 2 * 4
+    nulls = [r for r in stored["sequential_grid"] if r["effect"] == 0]
+    assert all(r["decided"] <= 0.05 + 3 * (0.05 * 0.95 / 1500) ** 0.5 for r in nulls)
+    real = [r for r in stored["sequential_grid"] if r["effect"] == 1.0]
+    assert all(r["decided"] > 0.9 and 8 <= r["mean_replicas"] < 16 for r in real)
+    table = bench.grid_markdown(stored["sequential_grid"])
+    assert table.count("\n") == 1 + 2 * 2 and "| 0.5 | 10% | no | normal |" in table
+
+
 def test_the_power_simulation_runs_the_printed_spread_test():
     """power.spread_test_cell's batched permutation test is stats.spread_test (every split at R=8), and Hines'
     variant merges an even arm's two equal middle deviations."""

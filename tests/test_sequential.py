@@ -38,13 +38,16 @@ def test_a_design_looks_every_round_up_to_its_most_replicas():
     assert parse("decided=0.02", 12, 4).spec == "decided=0.02"
 
 
-def test_the_per_look_level_keeps_the_designs_error_at_5_percent():
-    """Pocock's constant level, calibrated on one seeded simulation, holds on fresh ones: no difference is
+def test_the_look_levels_keep_the_designs_error_at_5_percent():
+    """The boundary's levels, calibrated on one seeded simulation, hold on fresh ones: no difference is
     decided where there is none in more than 5% of studies (plus Monte Carlo error), for one comparison and
-    for three (Bonferroni), and the repeated intervals cover at least 95% wherever the study stops."""
+    for three (Bonferroni), and the interval printed at the stop covers at least 95%."""
     design = Until("decided", None, 8, 32)
-    level = sequential.per_look_level(tuple(design.looks()))
-    assert 0.0125 / 2 < level < 0.05 / 2 * 1.2  # stricter than one look's 5%, looser than Bonferroni over 7
+    levels = sequential.design_levels(design)
+    assert len(levels) == 7 and list(levels) == sorted(levels)  # stricter at early looks
+    assert 0.05 / 7 < levels[0] and levels[-1] < 0.05  # looser than Bonferroni over 7, stricter than one look
+    pocock = sequential.look_levels(tuple(design.looks()), 0.05, 0.5, 0.0)
+    assert len(set(pocock)) == 1 and 0.0125 / 2 < pocock[0] < 0.05 / 2 * 1.2
     for comparisons in (1, 3):
         null = sequential.simulate(design, 0.0, 8000, seed=11, comparisons=comparisons)
         assert null["decided"] <= 0.05 / comparisons + 3 * np.sqrt(0.05 / comparisons / 8000)
@@ -76,7 +79,9 @@ def test_a_look_answers_each_comparison_by_its_repeated_interval():
     look = sequential.assess(design, [_comparison(a, clear)])
     (row,) = look["comparisons"]
     assert row["decision"] == "lr2 is better" and look["stop"] and look["why"] == "every comparison is answered"
-    level = sequential.per_look_level((8, 12, 16))
+    levels = sequential.design_levels(design)
+    level = levels[0]
+    assert look["level"] == level
     from scipy import stats as sps
 
     d = clear - a  # the repeated interval is the paired t interval at 1 - level (scipy's, by hand)
@@ -91,11 +96,11 @@ def test_a_look_answers_each_comparison_by_its_repeated_interval():
     row = sequential.assess(design, [_comparison(a, maybe)])
     assert row["comparisons"][0]["decision"] == "open" and not row["stop"] and row["why"] == ""
     t = np.mean(maybe - a) / (np.std(maybe - a, ddof=1) / np.sqrt(8))
-    assert sequential.conditional_power(t, 8, 16, level) > sequential.FUTILITY > \
-        sequential.conditional_power(t / 3, 8, 16, level)
+    assert sequential.conditional_power(t, 8, 16, levels[-1]) > sequential.FUTILITY > \
+        sequential.conditional_power(t / 3, 8, 16, levels[-1])
     within = sequential.assess(Until("decided", 0.01, 8, 16), [_comparison(a, small)])["comparisons"][0]
     assert within["decision"] == "within ±0.01"
-    last = sequential.assess(Until("decided", None, 4, 8), [_comparison(a, maybe)])
+    last = sequential.assess(Until("decided", None, 4, 8), [_comparison(a, tied)])
     assert last["stop"] and "most replicas" in last["why"] and last["comparisons"][0]["decision"] == "not decided"
     narrow = sequential.assess(Until("width", 0.5, 8, 16), [_comparison(a, tied)])
     assert narrow["comparisons"][0]["decision"] == "narrow enough"
@@ -225,8 +230,8 @@ def test_run_study_takes_a_sequential_design(tmp_path):
 
 
 def test_an_answer_stands_and_its_method_trains_no_more():
-    """A comparison answered at an earlier look keeps its answer (and its replicas) at later looks; the level
-    stays the one for every comparison."""
+    """A comparison answered at an earlier look keeps its answer (and its replicas) at later looks; the levels
+    stay those for every comparison."""
     rng = np.random.default_rng(1)
     a = rng.normal(0.9, 0.01, 8)
     maybe = a + np.array([0.01, 0.03, -0.01, 0.02, 0.0, 0.03, 0.01, 0.02])
@@ -236,5 +241,6 @@ def test_an_answer_stands_and_its_method_trains_no_more():
     earlier = sequential.answered([first])
     assert list(earlier) == [("bad", "base", "all")] and earlier["bad", "base", "all"]["replicas"] == 4
     later = sequential.assess(design, [_comparison(a[:4], a[:4] - 0.2, "bad"), _comparison(a, maybe)], earlier)
-    assert later["replicas"] == 8 and later["level"] == first["level"]
+    levels = sequential.design_levels(design, 2)  # Bonferroni over both comparisons, the answered one too
+    assert later["replicas"] == 8 and (first["level"], later["level"]) == levels[:2]
     assert later["comparisons"][0] == earlier["bad", "base", "all"]

@@ -9,6 +9,7 @@ import io
 import warnings
 from pathlib import Path
 
+from nondet_jax.analysis import sequential
 from nondet_jax.analysis import stats as S
 from nondet_jax.analysis.compare import verdict
 from nondet_jax.analysis.methods import compare_methods, compared_arms, default_metric, finished, read_record
@@ -176,6 +177,18 @@ def _sequential_words(row: dict) -> str:
             f"difference [{lo:+.4g}, {hi:+.4g}]).")
 
 
+def _levels_sentence(design: Until, last: dict) -> str:
+    m, k = len(last["comparisons"]), len(design.looks())
+    if design.rule == "width":
+        return (f"Pocock's constant level, at which the intervals of all {m} comparison(s) over all {k} possible looks "
+                "miss the truth in at most 5% of studies (calibrated by simulation), so they hold wherever the study "
+                "stops.")
+    return (f"levels on Wang & Tsiatis' boundary (shape {sequential.BOUNDARY_SHAPE:g}: stricter at early looks), "
+            f"calibrated by simulation so that the {m} comparison(s) over all {k} possible looks, stopped by the "
+            f"design's own rules (a comparison under {sequential.FUTILITY:.0%} chance of a decision by the last look "
+            "is given up), decide a difference that is not there in at most 5% of studies.")
+
+
 def _md_sequential(state: dict, comparisons: list[dict]) -> list[str]:
     """The looks of a sequential study (``methods.json``'s ``until``), its stop and what the stop saved."""
     design = Until(**{k: v for k, v in state["design"].items() if k != "spec"})
@@ -183,10 +196,8 @@ def _md_sequential(state: dict, comparisons: list[dict]) -> list[str]:
     last = looks[-1]
     md = ["## Sequential design", "",
           f"`--until {design.spec}`: {design.first} replicas per method, then {design.round} more at each look up to "
-          f"{design.max_replicas}. Each look reads every comparison's repeated interval: the paired t interval at "
-          f"{100 * (1 - last['level']):.2f}%, the constant per-look level (Pocock's) at which the intervals of all "
-          f"{len(last['comparisons'])} comparison(s) over all {len(design.looks())} possible looks miss the truth in at "
-          "most 5% of studies (calibrated by simulation), so they hold wherever the study stops.", "",
+          f"{design.max_replicas}. Each look reads every comparison's paired t interval at its look's level "
+          f"({100 * (1 - last['level']):.2f}% at the last look taken): " + _levels_sentence(design, last), "",
           "| replicas | method | vs | arm | difference | repeated interval | answer |", "|---|---|---|---|---|---|---|"]
     for look in looks:
         for c in look["comparisons"]:
