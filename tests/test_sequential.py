@@ -186,7 +186,8 @@ def test_a_sequential_study_of_methods_stops_once_answered_and_resumes(tmp_path)
     assert proc.returncode == 0, proc.stderr
     state = json.loads((out / "methods.json").read_text())["until"]
     assert state["design"] == {"rule": "decided", "value": None, "first": 4, "max_replicas": 12, "round": 4,
-                               "spec": "decided"}
+                               "spec": "decided", "boundary": {"shape": sequential.BOUNDARY_SHAPE,
+                                                               "futility": sequential.FUTILITY, "futility_counted": True}}
     looks = state["looks"]
     assert [k["replicas"] for k in looks] == [4, 8] and [k["stop"] for k in looks] == [False, True]
     assert looks[-1]["comparisons"][0]["decision"] == "lr2 is better" and looks[0]["comparisons"][0]["decision"] == "open"
@@ -206,6 +207,12 @@ def test_a_sequential_study_of_methods_stops_once_answered_and_resumes(tmp_path)
     fixed = sweep_cli(*study)
     assert fixed.returncode == 2 and "is a sequential study of methods (--until decided --max-replicas 12)" in fixed.stderr
     record = json.loads((out / "methods.json").read_text())
+    older = json.loads(json.dumps(record))
+    del older["until"]["design"]["boundary"]  # looks taken by the version before, at Pocock's constant level
+    (out / "methods.json").write_text(json.dumps(older))
+    moved = sweep_cli(*study, "--until", "decided", "--max-replicas", "12")
+    assert moved.returncode == 2 and "whose looks were read at Pocock's constant level" in moved.stderr
+    assert json.loads((out / "methods.json").read_text()) == older  # refused before anything is written
     del record["until"]["looks"][0]["comparisons"][0]["interval"]  # a damaged record: one line, not a traceback
     (out / "methods.json").write_text(json.dumps(record))
     damaged = sweep_cli(*study, "--until", "decided", "--max-replicas", "12")

@@ -124,6 +124,16 @@ def conditional_power(t, n, last: int, level: float):
     return np.where(f < 1, np.nan_to_num(cp, nan=0.0), 0.0)
 
 
+def design_record(until: Until) -> dict:
+    """``methods.json``'s record of a sequential design: ``until`` with its spec and, for ``decided``, the boundary
+    its levels follow, so a folder started under another boundary is refused instead of resumed on levels its
+    earlier looks were not read at (:func:`nondet_jax.study.methods.check_design`)."""
+    record = {**until._asdict(), "spec": until.spec}
+    if until.rule == "decided":
+        record["boundary"] = {"shape": BOUNDARY_SHAPE, "futility": FUTILITY, "futility_counted": True}
+    return record
+
+
 def _t_stat(mean, sd, n):
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(sd > 0, mean / (sd / np.sqrt(n)), np.where(mean == 0, 0.0, np.inf))

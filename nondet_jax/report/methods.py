@@ -191,7 +191,7 @@ def _levels_sentence(design: Until, last: dict) -> str:
 
 def _md_sequential(state: dict, comparisons: list[dict]) -> list[str]:
     """The looks of a sequential study (``methods.json``'s ``until``), its stop and what the stop saved."""
-    design = Until(**{k: v for k, v in state["design"].items() if k != "spec"})
+    design = Until(**{k: v for k, v in state["design"].items() if k not in ("spec", "boundary")})
     looks = state["looks"]
     last = looks[-1]
     md = ["## Sequential design", "",

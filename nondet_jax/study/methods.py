@@ -227,9 +227,19 @@ def check_design(out: Path, until) -> int | None:
     if state is None:
         raise UsageError(f"{out} holds a study of methods with a fixed number of replicas, which a sequential study "
                          "(--until) cannot grow; choose another --out")
-    design = {**until._asdict(), "spec": until.spec}
-    if state.get("design") != design:
-        old = state.get("design") or {}
+    from nondet_jax.analysis.sequential import design_record
+
+    design = design_record(until)
+    old = state.get("design") or {}
+    if old != design and {k: v for k, v in old.items() if k != "boundary"} == {
+            k: v for k, v in design.items() if k != "boundary"}:
+        def words(b):
+            return (f"Wang & Tsiatis' boundary of shape {b.get('shape')}, giving up below {b.get('futility')}"
+                    if isinstance(b, dict) else "Pocock's constant level")
+        raise UsageError(f"{out} is a sequential study whose looks were read at {words(old.get('boundary'))}, not this "
+                         f"version's {words(design['boundary'])}; finish it with the version that started it (a "
+                         "changed design would not keep its error rate), or choose another --out")
+    if old != design:
         raise UsageError(f"{out} is a sequential study run with --until {old.get('spec')} --max-replicas "
                          f"{old.get('max_replicas')} from {old.get('first')} replicas; rerun it with those (a changed "
                          "design would not keep its error rate), or choose another --out")
@@ -256,7 +266,7 @@ def run_looks(out: Path, methods: list[Method], until, replicas: int, run_one, l
     baseline = read_record(out)["baseline"]
     while True:
         state = read_record(out).get("until") or {
-            "design": {**until._asdict(), "spec": until.spec}, "looks": []}
+            "design": sequential.design_record(until), "looks": []}
         earlier = sequential.answered([k for k in state["looks"] if k["replicas"] < replicas])
         last = [c for k in state["looks"][-1:] for c in k["comparisons"]]  # every comparison, named at each look
         done = {c["method_b"] for c in last} - {c["method_b"] for c in last if sequential.key(c) not in earlier}
