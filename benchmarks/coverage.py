@@ -213,11 +213,10 @@ def sequential_grid(trials: int) -> list[dict]:
     pct = lambda v: "—" if v is None else f"{100 * v:.1f}%"  # noqa: E731
     rows = []
     for shape, futility, binding in GRID:
-        levels = sequential.look_levels(tuple(design.looks()), sequential.ALPHA, shape, futility if binding else 0.0)
+        boundary = {"shape": shape, "futility": futility, "futility_counted": binding}
         for sc, gen in scenarios.items():
             for effect in (0.0, 0.5, 0.7, 1.0):
-                cell = sequential.simulate(design, effect, trials, seed=1, differences=gen, levels=levels,
-                                           futility=futility)
+                cell = sequential.simulate(design, effect, trials, seed=1, differences=gen, boundary=boundary)
                 rows.append({"shape": shape, "futility": futility, "binding": binding, "scenario": sc, **cell})
             got = rows[-4:]
             print(f"shape {shape} futility {futility:.0%} {'binding' if binding else 'not counted'}  {sc:<10} error "

@@ -91,6 +91,10 @@ def check_state(state, where: str) -> dict:
         d, looks = state["design"], state["looks"]
         ok = text(d["rule"], d["spec"]) and num(d["value"]) and count(d["first"]) and count(d["max_replicas"]) \
             and count(d["round"]) and isinstance(looks, list)
+        b = d.get("boundary")  # the boundary a decided design's levels follow (absent: recorded before boundaries)
+        ok = ok and (b is None or (isinstance(b, dict) and num(b["shape"]) and b["shape"] is not None
+                                   and num(b["futility"]) and b["futility"] is not None and 0 <= b["futility"] < 1
+                                   and isinstance(b["futility_counted"], bool)))
         for k in looks if ok else ():
             ok = ok and count(k["replicas"]) and num(k["level"]) and text(k["rule"], k["why"]) \
                 and isinstance(k["stop"], bool) and isinstance(k["comparisons"], list)

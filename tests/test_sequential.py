@@ -48,6 +48,11 @@ def test_the_look_levels_keep_the_designs_error_at_5_percent():
     assert 0.05 / 7 < levels[0] and levels[-1] < 0.05  # looser than Bonferroni over 7, stricter than one look
     pocock = sequential.look_levels(tuple(design.looks()), 0.05, 0.5, 0.0)
     assert len(set(pocock)) == 1 and 0.0125 / 2 < pocock[0] < 0.05 / 2 * 1.2
+    # a folder recorded before boundaries were: its looks were read at Pocock's level, and so are its levels now
+    earlier = sequential.boundary_of(design, {"rule": "decided"})
+    assert earlier is sequential.EARLIER and sequential.design_levels(design, 1, earlier) == pocock
+    assert sequential.boundary_of(design, sequential.design_record(design)) == sequential.BOUNDARY
+    assert sequential.boundary_of(Until("width", 1.0, 8, 32), {}) is sequential.REPEATED
     for comparisons in (1, 3):
         null = sequential.simulate(design, 0.0, 8000, seed=11, comparisons=comparisons)
         assert null["decided"] <= 0.05 / comparisons + 3 * np.sqrt(0.05 / comparisons / 8000)
@@ -192,7 +197,7 @@ def test_a_sequential_study_of_methods_stops_once_answered_and_resumes(tmp_path)
     assert [k["replicas"] for k in looks] == [4, 8] and [k["stop"] for k in looks] == [False, True]
     assert looks[-1]["comparisons"][0]["decision"] == "lr2 is better" and looks[0]["comparisons"][0]["decision"] == "open"
     assert "look at 8 replicas: lr2 − base on all" in proc.stdout
-    assert "(a sequential study: its answers are the looks' repeated intervals above" in proc.stdout
+    assert "(a sequential study: its answers are the looks' intervals above" in proc.stdout
     for name in ("base", "lr2"):
         assert json.loads((out / "methods" / name / "arms" / "all.json").read_text())["replicas"] == 8
         assert not (out / "methods" / name / "parts").exists()  # stopped: the blocks the arms grew from are gone
@@ -213,6 +218,14 @@ def test_a_sequential_study_of_methods_stops_once_answered_and_resumes(tmp_path)
     moved = sweep_cli(*study, "--until", "decided", "--max-replicas", "12")
     assert moved.returncode == 2 and "whose looks were read at Pocock's constant level" in moved.stderr
     assert json.loads((out / "methods.json").read_text()) == older  # refused before anything is written
+    from nondet_jax.report.methods import write_methods_report
+    write_methods_report(out, log=lambda *a, **k: None)  # its report describes the design its looks were read at
+    assert "Pocock's constant level (this folder predates recorded boundaries)" in (out / "report.md").read_text()
+    bent = json.loads(json.dumps(record))
+    bent["until"]["design"]["boundary"]["futility"] = "high"
+    (out / "methods.json").write_text(json.dumps(bent))
+    bad = sweep_cli(*study, "--until", "decided", "--max-replicas", "12")
+    assert bad.returncode == 2 and "holds a damaged record of a sequential study's looks" in bad.stderr
     del record["until"]["looks"][0]["comparisons"][0]["interval"]  # a damaged record: one line, not a traceback
     (out / "methods.json").write_text(json.dumps(record))
     damaged = sweep_cli(*study, "--until", "decided", "--max-replicas", "12")

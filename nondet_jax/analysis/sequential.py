@@ -35,7 +35,8 @@ from scipy import stats as sps
 from nondet_jax.analysis import stats as S
 from nondet_jax.until import Until
 
-ALPHA = 0.05  # the whole design's error: any repeated interval missing the truth, over every comparison and look
+ALPHA = 0.05  # the whole design's error over every comparison and look: decided where there is no difference
+# (``decided``), any repeated interval missing the truth (``width``)
 CALIBRATION_TRIALS = 40_000
 # "The same power" is capped here: near 100% the fixed design's replicas grow without bound while the sequential
 # design, which stops at its first look, cannot use fewer than that look's.
@@ -44,12 +45,20 @@ POWER_CAP = 0.95
 # difference what it looks like now, is below this: conditional power under the current trend. Chosen with the
 # boundary shape below by `python benchmarks/coverage.py --sequential-grid --trials 4000` (looks every 4 replicas
 # from 8 to 32; normal and 360-image differences at standardised 0.5, 0.7, 1): Pocock's level with 10%, not
-# counted in the calibration (the design before), saved 18/23/25% and 12/25/37% against the fixed design of the same
-# power; shape 0.4 with 20%, counted, 23/25/24% and 24/29/38% at the same or higher power, error at most 5%.
+# counted in the calibration (the design before), saved 18/23/25% and 12/24/36% against the fixed design of the
+# same power; shape 0.4 with 20%, counted, 23/25/24% and 24/28/38%, its power within 0.5 points of the design
+# before or higher, its error at most 5%.
 FUTILITY = 0.20
 # Wang & Tsiatis' boundary: look k (n_k of N replicas) decides at |z| > C·(n_k/N)^(Δ − 1/2); Δ = 0.5 is
 # Pocock's constant level, Δ = 0 O'Brien & Fleming's.
 BOUNDARY_SHAPE = 0.4
+# A design's boundary as methods.json records it: the shape, the futility threshold, and whether giving up is
+# counted in the calibration. BOUNDARY: ``decided``'s now. EARLIER: a ``decided`` folder recorded without one
+# (started before boundaries were recorded): Pocock's constant level, giving up below 10% not counted.
+# REPEATED: ``width``'s, Pocock's repeated confidence intervals, nothing given up.
+BOUNDARY = {"shape": BOUNDARY_SHAPE, "futility": FUTILITY, "futility_counted": True}
+EARLIER = {"shape": 0.5, "futility": 0.10, "futility_counted": False}
+REPEATED = {"shape": 0.5, "futility": 0.0, "futility_counted": False}
 
 
 def t_path(d: np.ndarray, ns: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -105,11 +114,22 @@ def look_levels(ns: tuple[int, ...], alpha: float = ALPHA, shape: float = BOUNDA
     return tuple(float(v) for v in _levels(hi, ns, shape))
 
 
-def design_levels(until: Until, comparisons: int = 1) -> tuple[float, ...]:
-    """The levels of ``until``'s looks with ``comparisons`` sharing the 5% (Bonferroni): ``decided`` takes
-    :data:`BOUNDARY_SHAPE` and :data:`FUTILITY`, ``width`` Pocock's constant level."""
-    design = (BOUNDARY_SHAPE, FUTILITY) if until.rule == "decided" else (0.5, 0.0)
-    return look_levels(tuple(until.looks()), ALPHA / comparisons, *design)
+def boundary_of(until: Until, record: dict | None = None) -> dict:
+    """The boundary ``until``'s levels follow: :data:`REPEATED` for ``width``; for ``decided``, the one its
+    ``methods.json`` ``record`` names (:data:`EARLIER` where it names none), else this version's :data:`BOUNDARY`."""
+    if until.rule != "decided":
+        return REPEATED
+    if record is None:
+        return BOUNDARY
+    return record["boundary"] if isinstance(record.get("boundary"), dict) else EARLIER
+
+
+def design_levels(until: Until, comparisons: int = 1, boundary: dict | None = None) -> tuple[float, ...]:
+    """The levels of ``until``'s looks with ``comparisons`` sharing the 5% (Bonferroni), on ``boundary``
+    (default :func:`boundary_of` ``until``)."""
+    b = boundary or boundary_of(until)
+    return look_levels(tuple(until.looks()), ALPHA / comparisons, float(b["shape"]),
+                       float(b["futility"]) if b["futility_counted"] else 0.0)
 
 
 def conditional_power(t, n, last: int, level: float):
@@ -130,7 +150,7 @@ def design_record(until: Until) -> dict:
     earlier looks were not read at (:func:`nondet_jax.study.methods.check_design`)."""
     record = {**until._asdict(), "spec": until.spec}
     if until.rule == "decided":
-        record["boundary"] = {"shape": BOUNDARY_SHAPE, "futility": FUTILITY, "futility_counted": True}
+        record["boundary"] = dict(BOUNDARY)
     return record
 
 
@@ -151,7 +171,8 @@ def key(c: dict) -> tuple[str, str, str]:
 
 def answered(looks: list[dict]) -> dict[tuple, dict]:
     """The comparisons answered at earlier looks (``methods.json``'s), each with the look's replicas: an
-    answer stands (the repeated intervals hold at every look at once), so its method trains no more."""
+    answer stands (the levels are calibrated for a design in which an answered comparison stops), so its method
+    trains no more."""
     out: dict[tuple, dict] = {}
     for look in looks:
         for c in look["comparisons"]:
@@ -230,12 +251,12 @@ def _stops(until: Until, d: np.ndarray, levels, futility: float = FUTILITY) -> t
     return stop, lo, hi, (lo > 0) | (hi < 0)
 
 
-def saving(until: Until, look: dict, comparisons: list[dict], trials: int = 4000) -> list[dict]:
+def saving(until: Until, look: dict, comparisons: list[dict], trials: int = 4000, boundary: dict | None = None) -> list[dict]:
     """For each comparison at the stop (``look``: :func:`assess`'s), at the standardised difference found there
     (mean / std of the paired differences; biased up when the study stopped early, as every estimate at a
     sequential stop is), the design's power (:func:`simulate`), the replicas a fixed paired t design needs for
     the same power at the same family-wise level, and the share of replicas the sequential study saved against
-    it (at the replicas its method trained)."""
+    it (at the replicas its method trained). ``boundary``: the design's (:func:`boundary_of`)."""
     used = {key(c): c.get("replicas", look["replicas"]) for c in look["comparisons"]}
     out = []
     for c in comparisons:
@@ -244,7 +265,7 @@ def saving(until: Until, look: dict, comparisons: list[dict], trials: int = 4000
         n = used.get(key(c), look["replicas"])
         row = {"method_b": c["method_b"], "arm": c["arm"], "effect": effect, "replicas": n}
         if 0 < effect < float("inf") and until.rule == "decided":
-            sim = simulate(until, effect, trials, comparisons=len(comparisons))
+            sim = simulate(until, effect, trials, comparisons=len(comparisons), boundary=boundary)
             fixed = sim["fixed_same_power"]
             row.update(power=sim["decided"], expected_replicas=sim["mean_replicas"], fixed_same_power=fixed,
                        saved=None if not fixed else 1 - n / fixed)
@@ -253,7 +274,7 @@ def saving(until: Until, look: dict, comparisons: list[dict], trials: int = 4000
 
 
 def simulate(until: Until, effect: float, trials: int = 4000, seed: int = 0, differences=None,
-             comparisons: int = 1, levels=None, futility: float = FUTILITY) -> dict:
+             comparisons: int = 1, boundary: dict | None = None) -> dict:
     """The design on simulated paired studies: ``differences(rng, shape, effect)`` -> (differences, true mean)
     (default: normal with std 1, so ``effect`` is standardised). Returns the share of studies that
     decided a difference (the error when ``effect`` is 0), the mean replicas per method at the stop, the
@@ -261,14 +282,15 @@ def simulate(until: Until, effect: float, trials: int = 4000, seed: int = 0, dif
     before the last look (``futile``), the share of ``max_replicas`` saved, and for a real
     effect the replicas a fixed paired t design needs for the same power (at most :data:`POWER_CAP`) and the
     share saved against it. ``comparisons``: how many the study assesses (the levels are Bonferroni's over them).
-    ``levels`` and ``futility``: another design's (default: :func:`design_levels`' and :data:`FUTILITY`)."""
+    ``boundary``: another design's (default: :func:`boundary_of` ``until``)."""
     rng = np.random.default_rng(seed)
     if differences is None:
         d, truth = effect + rng.normal(size=(trials, until.max_replicas)), effect
     else:
         d, truth = differences(rng, (trials, until.max_replicas), effect)
-    levels = design_levels(until, comparisons) if levels is None else levels
-    stop, lo, hi, decided = _stops(until, d, levels, futility)
+    boundary = boundary or boundary_of(until)
+    levels = design_levels(until, comparisons, boundary)
+    stop, lo, hi, decided = _stops(until, d, levels, float(boundary["futility"]))
     used = np.asarray(until.looks())[stop]
     out_within = (float(np.mean(~decided & (-until.value < lo) & (hi < until.value) & (stop < len(until.looks()) - 1)))
                   if until.rule == "decided" and until.value else None)

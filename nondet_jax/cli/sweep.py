@@ -127,9 +127,9 @@ def build_parser(prog: str = "python -m nondet_jax.sweep") -> argparse.ArgumentP
                    "--method)")
     p.add_argument("--until", metavar="decided|decided=D|width=X",
                    help="a sequential study of methods: train --replicas per method, then 4 more at each look, until "
-                        "every method's difference from the baseline is decided (its repeated interval excludes 0; "
+                        "every method's difference from the baseline is decided (its interval at the look's level excludes 0; "
                         "decided=D: or lies inside ±D) or every interval is at most X wide (width=X), in the score's "
-                        "units; the intervals keep their 95%% coverage whenever it stops")
+                        "units; a difference that is not there is decided in at most 5%% of studies (calibrated by simulation)")
     p.add_argument("--max-replicas", type=int, metavar="N",
                    help="with --until: the most replicas per method (default: 4x --replicas)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the study in RUN_DIR with the config stored there "

@@ -144,7 +144,7 @@ def write_methods_report(root: str | Path, command: str | None = None, log=print
     metric = summary["metric"]
     md += [f"## Each method against `{baseline}`, paired by seed ({metric})", ""]
     if summary["until"] and comparisons:
-        md += ["This study stopped sequentially: its answers, in words below, are the repeated intervals' (section "
+        md += ["This study stopped sequentially: its answers, in words below, are the looks' intervals' (section "
                "*Sequential design*). The 95% CI and paired t p in the table read the replicas as if their number "
                "had been fixed in advance.", ""]
     if comparisons:
@@ -165,7 +165,7 @@ def write_methods_report(root: str | Path, command: str | None = None, log=print
     if comparisons:
         log(format_comparisons(comparisons))
         if summary["until"]:
-            log("(a sequential study: its answers are the looks' repeated intervals above; this table's 95% CI and p "
+            log("(a sequential study: its answers are the looks' intervals above; this table's 95% CI and p "
                 "read the replicas as if their number had been fixed)")
     log(f"report: {paths.report}")
     return summary
@@ -173,32 +173,38 @@ def write_methods_report(root: str | Path, command: str | None = None, log=print
 
 def _sequential_words(row: dict) -> str:
     lo, hi = row["interval"]
-    return (f"{row['decision']} at {row['replicas']} replicas per method (sequential study: repeated interval of the "
+    return (f"{row['decision']} at {row['replicas']} replicas per method (sequential study: the look's interval of the "
             f"difference [{lo:+.4g}, {hi:+.4g}]).")
 
 
-def _levels_sentence(design: Until, last: dict) -> str:
+def _levels_sentence(design: Until, last: dict, boundary: dict) -> str:
     m, k = len(last["comparisons"]), len(design.looks())
     if design.rule == "width":
         return (f"Pocock's constant level, at which the intervals of all {m} comparison(s) over all {k} possible looks "
-                "miss the truth in at most 5% of studies (calibrated by simulation), so they hold wherever the study "
-                "stops.")
-    return (f"levels on Wang & Tsiatis' boundary (shape {sequential.BOUNDARY_SHAPE:g}: stricter at early looks), "
+                "miss the truth in at most 5% of studies (calibrated by simulation): repeated intervals, so they hold "
+                "wherever the study stops.")
+    if boundary is sequential.EARLIER:
+        return (f"Pocock's constant level (this folder predates recorded boundaries), at which the intervals of all {m} "
+                f"comparison(s) over all {k} possible looks miss the truth in at most 5% of studies (calibrated by "
+                f"simulation); a comparison under {boundary['futility']:.0%} chance of a decision by the last look was "
+                "given up.")
+    return (f"levels on Wang & Tsiatis' boundary (shape {boundary['shape']:g}: stricter at early looks), "
             f"calibrated by simulation so that the {m} comparison(s) over all {k} possible looks, stopped by the "
-            f"design's own rules (a comparison under {sequential.FUTILITY:.0%} chance of a decision by the last look "
+            f"design's own rules (a comparison under {boundary['futility']:.0%} chance of a decision by the last look "
             "is given up), decide a difference that is not there in at most 5% of studies.")
 
 
 def _md_sequential(state: dict, comparisons: list[dict]) -> list[str]:
     """The looks of a sequential study (``methods.json``'s ``until``), its stop and what the stop saved."""
     design = Until(**{k: v for k, v in state["design"].items() if k not in ("spec", "boundary")})
+    boundary = sequential.boundary_of(design, state["design"])
     looks = state["looks"]
     last = looks[-1]
     md = ["## Sequential design", "",
           f"`--until {design.spec}`: {design.first} replicas per method, then {design.round} more at each look up to "
           f"{design.max_replicas}. Each look reads every comparison's paired t interval at its look's level "
-          f"({100 * (1 - last['level']):.2f}% at the last look taken): " + _levels_sentence(design, last), "",
-          "| replicas | method | vs | arm | difference | repeated interval | answer |", "|---|---|---|---|---|---|---|"]
+          f"({100 * (1 - last['level']):.2f}% at the last look taken): " + _levels_sentence(design, last, boundary), "",
+          "| replicas | method | vs | arm | difference | interval at the look's level | answer |", "|---|---|---|---|---|---|---|"]
     for look in looks:
         for c in look["comparisons"]:
             if c.get("replicas", look["replicas"]) != look["replicas"]:
@@ -209,7 +215,7 @@ def _md_sequential(state: dict, comparisons: list[dict]) -> list[str]:
     md += ["", f"Stopped at {last['replicas']} of at most {design.max_replicas} replicas per method: "
            f"{last['why'] or 'not yet (rerun the same command to go on)'}."]
     if last["stop"]:
-        for row in saving(design, last, comparisons):
+        for row in saving(design, last, comparisons, boundary=boundary):
             if row.get("fixed_same_power"):
                 md.append(f"- {row['method_b']} on `{row['arm']}`: at the difference found ({row['effect']:.2f} standard "
                           f"deviations of the paired differences) this design decides in {100 * row['power']:.0f}% of "

@@ -231,13 +231,13 @@ def check_design(out: Path, until) -> int | None:
 
     design = design_record(until)
     old = state.get("design") or {}
-    if old != design and {k: v for k, v in old.items() if k != "boundary"} == {
-            k: v for k, v in design.items() if k != "boundary"}:
+    if old.get("rule") == "decided" == design["rule"] and old.get("boundary") != design.get("boundary"):
         def words(b):
-            return (f"Wang & Tsiatis' boundary of shape {b.get('shape')}, giving up below {b.get('futility')}"
+            return (f"Wang & Tsiatis' boundary of shape {b.get('shape')}, giving up below {100 * b['futility']:g}% "
+                    f"({'counted' if b.get('futility_counted') else 'not counted'} in its calibration)"
                     if isinstance(b, dict) else "Pocock's constant level")
         raise UsageError(f"{out} is a sequential study whose looks were read at {words(old.get('boundary'))}, not this "
-                         f"version's {words(design['boundary'])}; finish it with the version that started it (a "
+                         f"version's {words(design.get('boundary'))}; finish it with the version that started it (a "
                          "changed design would not keep its error rate), or choose another --out")
     if old != design:
         raise UsageError(f"{out} is a sequential study run with --until {old.get('spec')} --max-replicas "
@@ -255,7 +255,7 @@ def run_looks(out: Path, methods: list[Method], until, replicas: int, run_one, l
     """A sequential study (:mod:`nondet_jax.analysis.sequential`): train the methods to ``replicas`` per method,
     assess every comparison with the baseline, and add :attr:`~nondet_jax.until.Until.round` replicas per
     method until each is answered or ``until.max_replicas`` are trained. A method whose comparisons are all
-    answered trains no more (its answer stands: the repeated intervals hold at every look at once); the
+    answered trains no more (its answer stands: the levels are calibrated for a design in which it stops); the
     baseline trains while any other does. Each look is recorded in ``methods.json`` (``until``) as it ends,
     so a rerun of the same command resumes at the last look (whose arms it finds finished). Returns the
     last look."""
@@ -280,7 +280,7 @@ def run_looks(out: Path, methods: list[Method], until, replicas: int, run_one, l
             lo, hi = c["interval"]
             at = "" if c["replicas"] == look["replicas"] else f" (answered at {c['replicas']} replicas)"
             log(f"look at {look['replicas']} replicas: {c['method_b']} − {c['method_a']} on {c['arm']} "
-                f"{c['difference']:+.4g} [{lo:+.4g}, {hi:+.4g}] ({100 * (1 - look['level']):.2f}% repeated interval): "
+                f"{c['difference']:+.4g} [{lo:+.4g}, {hi:+.4g}] ({100 * (1 - look['level']):.2f}% interval): "
                 f"{c['decision']}{at}")
         if look["stop"]:
             log(f"sequential study: stopped at {look['replicas']} of at most {until.max_replicas} replicas per method: "
