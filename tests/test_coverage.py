@@ -150,6 +150,14 @@ def test_the_power_simulation_runs_the_printed_spread_test():
     np.testing.assert_allclose(p, [stats.spread_test(x, y) for x, y in zip(a, b)], atol=2 / 12870)
     z = coverage.power._spread_deviations(np.array([[0.0, 1.0, 2.0, 10.0]]), "hines")  # median 1.5
     np.testing.assert_allclose(z, [[np.sqrt(2) * 0.5, 1.5, 8.5]])
+    # the rank tests: Fligner-Killeen's exact permutation p is close to scipy's chi-square approximation, and
+    # Klotz's does not depend on which arm comes first
+    from scipy import stats as sps
+    fk = coverage.power._rank_pvalues(a, b, "fligner")
+    np.testing.assert_allclose(fk, [sps.fligner(x, y).pvalue for x, y in zip(a, b)], atol=0.05)
+    klotz = coverage.power._rank_pvalues(a, b, "klotz")
+    np.testing.assert_allclose(klotz, coverage.power._rank_pvalues(b, a, "klotz"))
+    assert 0 < klotz.min() and klotz.max() <= 1
 
 
 def test_the_docs_power_tables_are_the_stored_simulation():
@@ -167,11 +175,11 @@ def test_the_docs_power_tables_are_the_stored_simulation():
     realistic = [r for r in stored["paired_ratio"] if r["realistic"]]
     assert min(r["paired_bonett_98"]["coverage"] for r in realistic) >= 0.93  # stats.PAIRED_TAIL = 0.8 keeps 93%
     assert stats.PAIRED_TAIL == 0.8 and min(r["paired_bonett_97.5"]["coverage"] for r in realistic) < 0.93
-    # the spread tests with more power than the printed one break the 93% rule read for a test (false alarms at
-    # most 7% in every realistic scenario) somewhere; the printed one has the fewest false alarms in every cell
+    # the 93% rule read for a test: of the spread tests whose false alarms stay at most 7% in every realistic
+    # scenario, the printed one is the most powerful at R=8 on normal studies; each one with more power breaks it
     tests = [r for r in stored["spread_test"] if r["realistic"]]
     normal = next(r for r in tests if r["scenario"] == "normal" and r["replicas"] == 8)
-    for t in set(coverage.power.SPREAD_TESTS) - {"printed"}:
-        assert normal[t]["power"] > normal["printed"]["power"] and max(r[t]["false_alarm"] for r in tests) > 0.07
-        assert all(r["printed"]["false_alarm"] <= r[t]["false_alarm"] for r in tests)
+    keeps = [t for t in coverage.power.SPREAD_TESTS if max(r[t]["false_alarm"] for r in tests) <= 0.07]
+    assert "printed" in keeps and max(keeps, key=lambda t: normal[t]["power"]) == "printed"
+    assert {"hines", "levene", "klotz"}.isdisjoint(keeps) and "fligner" in keeps
     assert all(r["bonferroni"] <= 0.05 for r in stored["family"])

@@ -182,7 +182,11 @@ def std_cell(scenario: str, replicas: int, trials: int = 2000, seed: int = 0) ->
 
 SPREAD_TESTS = {"printed": "Brown–Forsythe (printed): deviations from each arm's median",
                 "hines": "the same, an even arm's two equal middle deviations merged (Hines & O'Hara Hines 2000)",
-                "levene": "Levene: deviations from each arm's mean"}
+                "levene": "Levene: deviations from each arm's mean",
+                "fligner": "Fligner–Killeen: normal scores of the ranks of the deviations from each arm's median",
+                "klotz": "Klotz: squared normal scores of the ranks of the values centred on each arm's median"}
+RANK_TESTS = ("fligner", "klotz")  # tests of a sum of rank scores (asymptotically as efficient as the F-test for
+# normal data, Klotz), permuted over the same splits
 
 
 def _split_masks(n: int, draws: int = 4000, seed: int = 0) -> np.ndarray:
@@ -229,6 +233,25 @@ def _split_pvalues(za, zb) -> np.ndarray:
     return np.concatenate(out)
 
 
+def _rank_pvalues(a, b, test: str) -> np.ndarray:
+    """Two-sided permutation p of a sum of rank scores over the first arm's values (studies (T, n) each), over the
+    splits of :func:`_split_masks`: Fligner–Killeen's (Conover, Johnson & Johnson 1981) or Klotz's (1962)."""
+    n = a.shape[-1]
+    if test == "fligner":
+        z = np.abs(np.concatenate([a - np.median(a, -1, keepdims=True), b - np.median(b, -1, keepdims=True)], -1))
+        scores = sps.norm.ppf(0.5 + sps.rankdata(z, axis=-1) / (2 * (2 * n + 1)))
+    else:
+        z = np.concatenate([a - np.median(a, -1, keepdims=True), b - np.median(b, -1, keepdims=True)], -1)
+        scores = sps.norm.ppf(sps.rankdata(z, axis=-1) / (2 * n + 1)) ** 2
+    mask = _split_masks(n).astype(np.float64)
+    out = []
+    for i in range(0, len(scores), 64):
+        part = scores[i:i + 64]
+        centred = np.abs(part @ mask.T - part.sum(-1, keepdims=True) / 2)
+        out.append(np.mean(centred >= centred[:, :1] * (1 - 1e-12), -1))
+    return np.concatenate(out)
+
+
 def spread_test_cell(scenario: str, replicas: int, trials: int = 2000, seed: int = 0, effect: float = 2.0) -> dict:
     """Per test of :data:`SPREAD_TESTS` (a permutation test of a pooled t of deviations, as
     :func:`nondet_jax.analysis.stats.spread_test`), its false alarms (p < 0.05 when both arms are drawn alike)
@@ -239,7 +262,9 @@ def spread_test_cell(scenario: str, replicas: int, trials: int = 2000, seed: int
     for k, key in ((1.0, "false_alarm"), (effect, "power")):
         a, b = _arm(sc, rng, (trials, replicas), k), _arm(sc, rng, (trials, replicas), 1.0)
         for t in SPREAD_TESTS:
-            out[t][key] = float(np.mean(_split_pvalues(_spread_deviations(a, t), _spread_deviations(b, t)) < 0.05))
+            p = _rank_pvalues(a, b, t) if t in RANK_TESTS else _split_pvalues(_spread_deviations(a, t),
+                                                                               _spread_deviations(b, t))
+            out[t][key] = float(np.mean(p < 0.05))
     return out
 
 
