@@ -11,6 +11,7 @@ from nondet_jax.arms import parse_arm
 from nondet_jax.errors import UsageError
 
 ROUND = 4  # replicas added per method at each look
+MAX_REPLICAS = 1024  # per method: the design's simulations hold (trials, max_replicas) arrays (40,000 x 1,024: 330 MB)
 
 
 class Until(NamedTuple):
@@ -63,6 +64,10 @@ def parse(spec: str, max_replicas: int | None, replicas: int, where: str = "--un
     if isinstance(max_replicas, bool) or not isinstance(max_replicas, int) or max_replicas <= replicas:
         raise UsageError(f"{option} {max_replicas!r} must be an integer above the first look's {replicas} replicas "
                          f"(--replicas); e.g. {option.rstrip('=')}{' ' if where == '--until' else '='}{4 * replicas}")
+    if max_replicas > MAX_REPLICAS:
+        raise UsageError(f"{option} {max_replicas} is more than the {MAX_REPLICAS} replicas per method a sequential "
+                         f"study plans for; use {option.rstrip('=')}{' ' if where == '--until' else '='}{MAX_REPLICAS} "
+                         "or fewer")
     return Until(rule, number, replicas, max_replicas)
 
 
@@ -90,13 +95,19 @@ def check_state(state, where: str) -> dict:
     try:
         d, looks = state["design"], state["looks"]
         ok = text(d["rule"], d["spec"]) and num(d["value"]) and count(d["first"]) and count(d["max_replicas"]) \
-            and count(d["round"]) and isinstance(looks, list)
+            and count(d["round"]) and isinstance(looks, list) and len(looks) > 0 \
+            and set(d) <= {"rule", "value", "first", "max_replicas", "round", "spec", "boundary"}
+        # the design parse() would have made: a record cannot ask for a design no command can
+        ok = ok and d["rule"] in ("decided", "width") and 3 <= d["first"] < d["max_replicas"] <= MAX_REPLICAS \
+            and d["round"] >= 1 and d["spec"] == Until(d["rule"], d["value"], d["first"], d["max_replicas"]).spec
         b = d.get("boundary")  # the boundary a decided design's levels follow (absent: recorded before boundaries)
         ok = ok and (b is None or (isinstance(b, dict) and num(b["shape"]) and b["shape"] is not None
-                                   and num(b["futility"]) and b["futility"] is not None and 0 <= b["futility"] < 1
-                                   and isinstance(b["futility_counted"], bool)))
+                                   and 0 <= b["shape"] <= 1 and num(b["futility"]) and b["futility"] is not None
+                                   and 0 <= b["futility"] < 1 and isinstance(b["futility_counted"], bool)))
         for k in looks if ok else ():
             ok = ok and count(k["replicas"]) and num(k["level"]) and text(k["rule"], k["why"]) \
+                and d["first"] <= k["replicas"] <= d["max_replicas"] and k["level"] is not None \
+                and 0 < k["level"] < 1 \
                 and isinstance(k["stop"], bool) and isinstance(k["comparisons"], list)
             for c in k["comparisons"] if ok else ():
                 ok = ok and text(c["method_a"], c["method_b"], c["arm"], c["decision"]) and count(c["replicas"]) \

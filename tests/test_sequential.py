@@ -26,7 +26,8 @@ MLP = {"model.name": "mlp", "train.epochs": 1, "train.batch_size": 256, "study.a
 @pytest.mark.parametrize("spec,max_replicas,replicas,words", [
     ("sure", None, 4, "write decided"), ("width", None, 4, "write decided"), ("width=-1", None, 4, "positive number"),
     ("decided=nan", None, 4, "positive number"), ("decided", 4, 4, "above the first look's 4"),
-    ("decided", None, 2, "at least 3 replicas"), ("decided", 8.5, 4, "must be an integer")])
+    ("decided", None, 2, "at least 3 replicas"), ("decided", 8.5, 4, "must be an integer"),
+    ("decided", 5000, 8, "more than the 1024 replicas per method")])
 def test_a_bad_design_is_one_line_naming_the_fix(spec, max_replicas, replicas, words):
     with pytest.raises(UsageError, match=words):
         parse(spec, max_replicas, replicas)
@@ -207,6 +208,14 @@ def test_a_sequential_study_of_methods_stops_once_answered_and_resumes(tmp_path)
     again = sweep_cli(*study, "--until", "decided", "--max-replicas", "12")
     assert again.returncode == 0 and again.stdout.count("already finished") == 4
     assert json.loads((out / "methods.json").read_text())["until"]["looks"] == looks
+    before = (out / "methods.json").read_bytes()
+    arm = out / "methods" / "lr2" / "arms" / "all.json"
+    whole = arm.read_bytes()
+    arm.write_bytes(whole[:100])  # a damaged arm: refused, and methods.json keeps every method's identity
+    broken = sweep_cli(*study, "--until", "decided", "--max-replicas", "12")
+    assert broken.returncode == 2 and "unreadable or corrupt" in broken.stderr
+    assert (out / "methods.json").read_bytes() == before
+    arm.write_bytes(whole)
     other = sweep_cli(*study, "--until", "width=0.01", "--max-replicas", "12")
     assert other.returncode == 2 and "rerun it with those" in other.stderr
     fixed = sweep_cli(*study)
@@ -264,3 +273,29 @@ def test_an_answer_stands_and_its_method_trains_no_more():
     levels = sequential.design_levels(design, 2)  # Bonferroni over both comparisons, the answered one too
     assert later["replicas"] == 8 and (first["level"], later["level"]) == levels[:2]
     assert later["comparisons"][0] == earlier["bad", "base", "all"]
+
+
+def test_a_damaged_or_impossible_record_of_the_looks_is_refused():
+    """methods.json's ``until`` is read as untrusted input: a design no command can make (a round of 0, a million
+    replicas, an unknown key, a spec that is not its rule's), no looks, a level that is not a probability or a
+    boundary that is not one are each refused in one line, not read into a traceback or a 30 GiB simulation."""
+    from nondet_jax.until import check_state
+
+    good = {"design": {**sequential.design_record(Until("decided", None, 4, 8))},
+            "looks": [{"replicas": 4, "level": 0.02, "rule": "decided", "why": "", "stop": False,
+                       "comparisons": [{"method_a": "base", "method_b": "lr2", "arm": "all", "decision": "open",
+                                        "replicas": 4, "difference": 0.1, "interval": [-0.1, 0.3]}]}]}
+    assert check_state(json.loads(json.dumps(good)), "methods.json") is not None
+    edits = [("design", "round", 0), ("design", "max_replicas", 10 ** 6), ("design", "note", "by hand"),
+             ("design", "spec", "width=1"), ("design", "first", 1), ("design", "rule", "soon"),
+             ("boundary", "shape", float("nan")), ("boundary", "futility", 1.5), ("look", "level", float("nan")),
+             ("look", "level", 0.0), ("look", "replicas", 99), ("looks", None, [])]
+    for where, key, value in edits:
+        bad = json.loads(json.dumps(good))
+        if where == "looks":
+            bad["looks"] = value
+        else:
+            target = {"design": bad["design"], "boundary": bad["design"]["boundary"], "look": bad["looks"][0]}[where]
+            target[key] = value
+        with pytest.raises(UsageError, match="holds a damaged record of a sequential study's looks"):
+            check_state(bad, "methods.json")

@@ -377,3 +377,33 @@ def test_init_from_a_params_file_without_a_replica(tmp_path):
     assert parts.init_params["dense1"]["bias"].tolist() == [1.0, 1.0, 1.0]
     with pytest.raises(UsageError, match="after @ comes a replica number"):
         resolve_parts(from_flat({"model.name": "mlp", "model.init_from": f"{tmp_path / 'params.npz'}@x"}))
+
+
+def test_hand_edited_records_found_by_fuzzing_are_refused_in_one_line(tmp_path, capsys):
+    """Records edited by hand that gave tracebacks (or a resume from the wrong epoch) before: a checkpoint
+    manifest that is a JSON list, a checkpoint step folder renamed to another epoch (the resume started from
+    the name's epoch and its new steps pushed the good ones out), model.json identity parts that are not tables,
+    a config.json section that is not a table; each is one line now, or read as missing."""
+    from nondet_jax.cli import sweep
+    from nondet_jax.report.markdown import _trained_md
+    from nondet_jax.store.checkpoint import CorruptCheckpoint, _manifest, verify_latest, verify_step
+    from nondet_jax.study.identity import identity_diff
+
+    root = tmp_path / "checkpoints" / "control"
+    (root / "orbax" / "8" / "meta").mkdir(parents=True)
+    (root / "sha256").mkdir()
+    (root / "orbax" / "8" / "meta" / "metadata").write_text(json.dumps({"epoch": 7}))  # saved after epoch 7
+    (root / "sha256" / "8.json").write_text('["a"]')
+    with pytest.raises(CorruptCheckpoint, match="sha256 manifest that is not a table of files"):
+        verify_step(root, 8)
+    (root / "sha256" / "8.json").write_text(json.dumps(_manifest(root / "orbax" / "8")))
+    with pytest.raises(CorruptCheckpoint, match="holds the state after epoch 7, not after epoch 8"):
+        verify_latest(root)
+    assert identity_diff({"data": [1]}, {"data": {"sha256": "abc"}})[0].startswith("the data differs")
+    assert _trained_md({"identity": {"data": [1], "model": "m", "optimizer": None}})[0] == "## What was trained"
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"train": "x"}))
+    assert sweep.main(["--resume", str(run)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "section 'train' holds a JSON str, not a table of settings" in err

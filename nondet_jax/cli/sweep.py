@@ -281,6 +281,10 @@ def config_for_resume(args: argparse.Namespace, log=print) -> Config:
     if not isinstance(stored, dict):
         raise UsageError(f"{path} holds a JSON {type(stored).__name__}, not a study's config; start a new study "
                          "with --out")
+    for section, values in stored.items():
+        if not isinstance(values, dict):
+            raise UsageError(f"{path} section {section!r} holds a JSON {type(values).__name__}, not a table of "
+                             "settings; restore the file, or start a new study with --out")
     arms = stored.get("study", {}).get("arms") if isinstance(stored.get("study"), dict) else None
     if isinstance(arms, list):  # named by the folder: checked as the folder's, before the config's own checks
         for arm in arms:

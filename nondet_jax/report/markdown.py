@@ -259,7 +259,7 @@ def _trained_md(model: dict) -> list[str]:
     ident = model.get("identity")
     if not isinstance(ident, dict):
         return []
-    d, m, o = ident.get("data", {}), ident.get("model", {}), ident.get("optimizer", {})
+    d, m, o = (ident.get(k) if isinstance(ident.get(k), dict) else {} for k in ("data", "model", "optimizer"))
     lines = ["## What was trained", "",
              f"- data: {d.get('name')} (sha256 {str(d.get('sha256'))[:12]}; test split {str(d.get('test_sha256'))[:12]}); "
              + (f"regression, {d.get('classes')} output(s) per example" if d.get("task") == "regression"

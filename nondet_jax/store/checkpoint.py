@@ -64,8 +64,10 @@ def verify_step(root: Path, epoch: int) -> None:
     folder = Path(root) / "orbax" / str(epoch)
     try:
         expected = json.loads((Path(root) / "sha256" / f"{epoch}.json").read_text())
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise CorruptCheckpoint(f"checkpoint {folder} has an unreadable sha256 manifest") from None
+    if not isinstance(expected, dict):
+        raise CorruptCheckpoint(f"checkpoint {folder} has a sha256 manifest that is not a table of files")
     actual = _manifest(folder)
     if actual != expected:
         bad = sorted(k for k in set(expected) | set(actual) if expected.get(k) != actual.get(k))
@@ -87,6 +89,15 @@ def verify_latest(root: Path, expect: dict | None = None) -> None:
     except (OSError, ValueError):
         return
     _check_meta(folder, meta if isinstance(meta, dict) else {}, expect or {})
+    _check_epoch(folder, meta, steps[-1])
+
+
+def _check_epoch(folder: Path, meta, epoch: int) -> None:
+    """A step's meta records the epoch it was saved after; a folder renamed to another epoch is refused (a resume
+    would start from the wrong epoch, and the newer steps it saves would push out the good ones)."""
+    if isinstance(meta, dict) and "epoch" in meta and meta["epoch"] != epoch:
+        raise CorruptCheckpoint(f"checkpoint {folder} holds the state after epoch {meta['epoch']!r}, not after epoch "
+                                f"{epoch} as its folder's name says")
 
 
 _META_WHAT = {"config_sha256": "another config", "identity_sha256": "another study's data, model, optimiser, loss or "
@@ -306,6 +317,7 @@ class ArmCheckpoints:
         except Exception as e:  # orbax/tensorstore raise many types for unreadable data
             raise CorruptCheckpoint(f"checkpoint {folder} cannot be read ({type(e).__name__})") from None
         _check_meta(folder, restored.meta, meta_check)
+        _check_epoch(folder, restored.meta, epoch)
         history = _restore_empty(restored.history)
         return (epoch, restored.state, history["steps"], np.asarray(history["weight_distance"]),
                 history.get("snapshots"))

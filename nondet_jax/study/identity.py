@@ -182,7 +182,7 @@ def identity_diff(old: dict[str, dict], new: dict[str, dict]) -> list[str]:
     """Lines naming each part whose fingerprint differs, with what a reader can see changed."""
     out = []
     for part in PARTS:
-        a, b = old.get(part, {}), new.get(part, {})
+        a, b = (r.get(part) if isinstance(r.get(part), dict) else {} for r in (old, new))
         if a.get("sha256") == b.get("sha256"):
             continue
         shown = _readable_diff(part, a, b)

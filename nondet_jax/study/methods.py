@@ -159,8 +159,12 @@ def write_methods(root: Path, base: cfg.Config, methods: list[Method], baseline:
     record = {"baseline": baseline, "config": cfg.to_dict(base), "methods": dict(old["methods"]),
               **({"until": old["until"]} if "until" in old else {})}
     for m in methods:
-        record["methods"][m.name] = {"settings": {k: str(v) for k, v in m.settings.items()},
-                                     "parts": sorted(m.parts), "folder": f"methods/{m.name}"}
+        entry = {"settings": {k: str(v) for k, v in m.settings.items()}, "parts": sorted(m.parts),
+                 "folder": f"methods/{m.name}"}
+        before = record["methods"].get(m.name)
+        if isinstance(before, dict) and "identity_sha256" in before and all(before.get(k) == v for k, v in entry.items()):
+            entry["identity_sha256"] = before["identity_sha256"]  # the same method: its trained identity stands
+        record["methods"][m.name] = entry
     atomic_write_json(RunPaths(root).methods_json, record, root=root)
     return record
 
