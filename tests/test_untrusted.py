@@ -407,3 +407,24 @@ def test_hand_edited_records_found_by_fuzzing_are_refused_in_one_line(tmp_path, 
     assert sweep.main(["--resume", str(run)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "section 'train' holds a JSON str, not a table of settings" in err
+
+
+@pytest.mark.parametrize("edit", ["method", "baseline", "list"])
+def test_a_methods_record_with_a_method_that_is_not_a_table_is_refused(tmp_path, edit):
+    """methods.json with a method's entry that is not a table (report crashed) or a baseline that is none of
+    its methods (report wrote an empty comparison) is refused in one line."""
+    from nondet_jax.analysis.methods import read_record
+
+    record = {"baseline": "base", "config": {}, "methods": {"base": {"settings": {}, "parts": [], "folder": "methods/base"},
+                                                           "lr2": {"settings": {}, "parts": [], "folder": "methods/lr2"}}}
+    (tmp_path / "methods.json").write_text(json.dumps(record))
+    assert read_record(tmp_path)["baseline"] == "base"
+    if edit == "method":
+        record["methods"]["base"] = ["settings"]
+    elif edit == "baseline":
+        record["baseline"] = "nobody"
+    else:
+        record["methods"] = ["base", "lr2"]
+    (tmp_path / "methods.json").write_text(json.dumps(record))
+    with pytest.raises(UsageError, match="is unreadable or not a methods record"):
+        read_record(tmp_path)

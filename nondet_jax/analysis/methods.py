@@ -33,6 +33,10 @@ def read_record(root: str | Path) -> dict:
     for n in names:
         method_name(n, str(path))
     method_name(baseline, f"{path} baseline")
+    if not isinstance(record["methods"], dict) or not all(isinstance(v, dict) for v in record["methods"].values()) \
+            or (names and baseline not in names):
+        raise UsageError(f"{path} is unreadable or not a methods record (each method a table, the baseline one of "
+                         "them); restore it, or start a new study with another --out")
     if record.get("until") is not None:
         check_state(record["until"], str(path))
     return record
