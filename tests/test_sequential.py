@@ -214,6 +214,7 @@ def test_a_sequential_study_of_methods_stops_once_answered_and_resumes(tmp_path)
     arm.write_bytes(whole[:100])  # a damaged arm: refused, and methods.json keeps every method's identity
     broken = sweep_cli(*study, "--until", "decided", "--max-replicas", "12")
     assert broken.returncode == 2 and "unreadable or corrupt" in broken.stderr
+    assert f"rerun with --resume {out / 'methods' / 'lr2'} --recompute all, then this command again" in broken.stderr
     assert (out / "methods.json").read_bytes() == before
     arm.write_bytes(whole)
     other = sweep_cli(*study, "--until", "width=0.01", "--max-replicas", "12")

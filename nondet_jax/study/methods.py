@@ -207,7 +207,15 @@ def train_methods(out: Path, methods: list[Method], run_one, replicas: int | Non
                                   f"{', ' if m.settings and m.parts else ''}{', '.join(m.parts)})"
                                   if m.settings or m.parts else " (the study's own settings)")
             + ("" if replicas is None else f", {replicas} replicas"))
-        run_one(m, RunPaths(out).method(m.name), replicas)
+        folder = RunPaths(out).method(m.name)
+        try:
+            run_one(m, folder, replicas)
+        except UsageError as e:  # an arm's fix, said for one study, as a study of methods takes it
+            fixed = re.sub(r"rerun with --recompute (\S+)", rf"rerun with --resume {folder} --recompute \1, then this "
+                           "command again,", str(e))
+            if fixed == str(e):
+                raise
+            raise UsageError(fixed) from None
         record = json.loads(RunPaths(out).methods_json.read_text())
         record["methods"][m.name]["identity_sha256"] = _identity(out, m.name)
         atomic_write_json(RunPaths(out).methods_json, record, root=out)
