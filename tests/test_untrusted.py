@@ -198,6 +198,29 @@ def test_a_record_naming_a_file_elsewhere_is_refused(template, tmp_path, capsys)
         assert state(run) == before
 
 
+def test_a_resealed_record_in_another_form_is_refused(template, tmp_path, capsys):
+    """An arm record edited and its sha256 recomputed (as anyone can) with rows, a metric or the diverged replicas
+    in another form crashed the resume and the report; its form is checked with its checksum now."""
+    from nondet_jax.cli import sweep
+    from nondet_jax.store.run import read_arm_record
+
+    edits = {"rows": ["x", "y"], "metrics": {"accuracy": [1, 2]}, "diverged": {"a": 1}}
+    for i, (key, value) in enumerate(edits.items()):
+        run = tmp_path / f"run{i}"
+        shutil.copytree(template, run)
+        record = json.loads((run / "arms" / "init.json").read_text())
+        record[key] = value if key != "metrics" else {**record["metrics"], **value}
+        record["record_sha256"] = record_digest(record)
+        (run / "arms" / "init.json").write_text(json.dumps(record))
+        with pytest.raises(UsageError, match="is not an arm record .its rows, metrics or diverged replicas"):
+            read_arm_record(run, "init")
+    before = state(run)
+    capsys.readouterr()
+    assert sweep.main([*FAST, "--arms", "control,init", "--out", str(run)]) == 2
+    assert "is not an arm record (its rows, metrics or diverged replicas are not in their form)" in one_line(capsys)
+    assert state(run) == before
+
+
 # --- defect 2: --resume imported code the folder names through keys other than model.name ----------------------
 
 REFERENCE_FLAGS = {"model.name": "--model", "optim.name": "--optimizer", "train.loss": "--loss",

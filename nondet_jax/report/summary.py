@@ -161,7 +161,7 @@ def arm_rows(summary: dict) -> list[dict]:
             def scale(v, k=q.scale):
                 return None if v is None else k * v
 
-            st = m.get(q.name, {})
+            st = m.get(q.name) if isinstance(m.get(q.name), dict) else {}
             row.update({f"{q.name}_mean{q.unit}": scale(st.get("mean")), f"{q.name}_std{q.unit}": scale(st.get("std")),
                         **_ci_cols(f"{q.name}_std", st.get("std_ci"), q.unit, scale)})
         if task == "classification":

@@ -95,7 +95,25 @@ def read_arm_record(root: Path, arm: str) -> dict:
         raise UsageError(f"result file {path} carries no checksum (written by an older nondet_jax, or edited); {fix}")
     if record.get("record_sha256") != record_digest(record):
         raise UsageError(f"result file {path} was changed after it was written (its sha256 does not match); {fix}")
+    if not _well_formed(record):  # a checksum anyone can recompute: the form is checked too
+        raise UsageError(f"result file {path} is not an arm record (its rows, metrics or diverged replicas are not "
+                         f"in their form); {fix}")
     return record
+
+
+def _well_formed(record: dict) -> bool:
+    """An arm record's parts in the form the report reads: rows one table per replica, each metric a table of
+    statistics or one number, each diverged replica a table with its replica and step, files named by text."""
+    def count(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    diverged = record.get("diverged", [])
+    return (all(isinstance(r, dict) and count(r.get("replica")) for r in record["rows"])
+            and all(isinstance(k, str) and (v is None or isinstance(v, (dict, int, float)) and not isinstance(v, bool))
+                    for k, v in record["metrics"].items())
+            and isinstance(diverged, list)
+            and all(isinstance(d, dict) and count(d.get("replica")) and count(d.get("step")) for d in diverged)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in record["files"].items()))
 
 
 def verify_arm_files(root: Path, arm: str, record: dict, identity: str = "") -> dict:
