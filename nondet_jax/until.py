@@ -97,9 +97,9 @@ def check_state(state, where: str) -> dict:
         ok = text(d["rule"], d["spec"]) and num(d["value"]) and count(d["first"]) and count(d["max_replicas"]) \
             and count(d["round"]) and isinstance(looks, list) and len(looks) > 0 \
             and set(d) <= {"rule", "value", "first", "max_replicas", "round", "spec", "boundary"}
-        # the design parse() would have made: a record cannot ask for a design no command can
-        ok = ok and d["rule"] in ("decided", "width") and 3 <= d["first"] < d["max_replicas"] <= MAX_REPLICAS \
-            and d["round"] >= 1 and d["spec"] == Until(d["rule"], d["value"], d["first"], d["max_replicas"]).spec
+        # the design parse() makes from the record's own spec: a record cannot ask for a design no command can
+        ok = ok and parse(d["spec"], d["max_replicas"], d["first"]) == \
+            Until(d["rule"], d["value"], d["first"], d["max_replicas"], d["round"])
         b = d.get("boundary")  # the boundary a decided design's levels follow (absent: recorded before boundaries)
         ok = ok and (b is None or (isinstance(b, dict) and num(b["shape"]) and b["shape"] is not None
                                    and 0 <= b["shape"] <= 1 and num(b["futility"]) and b["futility"] is not None
@@ -113,7 +113,7 @@ def check_state(state, where: str) -> dict:
                 ok = ok and text(c["method_a"], c["method_b"], c["arm"], c["decision"]) and count(c["replicas"]) \
                     and num(c["difference"]) and isinstance(c["interval"], list) and len(c["interval"]) == 2 \
                     and all(num(v) for v in c["interval"])
-    except (KeyError, TypeError):
+    except (KeyError, TypeError, UsageError):
         ok = False
     if not ok:
         raise UsageError(f"{where} holds a damaged record of a sequential study's looks ('until'); restore it, or "
