@@ -198,41 +198,45 @@ def power_tables(trials: int, replicas: list) -> dict:
     return out
 
 
-GRID = [(0.5, 0.1, False), (0.5, 0.1, True), (0.5, 0.3, True), (0.4, 0.1, True), (0.4, 0.2, True), (0.4, 0.3, True),
-        (0.3, 0.2, True), (0.3, 0.3, True)]  # (boundary shape, futility, futility counted in the calibration)
+GRID = [(0.5, 0.1, False, 8, 4), (0.5, 0.1, True, 8, 4), (0.5, 0.3, True, 8, 4), (0.4, 0.1, True, 8, 4),
+        (0.4, 0.2, True, 8, 4), (0.4, 0.3, True, 8, 4), (0.3, 0.2, True, 8, 4), (0.3, 0.3, True, 8, 4),
+        (0.4, 0.2, True, 8, 2), (0.3, 0.3, True, 8, 2), (0.3, 0.3, True, 6, 2), (0.3, 0.3, True, 4, 2)]
+# (boundary shape, futility, futility counted in the calibration, first look's replicas, replicas added per look);
+# every design looks last at 32 replicas per method
 
 
 def sequential_grid(trials: int) -> list[dict]:
     """The sequential design's choice (``--sequential-grid``): for each boundary shape and futility threshold of
     :data:`GRID` (the first row the design before: Pocock's level, 10%, not counted), the error where there is
     no difference and, at standardised differences 0.5, 0.7 and 1, the power, mean replicas and the share saved
-    against the fixed paired t design of the same power, on normal and 360-image differences (looks every 4
-    replicas from 8 to 32)."""
-    design = sequential.Until("decided", None, 8, 32)
+    against the fixed paired t design of the same power, on normal and 360-image differences (the last look at 32
+    replicas; the first and the spacing of the looks as the row says)."""
     scenarios = {"normal": None, "360 images": power.paired_accuracy_differences}
     pct = lambda v: "—" if v is None else f"{100 * v:.1f}%"  # noqa: E731
     rows = []
-    for shape, futility, binding in GRID:
+    for shape, futility, binding, first, step in GRID:
         boundary = {"shape": shape, "futility": futility, "futility_counted": binding}
+        design = sequential.Until("decided", None, first, 32, step)
         for sc, gen in scenarios.items():
             for effect in (0.0, 0.5, 0.7, 1.0):
                 cell = sequential.simulate(design, effect, trials, seed=1, differences=gen, boundary=boundary)
-                rows.append({"shape": shape, "futility": futility, "binding": binding, "scenario": sc, **cell})
+                rows.append({"shape": shape, "futility": futility, "binding": binding, "round": step, "scenario": sc,
+                             **cell})
             got = rows[-4:]
-            print(f"shape {shape} futility {futility:.0%} {'binding' if binding else 'not counted'}  {sc:<10} error "
-                  f"{pct(got[0]['decided'])}  " + "  ".join(f"{r['effect']:g}: power {pct(r['decided'])} replicas "
+            print(f"looks {first}+{step}k shape {shape} futility {futility:.0%} {'binding' if binding else 'not counted'}"
+                  f"  {sc:<10} error {pct(got[0]['decided'])}  " + "  ".join(f"{r['effect']:g}: power {pct(r['decided'])} replicas "
                                                             f"{r['mean_replicas']:.1f} saved {pct(r['saved'])}"
                                                             for r in got[1:]), flush=True)
     return rows
 
 
 def grid_markdown(rows: list[dict]) -> str:
-    lines = ["| boundary shape | futility | counted in the calibration | scenario | error | power 0.5 / 0.7 / 1 | mean "
-             "replicas 0.5 / 0.7 / 1 | saved against the same power 0.5 / 0.7 / 1 |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| looks (replicas per method) | boundary shape | futility | counted in the calibration | scenario | error | "
+             "power 0.5 / 0.7 / 1 | mean replicas 0.5 / 0.7 / 1 | saved against the same power 0.5 / 0.7 / 1 |", "|---|---|---|---|---|---|---|---|---|"]
     for i in range(0, len(rows), 4):
         null, *real = rows[i:i + 4]
-        lines.append(f"| {null['shape']:g} | {100 * null['futility']:.0f}% | {'yes' if null['binding'] else 'no'} | "
-                     f"{null['scenario']} | {100 * null['decided']:.1f}% | "
+        lines.append(f"| {null['first']}, {null['first'] + null['round']}, …, 32 | {null['shape']:g} | "
+                     f"{100 * null['futility']:.0f}% | {'yes' if null['binding'] else 'no'} | {null['scenario']} | {100 * null['decided']:.1f}% | "
                      + " / ".join(f"{100 * r['decided']:.0f}%" for r in real) + " | "
                      + " / ".join(f"{r['mean_replicas']:.1f}" for r in real) + " | "
                      + " / ".join("—" if r["saved"] is None else f"{100 * r['saved']:.0f}%" for r in real) + " |")

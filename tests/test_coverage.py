@@ -121,13 +121,14 @@ def test_the_sequential_grid_compares_designs_at_their_error(tmp_path, monkeypat
     import json
     from pathlib import Path
 
+    from nondet_jax import until
     from nondet_jax.analysis import sequential
     root = Path(__file__).resolve().parent.parent
     spec = importlib.util.spec_from_file_location("coverage_benchmark", root / "benchmarks" / "coverage.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    assert (sequential.BOUNDARY_SHAPE, sequential.FUTILITY, True) in bench.GRID
-    monkeypatch.setattr(bench, "GRID", [(0.5, 0.1, False), (sequential.BOUNDARY_SHAPE, sequential.FUTILITY, True)])
+    assert (sequential.BOUNDARY_SHAPE, sequential.FUTILITY, True, 8, until.ROUND) in bench.GRID
+    monkeypatch.setattr(bench, "GRID", [(0.5, 0.1, False, 8, 4), (sequential.BOUNDARY_SHAPE, sequential.FUTILITY, True, 6, 2)])
     out = tmp_path / "power.json"
     out.write_text(json.dumps({"ratio": ["kept"]}))
     assert bench.main(["--sequential-grid", "--trials", "1500", "--power-out", str(out)]) == 0
@@ -138,7 +139,8 @@ def test_the_sequential_grid_compares_designs_at_their_error(tmp_path, monkeypat
     real = [r for r in stored["sequential_grid"] if r["effect"] == 1.0]
     assert all(r["decided"] > 0.9 and 8 <= r["mean_replicas"] < 16 for r in real)
     table = bench.grid_markdown(stored["sequential_grid"])
-    assert table.count("\n") == 1 + 2 * 2 and "| 0.5 | 10% | no | normal |" in table
+    assert table.count("\n") == 1 + 2 * 2 and "| 8, 12, …, 32 | 0.5 | 10% | no | normal |" in table
+    assert f"| 6, 8, …, 32 | {sequential.BOUNDARY_SHAPE:g} |" in table
 
 
 def test_the_power_simulation_runs_the_printed_spread_test():

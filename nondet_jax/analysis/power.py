@@ -342,6 +342,8 @@ PAIRED_SCENARIOS = {
 
 PAIRED_METHODS = {"bonett_printed": "independent arms' Bonett, z at 98.75% (ignores the pairing)",
                   "pitman_morgan": "Pitman-Morgan (paired, normal theory: correlation of sums and differences)",
+                  "pitman_morgan_ranks": "Pitman-Morgan by ranks (Kendall's tau of sums and differences, its permutation "
+                                         "p; not printed)",
                   "paired_bonett_97.5": "paired Bonett (co-kurtosis), z at 97.5% (as published)",
                   "paired_bonett_98": "paired Bonett, z at 98% (widened)",
                   "paired_bonett_98.75": "paired Bonett, z at 98.75% (widened as the std's)"}
@@ -364,7 +366,16 @@ def paired_spread_cell(scenario: str, replicas: int, trials: int = 2000, seed: i
         for m, (lo, hi) in cis.items():
             out[m][cov_key] = float(_cover(lo, hi, truth).mean())
             out[m][dec_key] = float(_decides(lo, hi).mean())
+        out["pitman_morgan_ranks"][cov_key] = float(1 - (_kendall_pitman_morgan_p(a, b, truth) < 0.05).mean())
+        out["pitman_morgan_ranks"][dec_key] = float((_kendall_pitman_morgan_p(a, b, 1.0) < 0.05).mean())
     return out
+
+
+def _kendall_pitman_morgan_p(a, b, ratio: float) -> np.ndarray:
+    """Per study (T, n): the two-sided p of Kendall's tau between ``a + ratio·b`` and ``a − ratio·b`` (scipy's
+    ``kendalltau``: its exact permutation p without ties), which tests std(a)/std(b) = ratio as Pitman-Morgan's
+    correlation does, by ranks. NaN (a tied side) counts as not rejecting."""
+    return np.array([sps.kendalltau(s, d).pvalue for s, d in zip(a + ratio * b, a - ratio * b)])
 
 
 def _paired_counts(rng, shape, gain=0.0):
