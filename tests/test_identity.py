@@ -66,6 +66,8 @@ CHANGES = {  # each changed alone; the part the refusal must name
     "loss": ({"loss": ce40}, f"the loss differs (was {__name__}:ce, now {__name__}:ce40)"),
     "augment": ({"augment": shift2}, f"the augment differs (was {__name__}:shift, now {__name__}:shift2)"),
     "data": ({"data": (arrays(1)[0], *arrays()[1:])}, "the data differs (was arrays-"),
+    # a setting changes the parts' traces too (the batch's shape): the setting is named, not the parts
+    "batch size": ({"batch_size": 8}, "(train.batch_size 32 vs 8)"),
 }
 
 
@@ -86,7 +88,7 @@ def test_a_changed_part_is_refused_by_name_and_nothing_is_written(finished, chan
     kwargs, named = CHANGES[change]
     before = _files(finished)
     with pytest.raises(UsageError, match=r"holds results of another study: |of a different config") as e:
-        nj.run_study(**{**BASE, **kwargs}, out=finished, **STUDY, **QUIET)
+        nj.run_study(**{**BASE, **STUDY, **kwargs}, out=finished, **QUIET)
     assert named in str(e.value)
     assert _files(finished) == before
 
@@ -189,6 +191,10 @@ def test_optimizer_description_reads_settings_and_schedules():
     assert inj[0]["transform"] == "inject_hyperparams" and inj[0]["inner_factory"] == "adam"
     assert inj[0]["learning_rate"] == 3e-4 and inj[0]["b1"] == 0.9
     assert "clip_by_global_norm(max_norm=1)" in format_optimizer(d)
+    # multi_transform's label function is a callable in a closure too, but gives labels, not numbers
+    labelled = optax.multi_transform({"a": optax.sgd(0.1), "b": optax.set_to_zero()},
+                                     lambda params: jax.tree.map(lambda x: "a" if x.ndim > 1 else "b", params))
+    assert describe_optimizer(labelled, 10)[0]["transform"] == "partition"  # optax's name for multi_transform
 
 
 def test_a_folder_from_before_a_key_was_added_is_the_same_study():

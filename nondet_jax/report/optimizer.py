@@ -41,7 +41,7 @@ def _schedule_values(fn, steps: list[int]) -> dict[str, float] | None:
             values = np.asarray([fn(jnp.asarray(s, jnp.int32)) for s in at])
         except Exception:  # noqa: BLE001 - not a schedule after all: leave it out of the record
             return None
-    if values.shape != (len(steps),):
+    if values.shape != (len(steps),) or not np.issubdtype(values.dtype, np.number):  # e.g. multi_transform's labels
         return None
     return {str(s): float(v) for s, v in zip(steps, values)}
 

@@ -173,14 +173,20 @@ def atomic_write_json(path: Path, obj: Any, option: str = "--out", root: str | P
 
 def npy_bytes(array: np.ndarray) -> bytes:
     buf = io.BytesIO()
-    np.save(buf, array, allow_pickle=False)
+    np.save(buf, _portable(np.asarray(array)), allow_pickle=False)
     return buf.getvalue()
 
 
 def npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
+    """``np.savez`` of ``arrays``; an array of a float type numpy does not know (JAX's bfloat16, float8: kind
+    ``V``, which ``.npz`` stores as raw bytes that read back as void) as float32, which holds it exactly."""
     buf = io.BytesIO()
-    np.savez(buf, **{k: np.asarray(v) for k, v in arrays.items()})
+    np.savez(buf, **{k: _portable(np.asarray(v)) for k, v in arrays.items()})
     return buf.getvalue()
+
+
+def _portable(a: np.ndarray) -> np.ndarray:
+    return a.astype(np.float32) if a.dtype.kind == "V" else a
 
 
 def flatten_tree(tree: Any) -> dict[str, np.ndarray]:

@@ -16,7 +16,6 @@ state at every epoch, so a merged arm has them at initialisation and at the end 
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 import jax
@@ -29,7 +28,7 @@ from nondet_jax.replicas.choice import make_strategy
 from nondet_jax.replicas.loop import ArmResult, _distances
 from nondet_jax.sources import Arm, arm_keys, perturbations
 from nondet_jax.store.checkpoint import key_fingerprint
-from nondet_jax.store.io import atomic_write_bytes
+from nondet_jax.store.io import atomic_write_bytes, npz_bytes
 from nondet_jax.train import Health, TrainState
 
 SEP = "::"  # key separator in part files ('/' occurs inside instrument names)
@@ -66,9 +65,7 @@ def part_bytes(result, meta: dict) -> bytes:
               "features": result.features, "snapshots": result.snapshots, **_flat("steps", result.steps),
               "seconds": np.float64(result.seconds), "strategy": np.array(result.strategy),
               **{f"meta{SEP}{k}": np.array(v) for k, v in meta.items()}}
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)
-    return buf.getvalue()
+    return npz_bytes(arrays)
 
 
 def write_part(store, arm: Arm, result, meta: dict) -> Path:
