@@ -212,6 +212,16 @@ class _LazyArrays(dict):
         return [(k, self[k]) for k in self._keys]
 
 
+def _whole_number_targets(y, most: int = 100) -> int:
+    """How many distinct values ``y`` holds when they are whole numbers, at most ``most`` of them (what class
+    labels stored as floats look like), else 0."""
+    y = np.asarray(y)
+    if y.ndim != 1 or not np.all(y == np.round(y)):
+        return 0
+    distinct = len(np.unique(y))
+    return distinct if distinct <= most else 0
+
+
 def _dataset(data, task: str | None = None) -> tuple[Any, str | None]:
     """(Dataset or None, data.name): arrays, a Dataset, a catalogue name or a .npz path."""
     if data is None:
@@ -268,6 +278,8 @@ def study_config(*, model=None, data_name: str | None = None, optimizer=None, ep
     if batch_size is not None:
         flat["train.batch_size"] = batch_size
     flat.update(settings or {})
+    if optimizer is not None:  # the optimizer passed is the one that trains, whatever optim.* says
+        cfg.refuse_optim_settings({str(k): "settings=" for k in settings or {}}, cfg.OptimConfig(name=cfg.CUSTOM))
     return cfg.from_flat(flat, base)
 
 
@@ -339,6 +351,15 @@ def run_study(model=None, data=None, optimizer=None, loss: Callable | None = Non
     """
     _check_parts(optimizer, loss, augment)
     dataset, data_name = _dataset(data, task)
+    if task is None and getattr(dataset, "task", None) == "regression":
+        y = np.asarray(dataset.y_train)
+        classes = _whole_number_targets(y)
+        if classes:  # float 0/1 labels from pandas or a CSV: said, since a regression is what the dtype asks for
+            log(f"data: y_train holds floating-point targets that are whole numbers ({classes} distinct values), read "
+                "as a regression (float targets are); pass task='classification' if they are class labels")
+        elif y.ndim == 2 and np.isin(y, (0, 1)).all() and (y.sum(1) == 1).all():
+            log("data: y_train looks one-hot (rows of 0s and one 1), read as a regression on its columns; pass "
+                "y.argmax(1) with task='classification' if they are class labels")
     if methods is not None or baseline is not None:
         with api_words():
             return _run_methods(methods, baseline, dict(model=model, optimizer=optimizer, loss=loss, augment=augment,
@@ -418,6 +439,14 @@ def _run_methods(methods, baseline, parts: dict, dataset, data_name, study: dict
         return study_config(model=own["model"], data_name=data_name, optimizer=own["optimizer"],
                             settings={**(settings or {}), **m.settings}, base=config, **study)
 
+    for m in planned:  # every method's own configuration checked before the first trains
+        try:
+            if {**parts, **m.parts}["optimizer"] is not None:
+                cfg.refuse_optim_settings({str(k): "the method" for k in m.settings}, cfg.OptimConfig(name=cfg.CUSTOM))
+            config_of(m)
+        except UsageError as e:
+            raise UsageError(f"method '{m.name}': {e}") from None
+
     def batch(folder):
         from nondet_jax.study.batched import train_batched
 
@@ -473,6 +502,9 @@ def decompose(run: "str | Path | StudyResult") -> dict:
     from nondet_jax.analysis.decomposition import decompose as from_records
     from nondet_jax.report.summary import load_records
 
+    if not isinstance(run, (str, Path, StudyResult)):
+        raise UsageError(f"decompose takes a run folder or a StudyResult, got a {type(run).__name__}; for replicate's "
+                         "result call its own .decompose()")
     folder = run.out if isinstance(run, StudyResult) else Path(run)
     if not RunPaths(folder).config.is_file():
         raise UsageError(f"{folder} is not a nondet_jax run folder (no config.json); pass a study's out= folder")
@@ -503,7 +535,7 @@ def replicate(init: Callable, step: Callable, batches=None, *, steps: int | None
       init, step: the single-replica functions.
       batches: a pytree whose leaves have a leading step axis T, the same for every replica
         (``step`` gets one slice); None passes ``batch=None`` and needs ``steps``.
-      steps: number of steps (default: T).
+      steps: number of steps: T with ``batches`` (may be left out), required without.
       arms, replicas, seed: as in :func:`run_study` (seed in 0 .. 2**32-1, arms named once each).
       strategy: ``vmap`` (one program over the replica axis), ``sequential`` (one replica's program,
         compiled once, in a loop: replica r's result does not depend on R), or ``auto``.
@@ -549,6 +581,16 @@ def replicate(init: Callable, step: Callable, batches=None, *, steps: int | None
         raise UsageError(f"replicas must be an integer >= 1, got {replicas!r}")
     if batches is None and steps is None:
         raise UsageError("replicate needs batches (leading axis = steps) or steps=")
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1):
+        raise UsageError(f"steps must be an integer >= 1, got {steps!r}")
+    if batches is not None:
+        lengths = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in jax.tree.leaves(batches)}
+        if None in lengths or len(lengths) != 1:
+            raise UsageError(f"every leaf of batches needs the same leading step axis (one slice per step), got "
+                             f"{sorted(lengths, key=str)}; stack each step's batch along axis 0")
+        if steps is not None and steps != next(iter(lengths)):
+            raise UsageError(f"steps={steps} but batches holds {next(iter(lengths))} steps (its leading axis); leave "
+                             f"steps out, or pass batches of {steps} steps")
     if steps is None:
         steps = jax.tree.leaves(batches)[0].shape[0]
     chosen, _ = resolve_strategy(strategy, replicas)

@@ -157,6 +157,17 @@ def imported(name: str) -> bool:
 def user_optimizer(o: "OptimConfig") -> bool:
     """The study trains with the user's own optax optimiser (passed in memory, or imported by name)."""
     return o.name == CUSTOM or imported(o.name)
+
+
+def refuse_optim_settings(given: dict[str, str], o: "OptimConfig") -> None:
+    """Settings of the config's optimiser (``given``: each key set explicitly, with how it was set, e.g.
+    ``{"optim.lr": "--lr"}``; its ``optim.*`` ones) where the study trains with ``o``, the user's own optimiser,
+    whose learning rate and schedule are its own: refused, since they would be silently ignored."""
+    keys = sorted(k for k in given if k.startswith("optim."))
+    if keys and user_optimizer(o):
+        raise UsageError(f"{keys[0]} (set by {given[keys[0]]}) does not apply: the study trains with your own "
+                         "optimizer, whose learning rate and schedule are its own, so it would be ignored; build it into "
+                         "your optimizer (e.g. optax.sgd(0.2)), or leave yours out to use the config's")
 ARRAYS_PREFIX = "arrays-"  # data.name of arrays passed to nondet_jax.run_study: arrays-<sha256 prefix>
 NPZ_BY_CONTENT = "<a .npz file, identified by its contents>"  # data.name of any .npz, where configs are compared
 
@@ -453,6 +464,10 @@ def arm_config(config: Config, arm) -> Config:
     k = arm.cycles
     if not k:
         return config
+    if user_optimizer(config.optim):
+        raise UsageError(f"arm '{arm.name}' trains with the config's snapshot schedule (learning-rate restarts), which "
+                         "your own optimizer does not follow, so its snapshots would not be a snapshot ensemble; drop "
+                         "the arm, or leave your optimizer out to use the config's")
     optim = dataclasses.replace(config.optim, schedule="snapshot", cycles=k)
     variant = dataclasses.replace(config, optim=optim)
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -457,9 +458,15 @@ def test_replicate_refuses_arms_whose_sources_are_never_read_and_bad_seeds():
     assert not np.array_equal(out["all"][0], out["all"][1])
     for kwargs, message in [({"seed": 2**32}, "seed must be an integer in 0 .. 4294967295"),
                             ({"seed": -1}, "seed must be an integer"),
-                            ({"arms": "init,init"}, "arm 'init' is named twice")]:
+                            ({"arms": "init,init"}, "arm 'init' is named twice"),
+                            ({"steps": -3}, "steps must be an integer >= 1, got -3"),
+                            ({"steps": 2.5}, "steps must be an integer >= 1, got 2.5")]:
         with pytest.raises(UsageError, match=message):
-            nj.replicate(init, step, steps=2, **kwargs)
+            nj.replicate(init, step, **{"steps": 2, **kwargs})
+    for batches, steps, message in [((np.ones((8, 4)),), 4, r"steps=4 but batches holds 8 steps"),
+                                    ((np.ones((8, 4)), np.ones((5, 4))), None, r"the same leading step axis .* \[5, 8\]")]:
+        with pytest.raises(UsageError, match=message):  # lax.scan said so deep in JAX, in its own words
+            nj.replicate(init, step, batches, steps=steps, arms="control,init")
 
 
 class NoDropout(nn.Module):
@@ -477,6 +484,8 @@ def test_run_study_refuses_sources_the_users_parts_do_not_have(tmp_path):
         nj.run_study(model=NoDropout, arms="control,dropout", **kwargs)
     with pytest.raises(UsageError, match=r"never drawn by your augment function"):
         nj.run_study(model=NoDropout, arms="control,augmentation", augment=lambda key, x: x * 1.0, **kwargs)
+    with pytest.raises(UsageError, match=r"pass an augmentation of your own, .*the built-in crops and flips need images"):
+        nj.run_study(model=NoDropout, arms="control,augmentation", **kwargs)  # (N, features): not --augment on
     assert not (tmp_path / "run").exists()
     result = nj.run_study(model=OwnNet, arms="control,dropout", settings={"metrics.lmc_pairs": 0}, **kwargs)
     assert not np.array_equal(result.logits["dropout"][0], result.logits["dropout"][1])  # OwnNet has dropout
@@ -613,6 +622,145 @@ def test_batchnorm_that_cannot_converge_in_the_study_is_said(tmp_path, model, sa
                  out=tmp_path / "run", settings={"metrics.lmc_pairs": 0, "metrics.pairwise": False}, log=lines.append)
     notes = [ln for ln in lines if "BatchNorm momentum" in ln]
     assert (notes and says in notes[0] and "use momentum <= 0.69" in notes[0]) if says else not notes, lines
+
+
+class HalfNet(nn.Module):
+    """A user's module computing in bfloat16 (its history and outputs come back in bfloat16)."""
+
+    num_classes: int = 3
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        return nn.Dense(self.num_classes, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)(x)
+
+
+def test_a_bfloat16_model_is_stored_and_reported(tmp_path):
+    """.npz has no bfloat16: the run folder stores such arrays as float32 (exactly), so the report reads them."""
+    result = nj.run_study(model=HalfNet, data=own_arrays(), optimizer=optax.sgd(0.1), epochs=1, batch_size=32,
+                          arms="control,init", replicas=2, out=tmp_path / "run",
+                          settings={"metrics.lmc_pairs": 0}, **QUIET)
+    assert result.report.exists() and (tmp_path / "run" / "curves.csv").exists()
+    with np.load(tmp_path / "run" / "history" / "init.npz") as h:
+        assert h["train_loss"].dtype == np.float32 and np.isfinite(h["train_loss"]).all()
+    with np.load(tmp_path / "run" / "weights" / "init.npz") as w:
+        assert all(w[k].dtype == np.float32 for k in w.files)
+
+
+def test_settings_your_own_optimizer_would_ignore_are_refused(tmp_path):
+    """With your own optimizer, its learning rate and schedule are its own: optim.* settings, a method's optim.*
+    overrides and snapshot arms were silently ignored (a methods study compared a method with itself)."""
+    from nondet_jax.cli import sweep
+
+    study = dict(model=OwnNet, data=own_arrays(), optimizer=optax.adam(1e-2), epochs=1, batch_size=32, replicas=2,
+                 out=tmp_path / "run", **QUIET)
+    with pytest.raises(UsageError, match=r"optim.lr \(set by settings=\) does not apply: .* your own optimizer"):
+        nj.run_study(arms="init", settings={"optim.lr": 5.0}, **study)
+    with pytest.raises(UsageError, match=r"method 'lr10x': optim.lr \(set by the method\) does not apply"):
+        nj.run_study(arms="init", methods={"base": {}, "lr10x": {"optim.lr": 0.5}}, **study)
+    with pytest.raises(UsageError, match=r"method 'b': optim.momentum \(set by the method\)"):
+        nj.run_study(**{**study, "optimizer": None}, arms="init",
+                     methods={"a": {}, "b": {"optimizer": optax.sgd(0.1), "optim.momentum": 0.5}})
+    with pytest.raises(UsageError, match=r"arm 'init@snapshot2' .* your own optimizer does not follow"):
+        nj.run_study(**{**study, "epochs": 2}, arms="init@snapshot2")
+    assert not (tmp_path / "run").exists()
+    for argv, flag in ((["--lr", "0.7"], "--lr"), (["--set", "optim.momentum=0.5"], "--set")):
+        with pytest.raises(UsageError, match=f"optim.(lr|momentum) \\(set by {flag}\\) does not apply"):
+            sweep.config_from_args(sweep.build_parser().parse_args(["--optimizer", "mypkg.opt:adam", *argv]))
+    assert sweep.config_from_args(sweep.build_parser().parse_args(["--set", "optim.name=mypkg.opt:adam"])).optim.name \
+        == "mypkg.opt:adam"  # the name chooses the optimizer: that one applies
+
+
+def test_optimizers_a_step_cannot_drive_are_refused_and_typed_keys_are_counted(tmp_path):
+    """optax.lbfgs (a line search) and contrib.reduce_on_plateau need value= in update, which a study's step does
+    not pass: one line before anything is written. noisy_sgd keeps a typed PRNG key in its state, which the memory
+    check could not size."""
+    from nondet_jax.study.memory import _bytes
+
+    for tx, needs in ((optax.lbfgs(), "'value', 'grad', and 'value_fn'"),
+                      (optax.chain(optax.adam(1e-2), optax.contrib.reduce_on_plateau()), "'value'")):
+        with pytest.raises(UsageError, match=f"your optimizer's update needs {needs}, which a study's training step"):
+            nj.run_study(model=OwnNet, data=own_arrays(), optimizer=tx, epochs=1, batch_size=32, arms="control",
+                         replicas=2, out=tmp_path / "run", **QUIET)
+    assert not (tmp_path / "run").exists()
+    assert _bytes({"key": jax.random.key(0), "w": jnp.ones(3)}) == 8 + 12
+
+
+def test_bool_labels_are_classes_and_float_labels_read_as_a_regression_are_said(tmp_path):
+    """Labels from pandas or a CSV: bools were refused as "not whole numbers"; float 0/1 labels became a regression
+    without a word (the float dtype asks for one: said in the log, with the fix)."""
+    x_tr, y_tr, x_te, y_te = own_arrays()
+    study = dict(model=OwnNet, optimizer=optax.sgd(0.05), epochs=1, batch_size=32, arms="control", replicas=2,
+                 settings={"metrics.lmc_pairs": 0})
+    result = nj.run_study(data=(x_tr, y_tr > 0, x_te, y_te > 0), out=tmp_path / "bool", **study, **QUIET)
+    assert result.logits["control"].shape[-1] == 2 and "accuracy_mean_pct" in result.table[0]
+    lines: list[str] = []
+    result = nj.run_study(data=(x_tr, y_tr.astype(np.float32), x_te, y_te.astype(np.float32)), out=tmp_path / "float",
+                          **study, log=lines.append)
+    assert "mse_mean" in result.table[0]
+    assert any("whole numbers (3 distinct values), read as a regression" in ln and "task='classification'" in ln
+               for ln in lines), lines
+    lines.clear()
+    one_hot = [np.eye(3, dtype=np.float32)[y] for y in (y_tr, y_te)]
+    nj.run_study(data=(x_tr, one_hot[0], x_te, one_hot[1]), out=tmp_path / "onehot", **study, log=lines.append)
+    assert any("looks one-hot" in ln and "y.argmax(1) with task='classification'" in ln for ln in lines), lines
+
+
+class NoTrainArg(nn.Module):
+    num_classes: int = 3
+
+    @nn.compact
+    def __call__(self, x, deterministic: bool = True):
+        return nn.Dense(self.num_classes)(x)
+
+
+class NoiseStream(nn.Module):
+    num_classes: int = 3
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        x = x + 0.1 * jax.random.normal(self.make_rng("noise"), x.shape) if train else x
+        return nn.Dense(self.num_classes)(x)
+
+
+class Counter(nn.Module):
+    num_classes: int = 3
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        n = self.variable("counter", "n", lambda: jnp.zeros((), jnp.int32))
+        if train and not self.is_initializing():
+            n.value += 1
+        return nn.Dense(self.num_classes)(x)
+
+
+class NNXTrainArg(nnx.Module):
+    def __init__(self, num_classes, rngs):
+        self.l = nnx.Linear(6, num_classes, rngs=rngs)
+
+    def __call__(self, x, train: bool):
+        return self.l(x)
+
+
+class NNXOwnRngs(nnx.Module):  # ignores the rngs it is given: every replica starts from the same weights
+    def __init__(self, num_classes, rngs):
+        self.l = nnx.Linear(6, num_classes, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+        return self.l(x)
+
+
+@pytest.mark.parametrize("model,says", [
+    (NoTrainArg, "__call__ takes no train argument; a Linen model is called as model(x, train=True)"),
+    (NNXTrainArg, "__call__ requires train besides its input; an NNX model is called as model(x)"),
+    (NoiseStream, "draws random numbers from the rng stream 'noise', which a study does not give"),
+    (Counter, "keeps variables in the collection 'counter', which a study does not carry"),
+    (NNXOwnRngs, "arm 'init' varies only init, which is never drawn by your model's initialisation")])
+def test_models_a_study_cannot_drive_are_refused_in_one_line(tmp_path, model, says):
+    """Each was a TypeError or a flax error from deep inside a trace (or, the last, R copies of control)."""
+    with pytest.raises(UsageError, match=re.escape(says)):
+        nj.run_study(model=model, data=own_arrays(), optimizer=optax.sgd(0.05), epochs=1, batch_size=32,
+                     arms="control,init", replicas=2, out=tmp_path / "run", **QUIET)
+    assert not (tmp_path / "run").exists()
 
 
 def test_cabs_and_early_stopping_refused_with_own_optimizer(tmp_path):

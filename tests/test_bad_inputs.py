@@ -223,6 +223,11 @@ CASES: list[tuple[str, str]] = [
     ("API", "run_study(model='mlp', until='decided')"),
     ("CLI", "--set study.dynamics_every=2 --set train.epoch_shape=scan"),
     ("CLI", "--set train.replica_threads=-1"),
+    # settings your own optimizer would ignore, and replicate's batches against its steps
+    ("CLI", "--optimizer mypkg.opt:adam --lr 0.7"),
+    ("API", "run_study(Linear, TWO_CLASSES, batch_size=4, optimizer=optax.sgd(0.1), settings={'optim.lr': 0.2})"),
+    ("API", "run_study(Linear, TWO_CLASSES, batch_size=4, optimizer=optax.lbfgs())"),
+    ("API", "replicate(lambda keys: jnp.zeros(3), lambda s, b, keys: s, (jnp.ones((8, 2)),), steps=4)"),
 ]
 
 class Linear:  # a user's model without dropout (built lazily: flax is imported by the cases that use it)
@@ -343,8 +348,10 @@ def run_case(where: str, text: str, ctx: Context, capsys) -> tuple[str, int, boo
         try:
             import jax
             import jax.numpy as jnp
+            import optax
 
-            eval(text, {"jax": jax, "jnp": jnp, "config": config, "sources": sources, "data": data, "train": train,  # noqa: S307
+            eval(text, {"jax": jax, "jnp": jnp, "optax": optax, "config": config, "sources": sources,  # noqa: S307
+                        "data": data, "train": train,
                         "from_flat": from_flat, "digits_spec": spec, "np": np, "metrics": metrics, "memory": memory,
                         "replicate": replicate, "run_study": run_study, "Linear": Linear, "Pair": Pair,
                         "TWO_CLASSES": (np.zeros((8, 3), np.float32), np.arange(8) % 2, np.zeros((4, 3), np.float32),

@@ -202,8 +202,13 @@ def config_from_args(args: argparse.Namespace) -> Config:
         value = getattr(args, flag)
         if value is not None:
             flat[key] = value
-    flat.update(cfg.parse_overrides(set_pairs(args.set)))
-    return cfg.from_flat(flat)
+    overrides = cfg.parse_overrides(set_pairs(args.set))
+    flat.update(overrides)
+    config = cfg.from_flat(flat)
+    given = {key: f"--{flag.replace('_', '-')}" for flag, key in FLAGS.items() if getattr(args, flag) is not None}
+    cfg.refuse_optim_settings({k: h for k, h in {**given, **{k: "--set" for k in overrides}}.items()
+                               if k != "optim.name"}, config.optim)  # the name chooses the optimizer: not ignored
+    return config
 
 
 def methods_from_args(args: argparse.Namespace, config: Config) -> tuple[list, str] | None:

@@ -71,6 +71,7 @@ def from_arrays(name: str, x_train, y_train, x_test, y_test, num_classes: int | 
     given (inputs cast to float32, or to int32 when both splits hold integers such as token ids;
     class labels to int32, regression targets to float32), not standardised."""
     arrays = {k: np.asarray(v) for k, v in zip(ARRAY_NAMES, (x_train, y_train, x_test, y_test))}
+    arrays.update({k: arrays[k].astype(np.int64) for k in ("y_train", "y_test") if arrays[k].dtype == bool})  # 0/1
     if task is not None and task not in TASKS:
         raise UsageError(f"task '{task}' is unknown; use 'classification' or 'regression'")
     if task is None:

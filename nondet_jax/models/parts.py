@@ -23,8 +23,10 @@ import hashlib
 import importlib
 import inspect
 import json
+import re
 from typing import Any, Callable, NamedTuple
 
+import flax.errors
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -64,6 +66,40 @@ def _accepts(fn, name: str) -> bool:
         return name in inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
+
+
+def _apply(module, *args, **kwargs):
+    """``module.apply``, the two things a user's Linen module can ask for that a study does not give said in one
+    line (flax said them in its own words, from deep inside a trace)."""
+    try:
+        return module.apply(*args, **kwargs)
+    except flax.errors.InvalidRngError as e:
+        stream = (re.findall(r'PRNG for "([^"]+)"', str(e)) or ["another"])[0]
+        raise UsageError(f"model {label_of(module)} draws random numbers from the rng stream '{stream}', which a study "
+                         "does not give: it gives one, 'dropout' (the dropout source, its own key per replica where "
+                         "an arm varies it); draw with self.make_rng('dropout')") from None
+    except flax.errors.ScopeCollectionNotFound as e:
+        found = (re.findall(r'collection "([^"]+)"', str(e)) or ["another"])[0]
+        raise UsageError(f"model {label_of(module)} keeps variables in the collection '{found}', which a study does "
+                         "not carry from step to step (it carries params and batch_stats); keep running state in "
+                         "batch_stats, or drop it") from None
+
+
+def _takes_any_keyword(fn) -> bool:
+    try:
+        return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return True  # unknown: let the call say
+
+
+def _required_beyond_input(fn) -> list[str]:
+    """The parameters of ``fn(self, x, ...)`` after the input that have no default (NNX's __call__ gets x only)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())[2:]
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.default is inspect.Parameter.empty
+            and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
 def label_of(obj) -> str:
@@ -131,6 +167,10 @@ def model_fns(model, num_classes: int, catalogue_kwargs: dict | None = None, fea
 def linen_model_fns(module, features: str | None = None) -> ModelFns:
     """:class:`ModelFns` of a Linen module (the catalogue's and any user's)."""
     call = type(module).__call__
+    if not _accepts(call, "train") and not _takes_any_keyword(call):
+        raise UsageError(f"model {label_of(module)}'s __call__ takes no train argument; a Linen model is called as "
+                         "model(x, train=True) in training and train=False in evaluation (for dropout and BatchNorm): "
+                         "add train: bool to its __call__")
     per_example = _accepts(call, "dropout_keys")
     exposes = _accepts(call, "return_features")
     if exposes and features:  # it used to be ignored without a word, CKA computed on the model's own features
@@ -148,7 +188,7 @@ def linen_model_fns(module, features: str | None = None) -> ModelFns:
 
     if per_example:
         def train_apply(v, x, dropout):
-            logits, updates = module.apply(variables_of(v), x, train=True, dropout_keys=dropout,
+            logits, updates = _apply(module, variables_of(v), x, train=True, dropout_keys=dropout,
                                            mutable=["batch_stats"])
             return logits, updates.get("batch_stats", {})
 
@@ -158,7 +198,7 @@ def linen_model_fns(module, features: str | None = None) -> ModelFns:
             return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(step_key, jnp.arange(b))[perm]
     else:
         def train_apply(v, x, dropout):
-            logits, updates = module.apply(variables_of(v), x, train=True, rngs={"dropout": dropout},
+            logits, updates = _apply(module, variables_of(v), x, train=True, rngs={"dropout": dropout},
                                            mutable=["batch_stats"])
             return logits, updates.get("batch_stats", {})
 
@@ -169,12 +209,12 @@ def linen_model_fns(module, features: str | None = None) -> ModelFns:
         source = "model"
 
         def evaluate(v, x):
-            return module.apply(variables_of(v), x, train=False, return_features=True)
+            return _apply(module, variables_of(v), x, train=False, return_features=True)
     elif features:
         source = f"intermediate:{features}"
 
         def evaluate(v, x):
-            logits, state = module.apply(variables_of(v), x, train=False,
+            logits, state = _apply(module, variables_of(v), x, train=False,
                                          capture_intermediates=lambda mdl, _: mdl.name == features)
             found = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(state.get("intermediates", {}))
                      if any(getattr(p, "key", None) == features for p in path)]
@@ -186,7 +226,7 @@ def linen_model_fns(module, features: str | None = None) -> ModelFns:
         source = "logits"
 
         def evaluate(v, x):
-            logits = module.apply(variables_of(v), x, train=False)
+            logits = _apply(module, variables_of(v), x, train=False)
             return logits, logits
 
     if "bn_momentum" in getattr(module, "__dataclass_fields__", {}):
@@ -290,6 +330,13 @@ def nnx_model_fns(factory, num_classes: int, features: str | None = None) -> Mod
 
     def build(key):
         return _build_nnx(factory, num_classes, key)
+
+    target = factory.func if isinstance(factory, functools.partial) else factory
+    extra = _required_beyond_input(target.__call__) if inspect.isclass(target) else []
+    if extra:
+        raise UsageError(f"model {label_of(factory)}'s __call__ requires {', '.join(extra)} besides its input; an NNX "
+                         "model is called as model(x), training and evaluation set by model.train() / model.eval() "
+                         f"(nnx.Dropout and nnx.BatchNorm follow them): give {extra[0]} a default or drop it")
 
     graphdef, _, _, rest_shape = nnx.split(nnx.eval_shape(lambda: build(jax.random.key(0))),
                                            nnx.Param, nnx.BatchStat, ...)

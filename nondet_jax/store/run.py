@@ -68,6 +68,22 @@ def _config_diff(a: dict, b: dict) -> list[str]:
     return out
 
 
+def different_config(root: Path, diff: list[str]) -> UsageError:
+    """The refusal of a run folder whose config differs from this study's in ``diff`` (:func:`_config_diff`)."""
+    return UsageError(f"--out {root} holds results of a different config ({'; '.join(diff[:3])}); choose another "
+                      "--out or rerun with the same settings")
+
+
+def config_changes(root: Path, config: dict) -> list[str]:
+    """What differs between the folder's ``config.json`` and ``config`` (a :func:`~nondet_jax.config.to_dict`), the
+    replicas aside (a study may grow); none where the folder has no readable config."""
+    try:
+        old = read_config(RunPaths(root).config)
+    except UsageError:
+        return []
+    return [d for d in _config_diff(old, config) if not d.startswith("study.replicas ")]
+
+
 def config_digest(config: dict) -> str:
     """sha256 of a config's results-relevant form (:func:`_comparable`)."""
     return hashlib.sha256(json.dumps(_comparable(config), sort_keys=True).encode()).hexdigest()
@@ -299,8 +315,7 @@ class RunStore:
                 if self.grow and old.get("study", {}).get("replicas", 0) <= new["study"]["replicas"]:
                     diff = [d for d in diff if not d.startswith("study.replicas ")]
                 if diff:
-                    raise UsageError(f"--out {root} holds results of a different config ({'; '.join(diff[:3])}); "
-                                     "choose another --out or rerun with the same settings")
+                    raise different_config(root, diff)
                 new["study"]["arms"] = list(dict.fromkeys(old_arms + new["study"]["arms"]))
                 self.arms = new["study"]["arms"]
                 finished = []

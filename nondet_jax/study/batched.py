@@ -108,7 +108,7 @@ def train_group(configs: dict[str, cfg.Config], folders: dict[str, object], part
     for n in names:
         _, f = prepare(configs[n], parts, data)
         model = model_record(configs[n], data, f)
-        check_model(RunPaths(folders[n]), model)
+        check_model(RunPaths(folders[n]), model, configs[n])
         own[n] = (f, model)
     strategy_name, why = resolve_strategy(study.strategy, k * study.replicas)
     if strategy_name not in ("sequential", "vmap"):

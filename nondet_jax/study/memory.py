@@ -27,8 +27,8 @@ from nondet_jax.train import make_train, steps_per_epoch
 
 
 def _bytes(tree) -> int:
-
-    return int(sum(np.prod(a.shape, dtype=np.int64) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree)))
+    # a.dtype.itemsize, not np.dtype's: a typed PRNG key (optax.noisy_sgd's state) is no numpy dtype
+    return int(sum(np.prod(a.shape, dtype=np.int64) * a.dtype.itemsize for a in jax.tree.leaves(tree)))
 
 
 # Memory a study needs on the host beyond its state: XLA compiling and running the programs, the

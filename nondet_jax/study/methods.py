@@ -116,7 +116,8 @@ def plan(base: cfg.Config, methods: dict, baseline: str | None = None, *, api: b
                                  f"({', '.join(PART_KEYS)}) nor a config key; "
                                  + (f"did you mean '{close[0]}'?" if close else "config keys are listed in docs/cli.md"))
         try:
-            cfg.from_flat(settings, base)
+            own = cfg.from_flat(settings, base)
+            cfg.refuse_optim_settings({k: "the method" for k in settings if k != "optim.name"}, own.optim)
         except UsageError as e:
             raise UsageError(f"method '{name}': {e}") from None
         out.append(Method(name, settings, parts))

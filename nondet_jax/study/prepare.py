@@ -26,6 +26,7 @@ from nondet_jax.models.parts import (
 from nondet_jax.replicas.choice import strategy_epoch_shape
 from nondet_jax.sources import Arm, abstract_keys, parse_arm, perturbations
 from nondet_jax.store.paths import RunPaths
+from nondet_jax.store.run import config_changes, different_config
 from nondet_jax.study.identity import (
     check_identity,
     identity_sha256,
@@ -59,13 +60,19 @@ def check_arms_active(config: Config, arms: list[Arm], fns) -> None:
         inactive.add(("init", "drawing nothing: init_params holds every parameter",
                       "leave a layer (the head) out of init_params"))
     if fns.augment is None:
-        inactive.add(("augmentation", "off in this config", "turn it on with --augment on"))
+        inactive.add(("augmentation", "off in this config", "turn it on with --augment on" if len(fns.spec.image_shape) == 3
+                      else "pass an augmentation of your own, --augment PACKAGE.MODULE:ATTR or augment=(key, x) -> x (the "
+                           "built-in crops and flips need images)"))
     elif parts.augment is not None:
         xb = jax.ShapeDtypeStruct((fns.batch_size, *fns.spec.image_shape), fns.spec.x_dtype)
         if not reads_argument(fns.augment, (jax.random.key(0), xb), 0):
             inactive.add(("augmentation", "never drawn by your augment function (it ignores its key)",
                           "use the key in augment(key, x)"))
     if parts.model is not None:
+        x1 = jax.ShapeDtypeStruct((1, *fns.spec.image_shape), fns.spec.x_dtype)
+        if not reads_argument(fns.model.init, (jax.random.key(0), x1), 0):  # e.g. constant initialisers
+            inactive.add(("init", "never drawn by your model's initialisation (it ignores the key it is given)",
+                          "initialise from the key flax passes (self.param with a random initializer)"))
         if not model_facts(fns, fns.spec.x_dtype)["dropout"]:
             inactive.add(("dropout", "absent from your model (its training pass never reads a dropout key)",
                           "add dropout to the model (flax.linen.Dropout)"))
@@ -305,7 +312,10 @@ def check_epoch_shape(paths, shape: str, recompute=()) -> None:
                          "bits; choose another --out, or retrain every finished arm with --recompute ARM")
 
 
-def check_model(paths, record: dict) -> None:
+PART_NAMES = ("data.name", "model.name", "optim.name", "train.loss", "data.augment")  # config keys naming a part
+
+
+def check_model(paths, record: dict, config: Config | None = None) -> None:
     """Refuse to continue a study whose stored ``model.json`` names another model or parameter
     shapes, or whose parts differ by content (each changed part named). A folder without a finished
     arm holds no results to protect (a study that stopped before storing one, say with a model whose
@@ -320,7 +330,16 @@ def check_model(paths, record: dict) -> None:
             diff.insert(0, f"model {old.get('model')} -> {record['model']}")
         raise UsageError(f"--out {paths.root} holds results of another model ({'; '.join(diff)}); choose another "
                          "--out or use the model the study started with")
-    check_identity(paths.root, old, record["identity"])
+    try:
+        check_identity(paths.root, old, record["identity"])
+    except UsageError:
+        # a changed setting (train.batch_size) changes the parts' traces too: name the setting, not the parts; the
+        # keys naming a part are said better by the identity's words (what in the data or loss differs)
+        changed = [d for d in (config_changes(paths.root, cfg.to_dict(config)) if config is not None else [])
+                   if d.split(" ")[0] not in PART_NAMES]
+        if changed:
+            raise different_config(paths.root, changed) from None
+        raise
 
 
 def check_watchable(config: Config, fns, strategy: str) -> None:

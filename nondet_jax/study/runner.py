@@ -162,7 +162,7 @@ def run(config: Config, out: str | Path | None = None, progress: bool | None = N
     model = model_record(config, data, fns)
     out = Path(out) if out is not None else default_out(config, model["identity_sha256"])
     check_no_links(out)  # no link or FIFO in the folder: model.json is read before the folder is opened
-    check_model(RunPaths(out), model)
+    check_model(RunPaths(out), model, config)
     check_epoch_shape(RunPaths(out), study_epoch_shape(config, fns), recompute)
     if progress is None:
         progress = sys.stderr.isatty()
