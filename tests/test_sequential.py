@@ -208,6 +208,17 @@ def test_a_sequential_study_of_methods_stops_once_answered_and_resumes(tmp_path)
     again = sweep_cli(*study, "--until", "decided", "--max-replicas", "12")
     assert again.returncode == 0 and again.stdout.count("already finished") == 4
     assert json.loads((out / "methods.json").read_text())["until"]["looks"] == looks
+    finished = (out / "methods.json").read_text()
+    # interrupted while training the second look: its folders grew to 8, the record holds the first look only
+    record = json.loads(finished)
+    record["until"]["looks"] = looks[:1]
+    (out / "methods.json").write_text(json.dumps(record, indent=2) + "\n")
+    resumed = sweep_cli(*study, "--until", "decided", "--max-replicas", "12")
+    assert resumed.returncode == 0, resumed.stderr  # was refused: "a different config (study.replicas 8 vs 4)"
+    assert json.loads((out / "methods.json").read_text())["until"]["looks"] == looks
+    added = sweep_cli(*study, "--method", "wd:optim.weight_decay=0.01", "--until", "decided", "--max-replicas", "12")
+    assert added.returncode == 2 and "is a sequential study of the methods base, lr2, whose looks" in added.stderr
+    assert (out / "methods.json").read_text() == finished
     before = (out / "methods.json").read_bytes()
     arm = out / "methods" / "lr2" / "arms" / "all.json"
     whole = arm.read_bytes()

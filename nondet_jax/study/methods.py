@@ -187,7 +187,7 @@ def run_methods(base: cfg.Config, methods: list[Method], baseline: str, out: str
     if until is not None and batch is not None:
         raise UsageError("--batch-methods trains every method's replicas at once, which a sequential study (--until) "
                          "adds look by look; drop one of them")
-    replicas = check_design(out, until)
+    replicas = check_design(out, until, [m.name for m in methods])
     write_methods(out, base, methods, baseline)
     if batch is not None:
         batch(out)
@@ -222,10 +222,11 @@ def train_methods(out: Path, methods: list[Method], run_one, replicas: int | Non
         atomic_write_json(RunPaths(out).methods_json, record, root=out)
 
 
-def check_design(out: Path, until) -> int | None:
-    """Where a sequential study resumes: the replicas of its last look (``methods.json``'s ``until``), the
-    first look's for a new one, None without ``until``. A folder of a fixed-size study of methods, or of a
-    sequential one run with another design, is refused before anything is written."""
+def check_design(out: Path, until, names: list[str]) -> int | None:
+    """Where a sequential study resumes: the replicas of its last look (``methods.json``'s ``until``) where it
+    stopped there, else of the look after it (the one an interrupted study was training), the first look's for a
+    new one, None without ``until``. A folder of a fixed-size study of methods, or of a sequential one run with
+    another design or other methods (``names``), is refused before anything is written."""
     path = RunPaths(out).methods_json
     if not path.exists():
         return None if until is None else until.first
@@ -261,7 +262,17 @@ def check_design(out: Path, until) -> int | None:
         if n not in until.looks():
             raise UsageError(f"{path} records a look at {n!r} replicas, which its design never takes; restore it, or "
                              "choose another --out")
-    return max(taken, default=until.first)
+    compared = {name for c in (state["looks"][0]["comparisons"] if state["looks"] else ())
+                for name in (c["method_a"], c["method_b"])}
+    if compared and compared != set(names):  # another family: every look's level and answers would change
+        raise UsageError(f"{out} is a sequential study of the methods {', '.join(sorted(compared))}, whose looks "
+                         f"compared those; rerun it with the same --method flags (adding or dropping one changes every "
+                         "look's family and level), or choose another --out")
+    if not state["looks"]:
+        return until.first
+    last = max(state["looks"], key=lambda k: k["replicas"])
+    # the look after the last one recorded, where an interrupted study was training (its folders may have grown to it)
+    return last["replicas"] if last["stop"] else min(last["replicas"] + until.round, until.max_replicas)
 
 
 def run_looks(out: Path, methods: list[Method], until, replicas: int, run_one, log) -> dict:
