@@ -181,7 +181,7 @@ def test_a_part_trained_under_other_xla_flags_is_not_merged(tmp_path, monkeypatc
         runner.run(cfg.from_flat({**MLP, "study.replicas": 5}), tmp_path, progress=False, grow=True, log=quiet)
 
 
-def test_a_sequential_study_of_methods_stops_once_answered_and_resumes(tmp_path):
+def test_a_sequential_study_of_methods_stops_once_answered_and_resumes(tmp_path, capsys):
     """The command line end to end: a learning rate twice the baseline's is decided better at the second look
     (8 replicas per method), recorded look by look in methods.json and the report; the same command again
     trains nothing; another design on the folder is refused."""
@@ -208,6 +208,12 @@ def test_a_sequential_study_of_methods_stops_once_answered_and_resumes(tmp_path)
     again = sweep_cli(*study, "--until", "decided", "--max-replicas", "12")
     assert again.returncode == 0 and again.stdout.count("already finished") == 4
     assert json.loads((out / "methods.json").read_text())["until"]["looks"] == looks
+    from nondet_jax.cli import compare
+    assert compare.main([str(out)]) == 0  # its answers are the looks', not a fixed-sample test's verdicts
+    said = capsys.readouterr().out
+    assert "a sequential study (--until decided, looks at 4, 8 replicas per method)" in said
+    assert "look at 8 replicas: lr2 − base on all" in said and "lr2 is better" in said and "Holm" not in said
+    assert compare.main([str(out), "--method-b", "lr2"]) == 2
     finished = (out / "methods.json").read_text()
     # interrupted while training the second look: its folders grew to 8, the record holds the first look only
     record = json.loads(finished)
@@ -226,6 +232,10 @@ def test_a_sequential_study_of_methods_stops_once_answered_and_resumes(tmp_path)
     broken = sweep_cli(*study, "--until", "decided", "--max-replicas", "12")
     assert broken.returncode == 2 and "unreadable or corrupt" in broken.stderr
     assert f"rerun with --resume {out / 'methods' / 'lr2'} --recompute all, then this command again" in broken.stderr
+    from nondet_jax.cli import report as report_cli
+    capsys.readouterr()
+    assert report_cli.main([str(out)]) == 2  # the same fix from the report
+    assert f"--resume {out / 'methods' / 'lr2'} --recompute all, then this command again" in capsys.readouterr().err
     assert (out / "methods.json").read_bytes() == before
     arm.write_bytes(whole)
     other = sweep_cli(*study, "--until", "width=0.01", "--max-replicas", "12")

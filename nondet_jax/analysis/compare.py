@@ -124,7 +124,8 @@ def csv_scores(path: str | Path, column: str | None = None) -> tuple[np.ndarray,
 
 def pair_up(xa: np.ndarray, wa: dict, xb: np.ndarray, wb: dict) -> tuple[np.ndarray, np.ndarray, dict]:
     """The two methods' scores as seed pairs for ``--paired``: run folders pair replica r with replica r
-    (the same keys only under the same ``study.seed``; a replica that diverged in either is left out),
+    (the same keys only under the same ``study.seed``; a replica that diverged in either, or that the other has
+    not trained, is left out),
     CSV files pair by a seed/replica/run/index column both have, else row by row."""
     if wa["kind"] == "run":
         if wa["seed"] != wb["seed"]:
@@ -294,7 +295,8 @@ def format_paired(r: dict) -> str:
     lo, hi = r["difference_ci"]
     plo, phi = r["probability_of_improvement_ci"]
     op = ">" if r["higher_is_better"] else "<"
-    left = f"; {r['pairs_left_out']} replica(s) diverged in one of them, left out" if r["pairs_left_out"] else ""
+    left = (f"; {r['pairs_left_out']} replica(s) without a partner in the other (diverged there, or beyond its "
+            "replicas), left out" if r["pairs_left_out"] else "")
     corr = "n/a" if not np.isfinite(r["correlation"]) else f"{r['correlation']:.3f}"
     return "\n".join([
         f"A: {_label(r['a'])}: mean {g(r['mean_a'])}, std {g(r['std_a'])}",

@@ -226,6 +226,19 @@ def assess(until: Until, comparisons: list[dict], earlier: dict[tuple, dict] | N
             "comparisons": rows, "stop": done or last, "why": why}
 
 
+def look_lines(look: dict) -> list[str]:
+    """A look (:func:`assess`'s) in words, one line per comparison: what the study prints at each look and
+    ``compare`` prints for a sequential study (whose answers these are, not a fixed-sample test's)."""
+    out = []
+    for c in look["comparisons"]:
+        lo, hi = c["interval"]
+        now = c["replicas"] == look["replicas"]  # else an answer standing from an earlier look, at that look's level
+        level = f"{100 * (1 - look['level']):.2f}% interval" if now else f"answered at {c['replicas']} replicas"
+        out.append(f"look at {look['replicas']} replicas: {c['method_b']} − {c['method_a']} on {c['arm']} "
+                   f"{c['difference']:+.4g} [{lo:+.4g}, {hi:+.4g}] ({level}): {c['decision']}")
+    return out
+
+
 def _stops(until: Until, d: np.ndarray, levels, futility: float = FUTILITY) -> tuple[np.ndarray, ...]:
     """For simulated differences ``d`` (T, max pairs): each study's look index at its stop, its interval
     there and whether it decided a difference."""

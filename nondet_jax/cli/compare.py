@@ -34,6 +34,33 @@ def _names(value: str | None, option: str) -> list[str] | None:
     return names
 
 
+def _sequential(args, state: dict) -> int:
+    """A sequential study of methods: the answers of its last look (a fixed-sample p on the replicas it stopped at
+    would read its data as if no look had decided when to stop, and could contradict the study's answer)."""
+    from nondet_jax.analysis.sequential import look_lines
+
+    if args.method_a or args.method_b or args.arm or args.metric != "test_accuracy" or args.detect or args.plot:
+        raise UsageError(f"{args.a} is a sequential study (--until {state['design']['spec']}): its answers are its "
+                         "looks', which compare prints whole; drop --method-a, --method-b, --arm, --metric, --detect "
+                         "and --plot")
+    looks = state["looks"]
+    if args.json:
+        print(json.dumps({"sequential": state["design"]["spec"], "looks": looks}, indent=2))
+        return 0
+    if not looks:
+        print(f"{args.a}: a sequential study (--until {state['design']['spec']}) with no look yet; rerun its command "
+              "to go on")
+        return 0
+    last = looks[-1]
+    print(f"{args.a}: a sequential study (--until {state['design']['spec']}, looks at "
+          f"{', '.join(str(k['replicas']) for k in looks)} replicas per method); its answers at the last look"
+          + ("" if last["stop"] else " (not stopped yet: rerun its command to go on)") + ":")
+    print("\n".join(look_lines(last)))
+    print("(intervals at each look's level; a fixed-sample test on the replicas it stopped at is not this design's "
+          "answer: python -m nondet_jax report shows every look)")
+    return 0
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
     prog = prog or prog_name("nondet_jax compare", "nondet-jax-compare")
@@ -79,13 +106,21 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         from nondet_jax.analysis.compare import compare_many, format_many  # scipy: once the arguments are good
 
         if methods:
-            from nondet_jax.analysis.methods import compare_methods
+            from nondet_jax.analysis.methods import compare_methods, read_record
 
             if args.column or args.arm_b or args.lower_is_better:
                 raise UsageError("--column, --arm-b and --lower-is-better are not for a study of methods; choose "
                                  "--arm, --metric, --method-a and --method-b")
-            results = compare_methods(args.a, args.method_a, args.method_b, arms=_names(args.arm, "--arm"),
-                                      metric=args.metric, detect=args.detect)
+            state = read_record(args.a).get("until")
+            if state is not None:  # its answers are its looks', not a fixed-sample test's on the replicas it stopped at
+                return _sequential(args, state)
+            from nondet_jax.study.methods import method_fix
+
+            try:
+                results = compare_methods(args.a, args.method_a, args.method_b, arms=_names(args.arm, "--arm"),
+                                          metric=args.metric, detect=args.detect)
+            except UsageError as e:  # an arm's fix as a study of methods takes it
+                raise UsageError(method_fix(str(e))) from None
             if plot is not None and len(results) > 1:
                 raise UsageError("--plot draws one comparison; name --method-b and one --arm with it")
         else:

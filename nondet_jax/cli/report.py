@@ -24,7 +24,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     try:
         run = Path(args.run_dir)
         if RunPaths(run).methods_json.is_file() and not RunPaths(run).config.exists():
-            return _methods(run, args, prog)
+            from nondet_jax.study.methods import method_fix
+
+            try:
+                return _methods(run, args, prog)
+            except UsageError as e:  # an arm's fix as a study of methods takes it
+                raise UsageError(method_fix(str(e))) from None
         if not RunPaths(run).config.is_file():
             raise UsageError(f"{run} is not a nondet_jax run folder (no config.json); pass the --out folder of a sweep")
         from nondet_jax.report.markdown import write_report  # JAX and scipy: once the folder is a run folder

@@ -152,7 +152,7 @@ def write_methods_report(root: str | Path, command: str | None = None, log=print
         md += [*_md_comparisons(comparisons, decisions), "",
                f"Difference: {S.METHODS['paired_difference']}. Share of seeds: "
                f"{S.METHODS['paired_probability_of_improvement']}. p: {S.TESTS['paired_t_p']}. Holm: over the "
-               f"{len(names) - 1} methods compared with `{baseline}` on each arm. Differences and means are in the "
+               f"{max(c['holm_family'] for c in comparisons)} methods compared with `{baseline}` on each arm (the finished ones). Differences and means are in the "
                f"metric's stored units ({'a fraction: 0.01 = 1 point of accuracy' if 'accuracy' in metric else metric}).",
                ""]
     else:
@@ -253,11 +253,14 @@ def _figures(root: Path, comparisons: list[dict]) -> dict[str, Path]:
 
 def format_comparisons(comparisons: list[dict]) -> str:
     """The comparisons as a plain-text table, printed at the end of a sweep of methods."""
-    head = f"{'method':<14}{'vs':<14}{'arm':<12}{'difference':>11}  {'95% CI':<22}{'p':>7}{'Holm p':>8}{'wins':>6}"
+    wide = {k: max([len(r[k]) for r in comparisons] + [len(title), 10]) + 2  # names as long as they come
+            for k, title in (("method_b", "method"), ("method_a", "vs"), ("arm", "arm"))}
+    head = (f"{'method':<{wide['method_b']}}{'vs':<{wide['method_a']}}{'arm':<{wide['arm']}}{'difference':>11}  "
+            f"{'95% CI':<22}{'p':>10}{'Holm p':>10}{'wins':>6}")
     rows = [head, "-" * len(head)]
     for r in comparisons:
         lo, hi = r["difference_ci"]
-        rows.append(f"{r['method_b']:<14}{r['method_a']:<14}{r['arm']:<12}{r['difference']:>+11.4f}  "
-                    f"{f'[{lo:+.4f}, {hi:+.4f}]':<22}{r['p']:>7.3g}{r['p_holm']:>8.3g}"
+        rows.append(f"{r['method_b']:<{wide['method_b']}}{r['method_a']:<{wide['method_a']}}{r['arm']:<{wide['arm']}}"
+                    f"{r['difference']:>+11.4f}  {f'[{lo:+.4f}, {hi:+.4f}]':<22}{r['p']:>10.3g}{r['p_holm']:>10.3g}"
                     f"{r['probability_of_improvement']:>6.2f}")
     return "\n".join(rows)

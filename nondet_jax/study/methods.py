@@ -212,14 +212,26 @@ def train_methods(out: Path, methods: list[Method], run_one, replicas: int | Non
         try:
             run_one(m, folder, replicas)
         except UsageError as e:  # an arm's fix, said for one study, as a study of methods takes it
-            fixed = re.sub(r"rerun with --recompute (\S+)", rf"rerun with --resume {folder} --recompute \1, then this "
-                           "command again,", str(e))
+            fixed = method_fix(str(e), folder)
             if fixed == str(e):
                 raise
             raise UsageError(fixed) from None
         record = json.loads(RunPaths(out).methods_json.read_text())
         record["methods"][m.name]["identity_sha256"] = _identity(out, m.name)
         atomic_write_json(RunPaths(out).methods_json, record, root=out)
+
+
+def method_fix(text: str, folder: str | Path | None = None) -> str:
+    """An arm's fix said for one study (``rerun with --recompute ARM``) as a study of methods takes it, whose
+    command refuses ``--recompute``: ``--resume`` the method's ``folder`` (default: the ``methods/NAME`` folder the
+    message names) with ``--recompute ARM``, then the command again. ``text`` unchanged where it names neither."""
+    if folder is None:
+        found = re.search(r"(\S*/methods/[^/\s]+)/", text)
+        if found is None:
+            return text
+        folder = found.group(1)
+    return re.sub(r"rerun (?:the sweep |its study )?with --recompute (\S+)",
+                  lambda m: f"rerun with --resume {folder} --recompute {m.group(1)}, then this command again,", text)
 
 
 def check_design(out: Path, until, names: list[str]) -> int | None:
@@ -300,12 +312,8 @@ def run_looks(out: Path, methods: list[Method], until, replicas: int, run_one, l
         state["looks"] = [k for k in state["looks"] if k["replicas"] < look["replicas"]] + [look]
         record["until"] = state
         atomic_write_json(paths.methods_json, record, root=out)
-        for c in look["comparisons"]:
-            lo, hi = c["interval"]
-            at = "" if c["replicas"] == look["replicas"] else f" (answered at {c['replicas']} replicas)"
-            log(f"look at {look['replicas']} replicas: {c['method_b']} − {c['method_a']} on {c['arm']} "
-                f"{c['difference']:+.4g} [{lo:+.4g}, {hi:+.4g}] ({100 * (1 - look['level']):.2f}% interval): "
-                f"{c['decision']}{at}")
+        for line in sequential.look_lines(look):
+            log(line)
         if look["stop"]:
             log(f"sequential study: stopped at {look['replicas']} of at most {until.max_replicas} replicas per method: "
                 f"{look['why']}")
