@@ -152,7 +152,8 @@ def write_methods_report(root: str | Path, command: str | None = None, log=print
         md += [*_md_comparisons(comparisons, decisions), "",
                f"Difference: {S.METHODS['paired_difference']}. Share of seeds: "
                f"{S.METHODS['paired_probability_of_improvement']}. p: {S.TESTS['paired_t_p']}. Holm: over the "
-               f"{max(c['holm_family'] for c in comparisons)} methods compared with `{baseline}` on each arm (the finished ones). Differences and means are in the "
+               f"{max(c['holm_family'] for c in comparisons)} methods compared with `{baseline}` on each arm (the "
+               "finished ones). Differences and means are in the "
                f"metric's stored units ({'a fraction: 0.01 = 1 point of accuracy' if 'accuracy' in metric else metric}).",
                ""]
     else:
