@@ -512,6 +512,30 @@ def decompose(run: "str | Path | StudyResult") -> dict:
         return from_records(load_records(folder)[1])
 
 
+def _replicate_counts(batches, steps, replicas, seed) -> int:
+    """:func:`replicate`'s seed, replicas, and steps against its batches, checked; returns the steps."""
+    lo, hi = cfg.SEED_RANGE
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not lo <= seed <= hi:
+        raise UsageError(f"seed must be an integer in {lo} .. {hi} (jax.random.key keeps only 32 bits), got {seed!r}; "
+                         "pass a seed in that range")
+    if isinstance(replicas, bool) or not isinstance(replicas, (int, np.integer)) or replicas < 1:
+        raise UsageError(f"replicas must be an integer >= 1, got {replicas!r}")
+    if batches is None and steps is None:
+        raise UsageError("replicate needs batches (leading axis = steps) or steps=")
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1):
+        raise UsageError(f"steps must be an integer >= 1, got {steps!r}")
+    if batches is None:
+        return steps
+    lengths = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in jax.tree.leaves(batches)}
+    if None in lengths or len(lengths) != 1:
+        raise UsageError(f"every leaf of batches needs the same leading step axis (one slice per step), got "
+                         f"{sorted(lengths, key=str)}; stack each step's batch along axis 0")
+    if steps is not None and steps != next(iter(lengths)):
+        raise UsageError(f"steps={steps} but batches holds {next(iter(lengths))} steps (its leading axis); leave "
+                         f"steps out, or pass batches of {steps} steps")
+    return next(iter(lengths))
+
+
 def replicate(init: Callable, step: Callable, batches=None, *, steps: int | None = None,
               arms: Sequence[str] | str = ("control", "init"), replicas: int = 4, seed: int = 0,
               strategy: str = "auto", collect: Callable | None = None, sources: Sequence[str] = (),
@@ -573,26 +597,7 @@ def replicate(init: Callable, step: Callable, batches=None, *, steps: int | None
         if "hardware" in a.varied or a.cycles:
             raise UsageError(f"arm '{a.name}' needs the study runner (a child process or a schedule); replicate takes "
                              "arms of seeded sources: control, all, init, data_order, ... or their + combinations")
-    lo, hi = cfg.SEED_RANGE
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not lo <= seed <= hi:
-        raise UsageError(f"seed must be an integer in {lo} .. {hi} (jax.random.key keeps only 32 bits), got {seed!r}; "
-                         "pass a seed in that range")
-    if isinstance(replicas, bool) or not isinstance(replicas, (int, np.integer)) or replicas < 1:
-        raise UsageError(f"replicas must be an integer >= 1, got {replicas!r}")
-    if batches is None and steps is None:
-        raise UsageError("replicate needs batches (leading axis = steps) or steps=")
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1):
-        raise UsageError(f"steps must be an integer >= 1, got {steps!r}")
-    if batches is not None:
-        lengths = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in jax.tree.leaves(batches)}
-        if None in lengths or len(lengths) != 1:
-            raise UsageError(f"every leaf of batches needs the same leading step axis (one slice per step), got "
-                             f"{sorted(lengths, key=str)}; stack each step's batch along axis 0")
-        if steps is not None and steps != next(iter(lengths)):
-            raise UsageError(f"steps={steps} but batches holds {next(iter(lengths))} steps (its leading axis); leave "
-                             f"steps out, or pass batches of {steps} steps")
-    if steps is None:
-        steps = jax.tree.leaves(batches)[0].shape[0]
+    steps = _replicate_counts(batches, steps, replicas, seed)
     chosen, _ = resolve_strategy(strategy, replicas)
     if chosen not in ("vmap", "sequential"):
         raise UsageError(f"replicate runs strategy vmap or sequential, not '{chosen}'")
