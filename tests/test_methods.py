@@ -78,6 +78,16 @@ def test_compare_reads_a_study_of_methods(methods_run, capsys):
     assert one["difference"] == pytest.approx(-lr2["difference"])
     assert compare.main([str(out), "--method-b", "nosuch"]) == 2
     assert "is not a method of" in capsys.readouterr().err
+    record = (out / "methods.json").read_text()
+    edited = json.loads(record)
+    edited["methods"]["lr2"]["settings"] = {"optim.lr": "0.3"}  # an edited record: not what lr2 trained with
+    try:
+        (out / "methods.json").write_text(json.dumps(edited))
+        assert compare.main([str(out)]) == 2
+        assert "says method 'lr2' trained under settings its folder did not (optim.lr 0.3 vs 0.2" in \
+            capsys.readouterr().err
+    finally:
+        (out / "methods.json").write_text(record)
 
 
 def test_adding_a_method_to_a_finished_study_trains_only_the_new_one(methods_run, tmp_path):

@@ -55,7 +55,33 @@ def finished(root: str | Path, record: dict | None = None) -> dict[str, dict]:
             except (OSError, ValueError):
                 raise UsageError(f"{path} is unreadable or corrupt; rebuild it with python -m nondet_jax report "
                                  f"{RunPaths(root).method(name)}") from None
+            _check_settings(root, record, name)
     return out
+
+
+# config keys a method's own parts (run_study's model, optimizer, loss, augment, init_params) set in its folder
+PART_KEYS = {"model.name", "optim.name", "train.loss", "data.augment", "model.init_from"}
+
+
+def _check_settings(root, record: dict, name: str) -> None:
+    """A finished method's settings in ``methods.json`` against the configuration its folder trained under (a run
+    folder is untrusted input: an edited record put settings in the report that no replica trained with)."""
+    from nondet_jax import config as cfg
+    from nondet_jax.store.run import _config_diff, read_config
+
+    entry, where = record["methods"][name], RunPaths(root).methods_json
+    try:
+        said = cfg.to_dict(cfg.from_flat(entry.get("settings", {}), cfg.from_dict(record["config"])))
+    except (KeyError, TypeError, AttributeError, UsageError):
+        raise UsageError(f"{where} is unreadable or not a methods record (method '{name}''s settings or the study's "
+                         "config); restore it, or start a new study with another --out") from None
+    trained = read_config(RunPaths(RunPaths(root).method(name)).config)
+    skip = PART_KEYS if entry.get("parts") else set()
+    diff = [d for d in _config_diff(said, trained) if not d.startswith("study.replicas ") and d.split(" ")[0] not in skip]
+    if diff:
+        raise UsageError(f"{where} says method '{name}' trained under settings its folder did not ({'; '.join(diff[:2])}, "
+                         f"recorded vs trained); restore {where.name}, or start a new study with another --out")
+
 
 
 def compared_arms(summaries: dict[str, dict]) -> list[str]:
