@@ -168,6 +168,11 @@ def refuse_optim_settings(given: dict[str, str], o: "OptimConfig") -> None:
         raise UsageError(f"{keys[0]} (set by {given[keys[0]]}) does not apply: the study trains with your own "
                          "optimizer, whose learning rate and schedule are its own, so it would be ignored; build it into "
                          "your optimizer (e.g. optax.sgd(0.2)), or leave yours out to use the config's")
+
+
+# config keys that name one of run_study's own parts (model, optimizer, loss, augment, init_params): what differs
+# in a part is said by its identity (nondet_jax.study.identity), and a part passed in memory sets its key
+PART_KEYS = frozenset({"model.name", "optim.name", "train.loss", "data.augment", "model.init_from"})
 ARRAYS_PREFIX = "arrays-"  # data.name of arrays passed to nondet_jax.run_study: arrays-<sha256 prefix>
 NPZ_BY_CONTENT = "<a .npz file, identified by its contents>"  # data.name of any .npz, where configs are compared
 

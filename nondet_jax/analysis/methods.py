@@ -59,10 +59,6 @@ def finished(root: str | Path, record: dict | None = None) -> dict[str, dict]:
     return out
 
 
-# config keys a method's own parts (run_study's model, optimizer, loss, augment, init_params) set in its folder
-PART_KEYS = {"model.name", "optim.name", "train.loss", "data.augment", "model.init_from"}
-
-
 def _check_settings(root, record: dict, name: str) -> None:
     """A finished method's settings in ``methods.json`` against the configuration its folder trained under (a run
     folder is untrusted input: an edited record put settings in the report that no replica trained with)."""
@@ -76,7 +72,7 @@ def _check_settings(root, record: dict, name: str) -> None:
         raise UsageError(f"{where} is unreadable or not a methods record (method '{name}''s settings or the study's "
                          "config); restore it, or start a new study with another --out") from None
     trained = read_config(RunPaths(RunPaths(root).method(name)).config)
-    skip = PART_KEYS if entry.get("parts") else set()
+    skip = cfg.PART_KEYS if entry.get("parts") else set()  # a method's own parts set these in its folder
     diff = [d for d in _config_diff(said, trained) if not d.startswith("study.replicas ") and d.split(" ")[0] not in skip]
     if diff:
         raise UsageError(f"{where} says method '{name}' trained under settings its folder did not ({'; '.join(diff[:2])}, "

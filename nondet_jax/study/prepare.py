@@ -312,9 +312,6 @@ def check_epoch_shape(paths, shape: str, recompute=()) -> None:
                          "bits; choose another --out, or retrain every finished arm with --recompute ARM")
 
 
-PART_NAMES = ("data.name", "model.name", "optim.name", "train.loss", "data.augment")  # config keys naming a part
-
-
 def check_model(paths, record: dict, config: Config | None = None) -> None:
     """Refuse to continue a study whose stored ``model.json`` names another model or parameter
     shapes, or whose parts differ by content (each changed part named). A folder without a finished
@@ -336,7 +333,7 @@ def check_model(paths, record: dict, config: Config | None = None) -> None:
         # a changed setting (train.batch_size) changes the parts' traces too: name the setting, not the parts; the
         # keys naming a part are said better by the identity's words (what in the data or loss differs)
         changed = [d for d in (config_changes(paths.root, cfg.to_dict(config)) if config is not None else [])
-                   if d.split(" ")[0] not in PART_NAMES]
+                   if d.split(" ")[0] not in cfg.PART_KEYS | {"data.name"}]
         if changed:
             raise different_config(paths.root, changed) from None
         raise
