@@ -84,7 +84,7 @@ def test_compare_reads_a_study_of_methods(methods_run, capsys):
     try:
         (out / "methods.json").write_text(json.dumps(edited))
         assert compare.main([str(out)]) == 2
-        assert "says method 'lr2' trained under settings its folder did not (optim.lr 0.3 vs 0.2" in \
+        assert "says method 'lr2' trained under settings its folder did not (optim.lr 0.2 vs 0.3, trained vs recorded" in \
             capsys.readouterr().err
     finally:
         (out / "methods.json").write_text(record)

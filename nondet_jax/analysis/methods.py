@@ -63,7 +63,7 @@ def _check_settings(root, record: dict, name: str) -> None:
     """A finished method's settings in ``methods.json`` against the configuration its folder trained under (a run
     folder is untrusted input: an edited record put settings in the report that no replica trained with)."""
     from nondet_jax import config as cfg
-    from nondet_jax.store.run import _config_diff, read_config
+    from nondet_jax.store.run import config_changes
 
     entry, where = record["methods"][name], RunPaths(root).methods_json
     try:
@@ -71,13 +71,11 @@ def _check_settings(root, record: dict, name: str) -> None:
     except (KeyError, TypeError, AttributeError, UsageError):
         raise UsageError(f"{where} is unreadable or not a methods record (method '{name}''s settings or the study's "
                          "config); restore it, or start a new study with another --out") from None
-    trained = read_config(RunPaths(RunPaths(root).method(name)).config)
     skip = cfg.PART_KEYS if entry.get("parts") else set()  # a method's own parts set these in its folder
-    diff = [d for d in _config_diff(said, trained) if not d.startswith("study.replicas ") and d.split(" ")[0] not in skip]
+    diff = [d for d in config_changes(RunPaths(root).method(name), said) if d.split(" ")[0] not in skip]
     if diff:
         raise UsageError(f"{where} says method '{name}' trained under settings its folder did not ({'; '.join(diff[:2])}, "
-                         f"recorded vs trained); restore {where.name}, or start a new study with another --out")
-
+                         f"trained vs recorded); restore {where.name}, or start a new study with another --out")
 
 
 def compared_arms(summaries: dict[str, dict]) -> list[str]:
