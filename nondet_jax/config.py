@@ -240,13 +240,17 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
         if default is None or isinstance(default, str):
             if value is None or (isinstance(value, str) and value.lower() in ("", "none", "null")):
                 return None if default is None else value
+            if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+                return ",".join(value)  # a list of names, as the command line's comma-separated text
+            if not isinstance(value, (str, int, float)):
+                raise TypeError
             return str(value)
     except UsageError:
         raise
     except (TypeError, ValueError, OverflowError):
         pass
     shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
-    raise UsageError(f"config key '{key}' got {shown}, which is not a {type(default).__name__}; fix the value")
+    raise UsageError(f"config key '{key}' got {shown}, which is not {'an' if type(default).__name__[0] in 'aeiou' else 'a'} {type(default).__name__}; fix the value")
 
 
 def from_flat(flat: dict[str, Any], base: Config | None = None) -> Config:
@@ -624,6 +628,9 @@ def _validate_instruments(config: Config) -> None:
         names = configurations.resolve(ic.config)
     except ValueError as e:
         raise UsageError(f"{e} (--instruments / instruments.config)") from None
+    if not names and ic.config != "none":  # the trainers read exactly "none" as off
+        raise UsageError(f"--instruments / instruments.config {ic.config!r} names no quantity; use none to track "
+                         "nothing, or a configuration (economy, business, full) or quantity names")
     if ic.schedule not in ("linear", "log"):
         raise UsageError(f"unknown instruments.schedule '{ic.schedule}'; choose linear (every k steps) or log")
     if ic.curvature not in configurations.CURVATURES:
@@ -636,14 +643,18 @@ def _validate_instruments(config: Config) -> None:
     for key in ("every", "log_points", "chunk", "hess_iters", "hess_probes"):
         if getattr(ic, key) < 1:
             raise UsageError(f"instruments.{key} must be >= 1, got {getattr(ic, key)}; fix --set instruments.{key}")
+    if ic.hess_iters > configurations.MAX_HESS_ITERS:
+        raise UsageError(f"instruments.hess_iters must be at most {configurations.MAX_HESS_ITERS} (Lanczos keeps every "
+                         f"vector: memory grows as hess_iters x parameters), got {ic.hess_iters}; lower --set "
+                         "instruments.hess_iters and read HessMaxEVResidual for the error")
     if ic.norms not in ("auto", "ghost", "materialise"):
         raise UsageError(f"unknown instruments.norms '{ic.norms}'; choose auto, ghost or materialise")
     if ic.hess_tol < 0:
         raise UsageError(f"instruments.hess_tol must be >= 0 (0 = off), got {ic.hess_tol}; fix --set instruments.hess_tol")
     plain = [q for q in names if q in configurations.PLAIN_SGD_ONLY]
     if plain and user_optimizer(o):  # a chain's learning rate and plainness cannot be read off it
-        raise UsageError(f"{' and '.join(plain)} assume plain SGD with the config's learning rate, which your own "
+        raise UsageError(f"{' and '.join(plain)} assume{'s' * (len(plain) == 1)} plain SGD with the config's learning rate, which your own "
                          "optimizer does not give; drop them from instruments.config or use the config's optimiser")
     if plain and (o.name != "sgd" or o.momentum != 0 or o.nesterov or o.weight_decay != 0):
-        raise UsageError(f"{' and '.join(plain)} assume plain SGD, as in Cockpit; use --set optim.name=sgd "
+        raise UsageError(f"{' and '.join(plain)} assume{'s' * (len(plain) == 1)} plain SGD, as in Cockpit; use --set optim.name=sgd "
                          "--set optim.momentum=0 --set optim.weight_decay=0, or drop them from instruments.config")

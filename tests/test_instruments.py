@@ -357,7 +357,7 @@ def test_bad_inputs_raise_clear_errors():
         from_flat({"instruments.config": "cheap"})
     with pytest.raises(UsageError, match="optim.momentum=0"):
         from_flat({"instruments.config": "economy,EarlyStopping"})  # sgd with momentum 0.9 by default
-    with pytest.raises(UsageError, match="CABS assume plain SGD"):
+    with pytest.raises(UsageError, match="CABS assumes plain SGD"):
         from_flat({"instruments.config": "CABS", "optim.name": "adamw"})
     with pytest.raises(UsageError, match="instruments.every must be >= 1"):
         from_flat({"instruments.config": "economy", "instruments.every": 0})
@@ -365,6 +365,27 @@ def test_bad_inputs_raise_clear_errors():
         from_flat({"instruments.config": "economy", "instruments.schedule": "sometimes"})
     ok = from_flat({"instruments.config": "EarlyStopping,CABS", "optim.momentum": 0, "optim.weight_decay": 0})
     assert ok.instruments.config == "EarlyStopping,CABS"
+    # an empty configuration ran JAX and the data before a traceback; a list of names read as its text
+    for spec in ("", ",", " ", " none "):
+        with pytest.raises(UsageError, match="names no quantity; use none"):
+            from_flat({"instruments.config": spec})
+    assert from_flat({"instruments.config": ["NormTest", "Loss"]}).instruments.config == "NormTest,Loss"
+    with pytest.raises(UsageError, match="hess_iters must be at most 200"):
+        from_flat({"instruments.config": "HessMaxEV", "instruments.hess_iters": 100_000})
+    with pytest.raises(ValueError, match="hess_iters must be at most 200"):
+        instruments.make("HessMaxEV", example_loss, hess_iters=201)
+    # histogram settings: an empty, mirrored or zero-width histogram was silent or failed inside JAX
+    for h1, why in (({"bins": 0}, "bins must be an int >= 1"), ({"bins": -3}, "bins must be"),
+                    ({"value_range": (2.0, -2.0)}, "low < high"), ({"value_range": (1.0, 1.0)}, "low < high"),
+                    ({"range": (-1, 1)}, "takes bins and value_range, got 'range'"),
+                    ({"value_range": 3.0}, "must be \\(low, high\\)")):
+        with pytest.raises(ValueError, match=why):
+            instruments.make("GradHist1d", example_loss, hist1d=h1)
+    with pytest.raises(ValueError, match="two ints >= 1"):
+        instruments.make("GradHist2d", example_loss, hist2d={"bins": 40})
+    with pytest.raises(ValueError, match="low < high"):
+        instruments.make("GradHist2d", example_loss, hist2d={"value_range": ((-1.0, 1.0), (2.0, 2.0))})
+    assert instruments.make("GradHist1d", example_loss, hist1d={"bins": 7, "value_range": [-1, 1]}).quantities == ("GradHist1d",)
 
 
 def test_histogram_bins_clip_outliers_into_edge_bins():

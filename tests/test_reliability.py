@@ -481,3 +481,30 @@ def test_orphaned_checkpoints_of_a_finished_arm_are_removed_on_the_next_run(in_p
     (orphan / "data").write_bytes(b"x")
     assert in_process.main(args) == 0
     assert not (out / "checkpoints" / "init").exists()
+
+
+def test_closed_loop_errors_after_a_failed_save_stay_out_of_the_terminal(monkeypatch):
+    """A full disk during a checkpoint printed the one-line error, then 'Event loop is closed' tracebacks that
+    tensorstore's threads raise through threading.excepthook and sys.unraisablehook (only sys.excepthook was
+    quieted). Every route is quiet for that error, and only for it."""
+    import logging
+    import threading
+    import types
+
+    from nondet_jax.store.checkpoint import quiet_after_failed_save
+
+    seen = []
+    for module, name in ((sys, "excepthook"), (threading, "excepthook"), (sys, "unraisablehook")):
+        monkeypatch.setattr(module, name, lambda *a, _name=name: seen.append((_name, a[-2] if len(a) == 3 else
+                                                                                 a[0].exc_value)))
+    monkeypatch.setattr(logging.getLogger("asyncio"), "propagate", True)
+    quiet_after_failed_save(None)
+    quiet_after_failed_save(None)  # twice wraps each hook once
+    closed, other = RuntimeError("Event loop is closed"), ValueError("something else")
+    for value in (closed, other):
+        sys.excepthook(type(value), value, None)
+        threading.excepthook(types.SimpleNamespace(exc_type=type(value), exc_value=value, exc_traceback=None,
+                                                   thread=None))
+        sys.unraisablehook(types.SimpleNamespace(exc_type=type(value), exc_value=value, exc_traceback=None,
+                                                 err_msg=None, object=None))
+    assert seen == [("excepthook", other), ("excepthook", other), ("unraisablehook", other)]

@@ -68,6 +68,10 @@ def test_instruments_from_the_cli_fill_the_run_folder(tmp_path):
     loss = {(int(r["replica"]), int(r["step"])): float(r["value"]) for r in long if r["quantity"] == "Loss"}
     assert loss == {(r, int(t)): float(values["Loss"][r, i]) for r in range(2) for i, t in enumerate(values["step"])}
     assert any(r["quantity"].startswith("GradNorm/") for r in long)  # a layer's value under its full name
+    from nondet_jax.api import StudyResult  # the frame is typed (its CSV is text: groupby().mean() raised)
+    frame = StudyResult(out, json.loads((out / "summary.json").read_text())).to_frame("instruments")
+    assert str(frame["replica"].dtype) == "int64" and str(frame["step"].dtype) == "int64"
+    assert frame.groupby("quantity")["value"].mean()["Loss"] == pytest.approx(float(values["Loss"].mean()), rel=1e-6)
 
 
 def test_sharded_strategy_from_the_cli_over_two_host_devices(tmp_path):

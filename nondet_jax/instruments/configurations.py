@@ -22,6 +22,9 @@ CURVATURES = ("ggn", "hutchinson")  # where HessTrace, TICDiag and TICTrace come
 PLAIN_SGD_ONLY = ("EarlyStopping", "CABS")  # Cockpit refuses them unless SGD has default arguments
 
 
+MAX_HESS_ITERS = 200  # Lanczos keeps every vector: memory grows as hess_iters x parameters, and CPU unrolls it
+
+
 def resolve(spec: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
     """Quantity names (in :data:`QUANTITIES` order) of a configuration name, a quantity name, or a
     comma-separated mix of both (``"economy,HessMaxEV"``). ``"none"`` or ``""`` gives ``()``.

@@ -161,17 +161,43 @@ def make(quantities: str | tuple[str, ...], example_loss: Callable, *, schedule:
     records = [QUANTITIES[q] for q in names]
     needs = frozenset().union(*(r.needs for r in records))
     schedule = schedule or linear(1)
+    h1 = {"bins": histograms.HIST1D_BINS, "value_range": histograms.HIST1D_RANGE, **(hist1d or {})}
+    h2 = {"bins": histograms.HIST2D_BINS, "value_range": histograms.HIST2D_RANGE, **(hist2d or {})}
+    _check_hist("hist1d", h1)
+    _check_hist("hist2d", h2)
     s = _Setup(
         names=names, records=records, needs=needs | ({"norms"} if "elements" in needs else set()),
         schedule=schedule, example_loss=example_loss, curv_loss=batch_loss_fn or _mean_loss(example_loss),
         context_fn=context_fn, chunk=chunk, hess_iters=hess_iters, hess_probes=hess_probes, seed=seed,
-        h1={"bins": histograms.HIST1D_BINS, "value_range": histograms.HIST1D_RANGE, **(hist1d or {})},
-        h2={"bins": histograms.HIST2D_BINS, "value_range": histograms.HIST2D_RANGE, **(hist2d or {})},
+        h1=h1, h2=h2,
         batched_example_loss=batched_example_loss, norms=norms or "auto", hess_tol=hess_tol,
         example_output=example_output, output_loss=output_loss, batched_output=batched_output, curvature=curvature,
         every_step=getattr(schedule, "every_step", False))  # no branch: straight-line code measured faster
     return Instruments(lambda params: _init(s, params), lambda *a, **k: _update(s, *a, **k), names, schedule,
                        lambda params: _value_names(s, params))
+
+
+def _check_hist(label: str, h: dict) -> None:
+    """A histogram's settings (``bins``, ``value_range``) checked: a ValueError naming the problem."""
+    unknown = set(h) - {"bins", "value_range"}
+    if unknown:
+        raise ValueError(f"{label} takes bins and value_range, got {sorted(unknown)[0]!r}")
+    one = label == "hist1d"
+    bins, ranges = ([h["bins"]], [h["value_range"]]) if one else (h["bins"], h["value_range"])
+    shape = "an int >= 1" if one else "two ints >= 1 (gradient, parameter)"
+    if not isinstance(bins, (tuple, list)) or len(bins) != (1 if one else 2) or \
+            not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in bins):
+        raise ValueError(f"{label} bins must be {shape}, got {h['bins']!r}")
+    if not isinstance(ranges, (tuple, list)) or len(ranges) != (1 if one else 2):
+        raise ValueError(f"{label} value_range must be {'(low, high)' if one else 'two (low, high) pairs'}, "
+                         f"got {h['value_range']!r}")
+    for r in ranges:
+        try:
+            lo, hi = (float(v) for v in r)
+        except (TypeError, ValueError):
+            raise ValueError(f"{label} value_range must be (low, high) numbers, got {h['value_range']!r}") from None
+        if not lo < hi:
+            raise ValueError(f"{label} value_range needs low < high, got {h['value_range']!r}")
 
 
 def _checked(names, norms, hess_tol, chunk, hess_iters, hess_probes, curvature, example_output, output_loss) -> str:
@@ -185,6 +211,9 @@ def _checked(names, norms, hess_tol, chunk, hess_iters, hess_probes, curvature, 
     for label, v in (("chunk", chunk), ("hess_iters", hess_iters), ("hess_probes", hess_probes)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{label} must be an int >= 1, got {v!r}")
+    if hess_iters > configurations.MAX_HESS_ITERS:
+        raise ValueError(f"hess_iters must be at most {configurations.MAX_HESS_ITERS} (Lanczos keeps every vector: memory grows as "
+                         f"hess_iters x parameters), got {hess_iters}; read HessMaxEVResidual for the error at fewer")
     curvature = curvature or ("ggn" if example_output is not None else "hutchinson")
     if curvature not in configurations.CURVATURES:
         raise ValueError(f"curvature must be ggn or hutchinson, got {curvature!r}")

@@ -31,7 +31,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import nnx, traverse_util
 
 from nondet_jax.errors import UsageError
 
@@ -241,17 +241,28 @@ def linen_model_fns(module, features: str | None = None) -> ModelFns:
             return updates["batch_stats"]
     else:
         def recompute_batch_stats(v, x):
-            """BatchNorm's running averages are ``m * old + (1 - m) * batch``: two updates from old = 0
-            and old = 1 give m and the batch's own statistics, whatever momentum the module uses
-            (to about 1e-5 relative: the division by 1 - m)."""
+            """BatchNorm's running averages are ``m * old + (1 - m) * batch``: one update from old = 0 gives
+            ``(1 - m) * batch``, divided by the ``1 - m`` each ``nn.BatchNorm`` multiplied by (read from the
+            module as it runs: exact to an ulp). Statistics of another layer: a second update from old = 1 gives
+            its m (to about 1e-5 relative, less where the statistics are large: s1 - s0 cancels)."""
             if not v.get("batch_stats"):
                 return v.get("batch_stats", {})
             rngs = {"dropout": jax.random.key(0)}
             run = lambda old: module.apply({"params": v["params"], "batch_stats": old}, x, train=True,  # noqa: E731
                                            rngs=rngs, mutable=["batch_stats"])[1]["batch_stats"]
-            s0 = run(jax.tree.map(jnp.zeros_like, v["batch_stats"]))
-            s1 = run(jax.tree.map(jnp.ones_like, v["batch_stats"]))
-            return jax.tree.map(lambda a, b: a / (1.0 - (b - a)), s0, s1)
+            momenta = {}
+
+            def spy(next_fun, args, kwargs, context):
+                if isinstance(context.module, nn.BatchNorm) and context.method_name == "__call__":
+                    momenta[tuple(context.module.scope.path)] = context.module.momentum
+                return next_fun(*args, **kwargs)
+
+            with nn.intercept_methods(spy):
+                s0 = traverse_util.flatten_dict(run(jax.tree.map(jnp.zeros_like, v["batch_stats"])))
+            other = [k for k in s0 if k[:-1] not in momenta]
+            s1 = traverse_util.flatten_dict(run(jax.tree.map(jnp.ones_like, v["batch_stats"]))) if other else {}
+            return traverse_util.unflatten_dict({k: a / (1.0 - momenta[k[:-1]]) if k[:-1] in momenta
+                                                 else a / (1.0 - (s1[k] - a)) for k, a in s0.items()})
 
     def bn_momenta(x):
         found = []

@@ -142,21 +142,33 @@ def pairs(run: Path, summary: dict, records: dict[str, dict]) -> list[dict]:
     return out
 
 
+def _typed_instrument(row: dict, where: Path, run: Path) -> dict:
+    """An instruments row with its replica and step as ints and its value as a float (a CSV holds text; an empty
+    value is NaN)."""
+    try:
+        return {**row, "replica": int(row["replica"]), "step": int(row["step"]), "value": float(row["value"] or "nan")}
+    except (TypeError, ValueError):
+        raise UsageError(f"{where} holds a row that is not (arm, replica, step, quantity, number): {row}; rebuild it "
+                         f"with python -m nondet_jax report {run}") from None
+
+
 def instruments(run: Path, summary: dict, records: dict[str, dict]) -> list[dict]:
     """The instruments' values per arm, replica and step (``instruments.csv``; folders written before it
-    existed: the per-arm ``instruments/<arm>.csv``, layer-wise values named ``quantity/layer``)."""
+    existed: the per-arm ``instruments/<arm>.csv``, layer-wise values named ``quantity/layer``), typed: replica and
+    step ints, value a float."""
     paths = RunPaths(run)
     if paths.instruments_csv.is_file():
         with paths.instruments_csv.open(newline="") as f:
-            return [{k: row[k] for k in COLUMNS["instruments"]} for row in csv.DictReader(f)]
+            return [_typed_instrument({k: row[k] for k in COLUMNS["instruments"]}, paths.instruments_csv, run)
+                    for row in csv.DictReader(f)]
     out = []
     for arm in records:
         path = paths.arm_file("instruments", arm, ".csv")
         if path.is_file():
             with path.open(newline="") as f:
-                out += [{"arm": row["arm"], "replica": row["replica"], "step": row["step"],
-                         "quantity": row["quantity"] + (f"/{row['layer']}" if row.get("layer") else ""),
-                         "value": row["value"]} for row in csv.DictReader(f)]
+                out += [_typed_instrument({"arm": row["arm"], "replica": row["replica"], "step": row["step"],
+                                           "quantity": row["quantity"] + (f"/{row['layer']}" if row.get("layer") else ""),
+                                           "value": row["value"]}, path, run) for row in csv.DictReader(f)]
     if not out:
         raise UsageError(f"{run} holds no instruments' values (no instruments.csv); run the study with instruments "
                          "on: --instruments economy on the command line, settings={'instruments.config': 'economy'} "

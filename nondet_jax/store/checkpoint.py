@@ -168,17 +168,24 @@ def quiet_after_failed_save(log: Path | None) -> None:
             except OSError:
                 pass
         quiet.addHandler(handler)
-    previous = sys.excepthook
-    if getattr(previous, "quiet_closed_loops", False):
-        return
+    def closed(value) -> bool:
+        return isinstance(value, RuntimeError) and str(value) == "Event loop is closed"
 
-    def hook(kind, value, tb):
-        if kind is RuntimeError and str(value) == "Event loop is closed":
-            return
-        previous(kind, value, tb)
+    # the same error reaches Python three ways: uncaught in the main thread, in another thread, and unraisable
+    # (a callback or finaliser with nowhere to raise it, "Exception ignored in: ..."); each hook is wrapped once
+    for module, name, is_closed in ((sys, "excepthook", lambda kind, value, tb: closed(value)),
+                                    (threading, "excepthook", lambda args: closed(args.exc_value)),
+                                    (sys, "unraisablehook", lambda args: closed(args.exc_value))):
+        previous = getattr(module, name)
+        if getattr(previous, "quiet_closed_loops", False):
+            continue
 
-    hook.quiet_closed_loops = True
-    sys.excepthook = hook
+        def hook(*args, _previous=previous, _is_closed=is_closed):
+            if not _is_closed(*args):
+                _previous(*args)
+
+        hook.quiet_closed_loops = True
+        setattr(module, name, hook)
 
 
 def keep_log(captured: dict, path: Path) -> Path | None:
