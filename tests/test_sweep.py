@@ -386,3 +386,15 @@ def test_power_ratios_are_set_and_changed_without_retraining(tmp_path):
     assert list(summary["vs_all"]["init"]["accuracy"]["replicas_for_ratio"]) == ["0.6", "1.5"]
     assert (out / "logits" / "init.npy").stat().st_mtime_ns == logits  # the arms were reused, not retrained
     assert "0.6 (" in (out / "report.md").read_text()
+
+
+def test_a_relative_npz_path_is_recorded_absolute(tmp_path, monkeypatch):
+    """config.json held --dataset as typed: a study started with a relative .npz path could not be resumed from
+    another directory (--resume OUT read the path against the new working directory)."""
+    from nondet_jax.cli import sweep as cli
+
+    monkeypatch.chdir(tmp_path)
+    for argv in (["--dataset", "mine.npz"], ["--set", "data.name=sub/mine.npz"]):
+        name = cli.config_from_args(cli.build_parser().parse_args(argv)).data.name
+        assert name == str(tmp_path / argv[-1].removeprefix("data.name="))
+    assert cli.config_from_args(cli.build_parser().parse_args(["--dataset", "digits"])).data.name == "digits"

@@ -204,6 +204,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
             flat[key] = value
     overrides = cfg.parse_overrides(set_pairs(args.set))
     flat.update(overrides)
+    name = flat.get("data.name")
+    if isinstance(name, str) and name.endswith(".npz") and not os.path.isabs(name):
+        flat["data.name"] = os.path.abspath(name)  # config.json's path then resumes from any directory
     config = cfg.from_flat(flat)
     given = {key: f"--{flag.replace('_', '-')}" for flag, key in FLAGS.items() if getattr(args, flag) is not None}
     cfg.refuse_optim_settings({k: h for k, h in {**given, **{k: "--set" for k in overrides}}.items()
