@@ -22,7 +22,7 @@ import numpy as np
 
 from nondet_jax import config as cfg
 from nondet_jax.analysis.replicated import Replicated
-from nondet_jax.data import ARRAY_NAMES, DATASETS, Dataset, from_arrays
+from nondet_jax.data import ARRAY_NAMES, DATASETS, Dataset, check_dataset, from_arrays
 from nondet_jax.errors import UsageError
 from nondet_jax.models.parts import Parts, label_of
 from nondet_jax.replicas.rule import resolve_strategy
@@ -228,8 +228,9 @@ def _dataset(data, task: str | None = None) -> tuple[Any, str | None]:
         return None, None
     if isinstance(data, (str, Path)):
         return None, str(data)
-    if isinstance(data, Dataset):
-        return data, data.name if data.name in _catalogue_data() else _arrays_name(data[1:5])
+    if isinstance(data, Dataset):  # checked as from_arrays checks arrays; named by the arrays as given
+        name = data.name if data.name in _catalogue_data() else _arrays_name(data[1:5])
+        return check_dataset(data), name
     if isinstance(data, dict):
         missing = [k for k in ARRAY_NAMES if k not in data]
         if missing:

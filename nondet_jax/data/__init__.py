@@ -61,19 +61,19 @@ def _check_real(name: str, what: str, a: np.ndarray, purpose: str = "") -> None:
                          f"{first}), but must hold finite numbers{' ' + purpose if purpose else ''}; remove or replace them")
 
 
-def from_arrays(name: str, x_train, y_train, x_test, y_test, num_classes: int | None = None,
-                task: str | None = None) -> Dataset:
-    """A :class:`Dataset` of the user's own arrays, checked: images (N, H, W, C) or any (N, features)
-    array; UsageError naming the problem otherwise. The task is recognised from the targets, not
-    guessed: integer targets are class labels in [0, classes) (classification); floating-point
-    targets, (N,) or (N, outputs), are a regression (``task="regression"`` says so for integer
-    targets too; ``task="classification"`` accepts whole-number float labels). Arrays are used as
-    given (inputs cast to float32, or to int32 when both splits hold integers such as token ids;
-    class labels to int32, regression targets to float32), not standardised."""
+def check_arrays(name: str, x_train, y_train, x_test, y_test, num_classes: int | None = None,
+                 task: str | None = None) -> tuple[dict[str, np.ndarray], str, int]:
+    """The checks of :func:`from_arrays`, which it and a :class:`Dataset` built by hand
+    (:func:`check_dataset`) pass: ``(arrays, task, classes)``, the arrays as numpy arrays (boolean labels as
+    0/1), not cast; ``classes`` the classes of a classification, the outputs per example of a regression.
+    UsageError naming the problem and its fix otherwise."""
     arrays = {k: np.asarray(v) for k, v in zip(ARRAY_NAMES, (x_train, y_train, x_test, y_test))}
     arrays.update({k: arrays[k].astype(np.int64) for k in ("y_train", "y_test") if arrays[k].dtype == bool})  # 0/1
     if task is not None and task not in TASKS:
         raise UsageError(f"task '{task}' is unknown; use 'classification' or 'regression'")
+    if num_classes is not None and (isinstance(num_classes, bool) or not isinstance(num_classes, (int, np.integer))):
+        raise UsageError(f"{name}: num_classes is {num_classes!r}, but must be an integer (the number of classes, "
+                         "or of outputs per example for a regression); pass one")
     if task is None:
         floats = [np.issubdtype(arrays[k].dtype, np.floating) for k in ("y_train", "y_test")]
         task = "regression" if any(floats) else "classification"
@@ -107,15 +107,15 @@ def from_arrays(name: str, x_train, y_train, x_test, y_test, num_classes: int | 
     if arrays["x_train"].shape[1:] != arrays["x_test"].shape[1:]:
         raise UsageError(f"{name}: x_train examples have shape {arrays['x_train'].shape[1:]} but x_test examples "
                          f"{arrays['x_test'].shape[1:]}; both splits must have the same example shape")
-    x_dtype = np.int32 if np.issubdtype(arrays["x_train"].dtype, np.integer) and \
-        np.issubdtype(arrays["x_test"].dtype, np.integer) else np.float32  # token ids stay integers (nn.Embed)
     if task == "regression":
         if arrays["y_train"].shape[1:] != arrays["y_test"].shape[1:]:
             raise UsageError(f"{name}: y_train has {arrays['y_train'].shape[1:]} outputs per example but y_test "
                              f"{arrays['y_test'].shape[1:]}; both splits need the same targets")
         outputs = int(np.prod(arrays["y_train"].shape[1:]))
-        return Dataset(name, arrays["x_train"].astype(x_dtype), arrays["y_train"].astype(np.float32),
-                       arrays["x_test"].astype(x_dtype), arrays["y_test"].astype(np.float32), outputs, "regression")
+        if num_classes is not None and num_classes != outputs:
+            raise UsageError(f"{name}: num_classes is {num_classes}, but the regression targets have {outputs} "
+                             f"value(s) per example; set num_classes={outputs}")
+        return arrays, task, outputs
     ys = (arrays["y_train"], arrays["y_test"])
     # Python ints, each split in its own dtype: uint64 labels beyond int64 used to wrap to negative numbers
     # in the message (with numpy's warnings); concatenating uint64 with int64 gives floats.
@@ -128,16 +128,48 @@ def from_arrays(name: str, x_train, y_train, x_test, y_test, num_classes: int | 
                          "distinct labels occur; labels must be class indices 0 .. classes-1: relabel them, e.g. "
                          "np.unique(y, return_inverse=True)[1]")
     if lo < 0 or hi >= classes or classes < 2:
+        given = f" (num_classes={classes})" if num_classes is not None else ""
+        fix = f", or set num_classes={hi + 1}" if num_classes is not None and lo >= 0 and hi >= 1 else ""
         raise UsageError(f"{name}: labels range over {lo} .. {hi}, but must be class indices "
-                         f"0 .. {classes - 1} with at least 2 classes; relabel them 0 .. classes-1")
+                         f"0 .. {classes - 1}{given} with at least 2 classes; relabel them 0 .. classes-1{fix}")
     unseen = sorted(seen[1] - seen[0])
     if num_classes is None and unseen:  # accepted without a word: the model can never predict such a class
         shown = ", ".join(map(str, unseen[:5])) + (", ..." if len(unseen) > 5 else "")
         raise UsageError(f"{name}: y_test holds label(s) {shown} that no training example has, so no replica can "
                          "learn them; move examples of those classes into the training split, or drop them from "
                          "the test split")
-    return Dataset(name, arrays["x_train"].astype(x_dtype), arrays["y_train"].astype(np.int32),
-                   arrays["x_test"].astype(x_dtype), arrays["y_test"].astype(np.int32), classes)
+    return arrays, task, classes
+
+
+def from_arrays(name: str, x_train, y_train, x_test, y_test, num_classes: int | None = None,
+                task: str | None = None) -> Dataset:
+    """A :class:`Dataset` of the user's own arrays, checked: images (N, H, W, C) or any (N, features)
+    array; UsageError naming the problem otherwise (:func:`check_arrays`). The task is recognised from
+    the targets, not guessed: integer targets are class labels in [0, classes) (classification);
+    floating-point targets, (N,) or (N, outputs), are a regression (``task="regression"`` says so for
+    integer targets too; ``task="classification"`` accepts whole-number float labels). Arrays are used
+    as given (inputs cast to float32, or to int32 when both splits hold integers such as token ids;
+    class labels to int32, regression targets to float32), not standardised."""
+    arrays, task, classes = check_arrays(name, x_train, y_train, x_test, y_test, num_classes, task)
+    x_dtype = np.int32 if np.issubdtype(arrays["x_train"].dtype, np.integer) and \
+        np.issubdtype(arrays["x_test"].dtype, np.integer) else np.float32  # token ids stay integers (nn.Embed)
+    y_dtype = np.float32 if task == "regression" else np.int32
+    return Dataset(name, arrays["x_train"].astype(x_dtype), arrays["y_train"].astype(y_dtype),
+                   arrays["x_test"].astype(x_dtype), arrays["y_test"].astype(y_dtype), classes, task)
+
+
+def check_dataset(data: Dataset) -> Dataset:
+    """A :class:`Dataset` built by hand (``run_study(data=Dataset(...))``), checked as :func:`from_arrays`
+    checks arrays (:func:`check_arrays`), its ``num_classes`` and ``task`` taken as given: labels beyond
+    ``num_classes``, a NaN input or mismatched splits refused before anything trains. Returned as given
+    (its arrays identify the study), save class labels that are not integers (whole-number floats or
+    booleans), cast to int32 as :func:`from_arrays` casts them."""
+    name = data.name if isinstance(data.name, str) else str(data.name)
+    arrays, _, _ = check_arrays(name, data.x_train, data.y_train, data.x_test, data.y_test, data.num_classes,
+                                data.task)
+    if data.task == "classification" and not all(np.issubdtype(arrays[k].dtype, np.integer) for k in ("y_train", "y_test")):
+        data = data._replace(y_train=arrays["y_train"].astype(np.int32), y_test=arrays["y_test"].astype(np.int32))
+    return data
 
 
 def check_npz_sizes(path: str) -> None:

@@ -25,6 +25,7 @@ from nondet_jax.report.summary import (
     build_summary,
     fmt_p,
     format_table,
+    unfinished_line,
 )
 from nondet_jax.store.io import atomic_write_bytes, atomic_write_json, strict_json
 from nondet_jax.store.paths import TABLES, RunPaths
@@ -319,6 +320,7 @@ def write_report(run: str | Path, command: str | None = None) -> dict:
     md += [f"{len(summary['arms'])} arms, {summary['epochs']} epochs, seed {summary['seed']}, backend "
            f"{summary['backend']} ({summary['device_kind']}). Every number below is read from this folder's "
            "stored results (`python -m nondet_jax.report` rebuilds this page).", "",
+           *([f"**{unfinished_line(summary)}**", ""] if unfinished_line(summary) else []),
            "## Per-arm table", "", "```", format_table(summary), "```", "",
            "Full per-arm table: `arms.csv`; long tables (one number a row): `replicas.csv`, `curves.csv`, `best.csv`, "
            "`decomposition.csv`, `pairs.csv` (columns: docs/api.md).", "",

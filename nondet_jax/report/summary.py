@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import shlex
 from pathlib import Path
 
 import numpy as np
@@ -80,7 +81,23 @@ def build_summary(run: Path) -> tuple[dict, dict[str, dict]]:
         "vs_all": compare_arms(records, ratios=tuple(config.get("metrics", {}).get("power_ratios", POWER_RATIOS))),
         "mitigations": mitigation_results(run, records),
         "decomposition": decompose(records) if config.get("metrics", {}).get("decomposition") else {},
+        # the arms config.json asks for without a finished record (an interrupted sweep): named by the table
+        "unfinished": [a for a in config["study"]["arms"] if a not in records],
     }, records
+
+
+def unfinished_line(summary: dict) -> str | None:
+    """A line naming the arms the study asks for that have no finished results (a sweep stopped before them:
+    killed, out of time), with the command that trains them; None when every arm is finished."""
+    missing = summary.get("unfinished") or []
+    if not missing:
+        return None
+    total = len(missing) + len(summary.get("arms", {}))
+    names = ", ".join(missing)
+    return (f"unfinished: {len(missing)} of the {total} arms this study asks for have no finished results ({names}) "
+            "and are not in this report (the sweep stopped before them); train them with python -m nondet_jax.sweep "
+            f"--resume {shlex.quote(str(summary.get('study', 'RUN')))} (finished arms are kept), or rerun the same "
+            "command, which rebuilds the report")
 
 
 def _healthy(record: dict) -> set[int]:
@@ -282,4 +299,7 @@ def format_table(summary: dict) -> str:
             f"{arm} {len(d)} of {summary['arms'][arm]['replicas']} (replica "
             + ", ".join(f"{x['replica']} at step {x['step']}" + (" with non-finite outputs" if x.get("cause") == "outputs"
                         else "") for x in d) + ")" for arm, d in diverged.items()))
+    unfinished = unfinished_line(summary)
+    if unfinished:
+        lines.append(unfinished)
     return "\n".join(lines)

@@ -85,20 +85,58 @@ def check_arms_active(config: Config, arms: list[Arm], fns) -> None:
                              f"so its replicas would equal control's; {off[0][2]} or drop the arm")
 
 
-def _variables_shape(fns):
-    """The model's variables as shapes (traced, not run)."""
+def _data_shape(spec) -> str:
+    """The training inputs' shape as a message shows it: ``(400, 8, 8)``."""
+    return str((spec.n_train, *spec.image_shape))
+
+
+def _first_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}".strip()
+
+
+def _model_name(fns, name: str | None) -> str:
+    """The model as a message names it: the config's name (``resnet8``, ``mypkg.nets:Net``), else the user's part."""
+    return name or (label_of(fns.parts.model) if fns.parts is not None and fns.parts.model is not None else "the model")
+
+
+def check_model_input(config: Config, spec, parts: Parts = Parts()) -> None:
+    """Refuse a catalogue model other than the MLP on data that are not images (N, H, W, C): its convolutions
+    failed on (N, H, W) or (N, features) arrays deep in Flax (a ScopeParamShapeError, a numpy broadcast)."""
+    if parts.model is not None or cfg.imported(config.model.name) or config.model.name == "mlp" \
+            or len(spec.image_shape) == 3:
+        return
+    name, shape = config.model.name, _data_shape(spec)
+    if len(spec.image_shape) == 2:
+        fix = "give the images a channel axis (x[..., None] for one channel), or use --model mlp"
+    elif len(spec.image_shape) == 1:
+        fix = "use --model mlp, or a model of your own for (N, features) arrays (--model PACKAGE.MODULE:ATTR)"
+    else:
+        fix = "use --model mlp, or bring the arrays to images (N, H, W, C)"
+    raise UsageError(f"model {name} needs images (N, H, W, C); this data is {shape}: {fix}")
+
+
+def _variables_shape(fns, name: str | None = None):
+    """The model's variables as shapes (traced, not run); UsageError naming the model and the data's shape
+    when its init fails on them (the user's model, or a catalogue one on inputs it cannot take)."""
     x1 = jax.ShapeDtypeStruct((1, *fns.spec.image_shape), fns.spec.x_dtype)
-    return jax.eval_shape(lambda x: fns.model.init(jax.random.key(0), x), x1)
+    try:
+        return jax.eval_shape(lambda x: fns.model.init(jax.random.key(0), x), x1)
+    except UsageError:
+        raise
+    except Exception as e:  # noqa: BLE001 (the model's init on this data: any error, named)
+        raise UsageError(f"model {_model_name(fns, name)}'s init fails on data of shape {_data_shape(fns.spec)} (called "
+                         f"on one example, shape {x1.shape}: {_first_line(e)}); make the model take inputs of this "
+                         "shape, or reshape the data (images are (N, H, W, C))") from None
 
 
 def _params_shape(fns):
     return _variables_shape(fns)["params"]
 
 
-def check_init_params(fns) -> None:
+def check_init_params(fns, name: str | None = None) -> None:
     """Refuse, before anything trains, ``init_params`` that are not a subset of the model's parameters."""
     if fns.parts.init_params is not None:
-        pretrained.check(fns.parts.init_params, _params_shape(fns))
+        pretrained.check(fns.parts.init_params, _variables_shape(fns, name)["params"])
 
 
 def check_augment(fns) -> None:
@@ -120,12 +158,21 @@ def check_augment(fns) -> None:
                          "still example i, or the labels no longer match")
 
 
-def check_outputs(fns) -> None:
-    """Refuse, before anything trains, a model whose outputs do not fit the data: one score per class
-    (classification) or as many outputs as the targets have (regression); traced, not run."""
+def check_outputs(fns, name: str | None = None) -> None:
+    """Refuse, before anything trains, a model whose init or forward pass fails on the data's shape (named with
+    the error's first line), or whose outputs do not fit the data: one score per class (classification) or
+    as many outputs as the targets have (regression); traced, not run. ``name``: the model as the config names it."""
     spec, b = fns.spec, fns.batch_size
-    variables = _variables_shape(fns)
-    out = jax.eval_shape(fns.model.evaluate, variables, jax.ShapeDtypeStruct((b, *spec.image_shape), spec.x_dtype))[0]
+    variables = _variables_shape(fns, name)
+    xb = jax.ShapeDtypeStruct((b, *spec.image_shape), spec.x_dtype)
+    try:
+        out = jax.eval_shape(fns.model.evaluate, variables, xb)[0]
+    except UsageError:
+        raise
+    except Exception as e:  # noqa: BLE001 (the model on this data: any error, named)
+        raise UsageError(f"model {_model_name(fns, name)} fails on a batch of shape {xb.shape} of data of shape "
+                         f"{_data_shape(spec)} ({_first_line(e)}); make the model take inputs of this shape, or "
+                         "reshape the data (images are (N, H, W, C))") from None
     if not hasattr(out, "shape"):  # a tuple or dict of outputs failed deep in JAX ("'tuple' has no attribute shape")
         leaves = jax.tree.leaves(out)
         raise UsageError(f"the model returns a {type(out).__name__} of {len(leaves)} array(s) for a batch, but must "
@@ -249,9 +296,10 @@ def prepare(config: Config, parts: Parts = Parts(), data=None):
             view_grid(name, augmentation_settings(config, data.name, data.x_train.shape[1])[2])
     spec = DataSpec(n_train, tuple(data.x_train.shape[1:]), data.num_classes, data.name, np.dtype(data.x_train.dtype),
                     getattr(data, "task", "classification"))
+    check_model_input(config, spec, parts)
     fns = make_train(config, spec, parts)
-    check_init_params(fns)
-    check_outputs(fns)  # the user's parts, each traced on its own first: a misuse is named, not found deep in JAX
+    check_init_params(fns, config.model.name)
+    check_outputs(fns, config.model.name)  # the user's parts, each traced on its own first: a misuse is named, not found deep in JAX
     check_loss(fns, data)
     check_augment(fns)
     check_arms_active(config, parse_arms(config), fns)
