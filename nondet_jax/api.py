@@ -22,7 +22,7 @@ import numpy as np
 
 from nondet_jax import config as cfg
 from nondet_jax.analysis.replicated import Replicated
-from nondet_jax.data import ARRAY_NAMES, DATASETS, Dataset, check_dataset, from_arrays
+from nondet_jax.data import ARRAY_NAMES, DATASETS, Dataset, check_dataset, data_notes, from_arrays
 from nondet_jax.errors import UsageError
 from nondet_jax.models.parts import Parts, label_of
 from nondet_jax.replicas.rule import resolve_strategy
@@ -212,16 +212,6 @@ class _LazyArrays(dict):
         return [(k, self[k]) for k in self._keys]
 
 
-def _whole_number_targets(y, most: int = 100) -> int:
-    """How many distinct values ``y`` holds when they are whole numbers, at most ``most`` of them (what class
-    labels stored as floats look like), else 0."""
-    y = np.asarray(y)
-    if y.ndim != 1 or not np.all(y == np.round(y)):
-        return 0
-    distinct = len(np.unique(y))
-    return distinct if distinct <= most else 0
-
-
 def _dataset(data, task: str | None = None) -> tuple[Any, str | None]:
     """(Dataset or None, data.name): arrays, a Dataset, a catalogue name or a .npz path."""
     if data is None:
@@ -352,15 +342,9 @@ def run_study(model=None, data=None, optimizer=None, loss: Callable | None = Non
     """
     _check_parts(optimizer, loss, augment)
     dataset, data_name = _dataset(data, task)
-    if task is None and getattr(dataset, "task", None) == "regression":
-        y = np.asarray(dataset.y_train)
-        classes = _whole_number_targets(y)
-        if classes:  # float 0/1 labels from pandas or a CSV: said, since a regression is what the dtype asks for
-            log(f"data: y_train holds floating-point targets that are whole numbers ({classes} distinct values), read "
-                "as a regression (float targets are); pass task='classification' if they are class labels")
-        elif y.ndim == 2 and np.isin(y, (0, 1)).all() and (y.sum(1) == 1).all():
-            log("data: y_train looks one-hot (rows of 0s and one 1), read as a regression on its columns; pass "
-                "y.argmax(1) with task='classification' if they are class labels")
+    if dataset is not None:  # a .npz path is loaded, and noted, by the study
+        for line in data_notes(dataset, "task='classification'" if task is None else None):
+            log(line)
     if methods is not None or baseline is not None:
         with api_words():
             return _run_methods(methods, baseline, dict(model=model, optimizer=optimizer, loss=loss, augment=augment,

@@ -705,7 +705,7 @@ def test_bool_labels_are_classes_and_float_labels_read_as_a_regression_are_said(
     lines.clear()
     one_hot = [np.eye(3, dtype=np.float32)[y] for y in (y_tr, y_te)]
     nj.run_study(data=(x_tr, one_hot[0], x_te, one_hot[1]), out=tmp_path / "onehot", **study, log=lines.append)
-    assert any("looks one-hot" in ln and "y.argmax(1) with task='classification'" in ln for ln in lines), lines
+    assert any("looks one-hot" in ln and "y.argmax(1) (task='classification')" in ln for ln in lines), lines
 
 
 class NoTrainArg(nn.Module):

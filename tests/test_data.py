@@ -204,3 +204,22 @@ def test_labels_and_test_splits_the_metrics_cannot_use_are_refused(y_train, y_te
         with pytest.raises(UsageError) as e:
             from_arrays("t", x, y_train, x[:len(y_test)], y_test)
     assert message in str(e.value)
+
+
+def test_data_notes_name_what_is_taken_as_given_but_likely_meant_otherwise():
+    """Raw 0..255 pixels were used unscaled and float class labels became a regression without a word on the
+    command line (run_study said the second for arrays only): the notes both paths log."""
+    from nondet_jax.data import data_notes, from_arrays
+
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(20, 4, 4, 1)).astype(np.uint8)
+    labels = np.arange(20) % 3
+    notes = data_notes(from_arrays("raw", raw, labels, raw[:6], labels[:6]))
+    assert len(notes) == 1 and "raw pixel values (0 .. 255)" in notes[0] and "x / 255" in notes[0]
+    scaled = (raw / 255.0).astype(np.float32)
+    assert data_notes(from_arrays("ok", scaled, labels, scaled[:6], labels[:6])) == []
+    floats = from_arrays("f", scaled, labels.astype(np.float32), scaled[:6], labels[:6].astype(np.float32))
+    notes = data_notes(floats, "store them as integers in the .npz")
+    assert len(notes) == 1 and "whole numbers (3 distinct values)" in notes[0] and notes[0].endswith(
+        "store them as integers in the .npz if they are class labels")
+    assert data_notes(floats, None) == []  # the user chose the task: nothing said about the labels

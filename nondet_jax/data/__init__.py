@@ -207,6 +207,38 @@ def check_npz_sizes(path: str) -> None:
                          "available; use a subset of the data or a machine with more memory")
 
 
+def _whole_number_targets(y, most: int = 100) -> int:
+    """How many distinct values ``y`` holds when they are whole numbers, at most ``most`` of them (what class
+    labels stored as floats look like), else 0."""
+    y = np.asarray(y)
+    if y.ndim != 1 or not np.all(y == np.round(y)):
+        return 0
+    distinct = len(np.unique(y))
+    return distinct if distinct <= most else 0
+
+
+def data_notes(data: Dataset, classify: str | None = "store them as integers") -> list[str]:
+    """Lines a study logs about data it takes as given but that are likely meant otherwise: whole-number or
+    one-hot float targets read as a regression (``classify``: how to ask for classes; None: the user chose the
+    task, nothing said), and images of raw pixel values (0 .. 255), which are not scaled."""
+    out = []
+    y = np.asarray(data.y_train)
+    if classify and getattr(data, "task", "classification") == "regression":
+        classes = _whole_number_targets(y)
+        if classes:  # float 0/1 labels from pandas or a CSV: said, since a regression is what the dtype asks for
+            out.append(f"data: y_train holds floating-point targets that are whole numbers ({classes} distinct values), "
+                       f"read as a regression (float targets are); {classify} if they are class labels")
+        elif y.ndim == 2 and np.isin(y, (0, 1)).all() and (y.sum(1) == 1).all():
+            out.append("data: y_train looks one-hot (rows of 0s and one 1), read as a regression on its columns; "
+                       f"pass y.argmax(1) ({classify}) if they are class labels")
+    x = data.x_train
+    if x.ndim == 4 and x.size and float(np.max(x)) > 10 and float(np.min(x)) >= 0:
+        out.append(f"data: x_train holds images of raw pixel values ({np.min(x):g} .. {np.max(x):g}), used as they "
+                   "are (the built-in data sets are standardised); scale them (x / 255, or to mean 0 and std 1), or "
+                   "a network's first layers may saturate and every replica predict one class")
+    return out
+
+
 def load_npz(path: str) -> Dataset:
     """A ``.npz`` file holding ``x_train, y_train, x_test, y_test`` (see :func:`from_arrays`); its
     headers are checked first (:func:`check_npz_sizes`)."""

@@ -10,6 +10,7 @@ import numpy as np
 
 from nondet_jax.analysis.task import QUANTITIES, task_of
 from nondet_jax.config import Config
+from nondet_jax.data import data_notes
 from nondet_jax.errors import UsageError
 from nondet_jax.machine.determinism import (
     DETERMINISM_OFF,
@@ -168,6 +169,9 @@ def run(config: Config, out: str | Path | None = None, progress: bool | None = N
         progress = sys.stderr.isatty()
     backend = jax.default_backend()
     log = log if procs.leader else (lambda *a, **k: None)
+    if not in_memory and config.data.name.endswith(".npz"):  # run_study notes the arrays it is given itself
+        for line in data_notes(data, "store them as integers in the .npz"):
+            log(line)
 
     store = RunStore(out, config, recompute=recompute, identity=model["identity_sha256"], grow=grow,
                      locked_by_parent=not procs.leader)
