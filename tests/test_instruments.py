@@ -370,6 +370,8 @@ def test_bad_inputs_raise_clear_errors():
         with pytest.raises(UsageError, match="names no quantity; use none"):
             from_flat({"instruments.config": spec})
     assert from_flat({"instruments.config": ["NormTest", "Loss"]}).instruments.config == "NormTest,Loss"
+    with pytest.raises(UsageError, match="did you mean 'economy'"):
+        from_flat({"instruments.config": "Economy"})
     with pytest.raises(UsageError, match="hess_iters must be at most 200"):
         from_flat({"instruments.config": "HessMaxEV", "instruments.hess_iters": 100_000})
     with pytest.raises(ValueError, match="hess_iters must be at most 200"):

@@ -41,7 +41,7 @@ def resolve(spec: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
         elif item in QUANTITIES:
             chosen.add(item)
         else:
-            lower = {q.lower(): q for q in QUANTITIES}
+            lower = {q.lower(): q for q in (*QUANTITIES, *CONFIGURATIONS)}
             hint = f"did you mean '{lower[item.lower()]}'? " if item.lower() in lower else ""
             raise ValueError(f"unknown instruments configuration or quantity '{item}'; {hint}use none, "
                              f"{', '.join(CONFIGURATIONS)} or quantities from: {', '.join(QUANTITIES)}")
