@@ -258,7 +258,8 @@ def _log_variance_se(kurtosis, n: int, level: float) -> tuple:
 
 
 def std_ci(x, level: float = LEVEL, std_max: float = np.inf, resolution: float | None = None) -> tuple:
-    """Robust interval of the standard deviation (brackets ``std(x, ddof=1)``); last axis: replicas.
+    """Robust interval of the standard deviation (brackets ``std(x, ddof=1)`` unless clipped at ``std_max``);
+    last axis: replicas.
 
     Bonett (2006): σ² lies in ``exp(ln(c·s²) ± z·se)``, ``c = R/(R − z₉₇.₅)``, z widened to the 98.75%
     quantile (:data:`SPREAD_TAIL`),
@@ -268,7 +269,8 @@ def std_ci(x, level: float = LEVEL, std_max: float = np.inf, resolution: float |
     (:func:`std_ci_normal`) does not (docs/statistics.md). (nan, nan) below 3 values.
 
     ``std_max`` is the largest std the quantity can have (0.5 for a value in [0, 1]): the upper end
-    is clipped to it. ``resolution`` is the step of a count-valued score (1/n_test for an accuracy):
+    is clipped to it. The interval is for σ, which std_max bounds; the sample std with ddof=1 can exceed it
+    (0.98, 0.98, 0.10 give 0.508), and then lies above the clipped interval. ``resolution`` is the step of a count-valued score (1/n_test for an accuracy):
     R tied counts give ``[0, √tie_rate(R)·resolution]``, the largest std that still ties R replicas
     with probability 2.5%; without it tied values give (0, 0): the spread is exactly zero.
     """
