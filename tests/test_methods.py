@@ -199,3 +199,13 @@ def test_batched_methods_equal_each_method_alone(tmp_path):
     smooth = json.loads((batched.out / "methods" / "smooth" / "arms" / "all.json").read_text())
     assert "batched" not in smooth["strategy_reason"]
     assert not np.allclose(batched.methods["lr2"].logits["all"], batched.methods["base"].logits["all"])
+
+
+def test_a_plain_study_on_a_folder_of_methods_says_what_the_folder_holds(methods_run):
+    """It was told the folder 'is not a nondet_jax run folder'; nothing in it changes."""
+    out, _ = methods_run
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    proc = sweep_cli(*STUDY, "--out", out)
+    assert proc.returncode == 2 and "holds a study of methods (methods.json); continue it with the --method flags" \
+        in proc.stderr, proc.stderr
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == before

@@ -295,6 +295,9 @@ class RunStore:
             raise UsageError(f"--out {root} is a file, not a folder; choose another --out")
         cfg_path = RunPaths(root).config
         if root.exists() and not cfg_path.exists() and any(p.name != LOCK and not _leftover(p) for p in root.iterdir()):
+            if RunPaths(root).methods_json.is_file():
+                raise UsageError(f"--out {root} holds a study of methods (methods.json); continue it with the --method "
+                                 "flags that started it, or choose a new or empty --out for this study")
             raise UsageError(f"--out {root} exists and is not a nondet_jax run folder; choose a new or empty --out")
         check_no_links(root)
         try:
