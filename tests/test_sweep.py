@@ -121,6 +121,8 @@ def test_rerun_reuses_finished_arms_and_adds_new_ones(run_dir):
     (["--replicas", "1"], "pairwise metrics need at least 2 replicas"),
     (["--arms", "control,dropout"], "arm 'dropout' varies only dropout"),
     (["--augment", "off", "--arms", "augmentation"], "arm 'augmentation' varies only augmentation"),
+    (["--batch-size", "1", "--arms", "control,batch_order"],
+     "arm 'batch_order' varies only batch_order, which is the identity at batch size 1"),
 ])
 def test_bad_input_exits_2_with_one_line(tmp_path, args, message):
     out = tmp_path / "run"

@@ -78,6 +78,9 @@ def check_arms_active(config: Config, arms: list[Arm], fns) -> None:
                           "add dropout to the model (flax.linen.Dropout)"))
     elif config.model.dropout == 0:
         inactive.add(("dropout", "off in this config", "turn it on with --dropout 0.1 (say)"))
+    if fns.batch_size == 1:  # it permutes the examples inside each minibatch
+        inactive.add(("batch_order", "the identity at batch size 1 (one example has one order)",
+                      "use --batch-size 2 or more"))
     for arm in arms:
         off = [(src, why, fix) for src, why, fix in sorted(inactive) if src in arm.varied]
         if arm.name not in ("control", "all") and arm.varied and len(off) == len(arm.varied):
