@@ -223,3 +223,6 @@ def test_data_notes_name_what_is_taken_as_given_but_likely_meant_otherwise():
     assert len(notes) == 1 and "whole numbers (3 distinct values)" in notes[0] and notes[0].endswith(
         "store them as integers in the .npz if they are class labels")
     assert data_notes(floats, None) == []  # the user chose the task: nothing said about the labels
+    nchw = scaled.transpose(0, 3, 1, 2)  # (20, 1, 4, 4)
+    notes = data_notes(from_arrays("nchw", nchw, labels, nchw[:6], labels[:6]))
+    assert len(notes) == 1 and "channels-first (20, 1, 4, 4)" in notes[0] and "x.transpose(0, 2, 3, 1)" in notes[0]

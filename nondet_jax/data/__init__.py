@@ -220,7 +220,8 @@ def _whole_number_targets(y, most: int = 100) -> int:
 def data_notes(data: Dataset, classify: str | None = "store them as integers") -> list[str]:
     """Lines a study logs about data it takes as given but that are likely meant otherwise: whole-number or
     one-hot float targets read as a regression (``classify``: how to ask for classes; None: the user chose the
-    task, nothing said), and images of raw pixel values (0 .. 255), which are not scaled."""
+    task, nothing said), images that look channels-first, and images of raw pixel values (0 .. 255), which
+    are not scaled."""
     out = []
     y = np.asarray(data.y_train)
     if classify and getattr(data, "task", "classification") == "regression":
@@ -232,6 +233,9 @@ def data_notes(data: Dataset, classify: str | None = "store them as integers") -
             out.append("data: y_train looks one-hot (rows of 0s and one 1), read as a regression on its columns; "
                        f"pass y.argmax(1) ({classify}) if they are class labels")
     x = data.x_train
+    if x.ndim == 4 and x.shape[1] in (1, 3) and x.shape[3] not in (1, 3) and x.shape[2] == x.shape[3]:
+        out.append(f"data: x_train's images look channels-first {tuple(x.shape)} (N, C, H, W); the models read "
+                   "channels-last (N, H, W, C): pass x.transpose(0, 2, 3, 1) if the second axis is the channels")
     if x.ndim == 4 and x.size and float(np.max(x)) > 10 and float(np.min(x)) >= 0:
         out.append(f"data: x_train holds images of raw pixel values ({np.min(x):g} .. {np.max(x):g}), used as they "
                    "are (the built-in data sets are standardised); scale them (x / 255, or to mean 0 and std 1), or "
