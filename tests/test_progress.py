@@ -146,3 +146,17 @@ def test_replicas_are_stacked_and_sliced_on_the_host_on_a_cpu_and_by_one_program
     assert loop._host_device([np.zeros(2)]) is None  # nothing on a device: nothing to say where to put it
     assert loop._host_device([jnp.asarray(1.0), trees[0]["w"]]) is None  # weakly typed: numpy would make it strong
     assert not stacked["w"].weak_type and stacked["w"].committed == trees[0]["w"].committed
+
+
+def test_an_arm_s_line_gives_accuracy_in_percent_as_the_table_does():
+    """The line after each arm gave accuracy as a fraction (0.7900 +- 0.0000) beside a table in %."""
+    from nondet_jax.sources import parse_arm
+    from nondet_jax.study.runner import log_accuracy
+
+    lines = []
+    record = {"metrics": {"accuracy": {"mean": 0.79, "std": 0.0123}}, "seconds": 2.71}
+    log_accuracy(lines.append, parse_arm("init"), record)
+    assert lines == ["arm init: test accuracy 79.00% (std 1.23), 2.7 s"]
+    log_accuracy(lines.append, parse_arm("init"), {**record, "task": "regression",
+                                                   "metrics": {"mse": {"mean": 0.25, "std": 0.0125}}})
+    assert lines[1] == "arm init: test MSE 0.25 (std 0.0125), 2.7 s"

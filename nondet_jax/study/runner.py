@@ -116,8 +116,11 @@ def log_accuracy(log, arm: Arm, record: dict) -> None:
     if record["metrics"]:
         q = QUANTITIES[task_of(record)][0]
         acc = record["metrics"][q.name]
-        log(f"arm {arm.name}: {q.label if q.name != 'accuracy' else 'test accuracy'} {acc['mean']:.4f} +- "
-            f"{acc['std']:.4f}, {record['seconds']:.1f} s")
+        if q.name == "accuracy":  # in % as the table prints it
+            said = f"test accuracy {100 * acc['mean']:.2f}% (std {100 * acc['std']:.2f})"
+        else:
+            said = f"{q.label} {acc['mean']:.4g} (std {acc['std']:.4g})"
+        log(f"arm {arm.name}: {said}, {record['seconds']:.1f} s")
 
 
 def run(config: Config, out: str | Path | None = None, progress: bool | None = None, log=print,
