@@ -209,3 +209,17 @@ def test_a_plain_study_on_a_folder_of_methods_says_what_the_folder_holds(methods
     assert proc.returncode == 2 and "holds a study of methods (methods.json); continue it with the --method flags" \
         in proc.stderr, proc.stderr
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_the_report_of_methods_names_the_unfinished_ones_in_the_terminal_too(methods_run, tmp_path):
+    import shutil
+
+    from nondet_jax.report.methods import write_methods_report
+
+    out = tmp_path / "study"
+    shutil.copytree(methods_run[0], out)
+    (out / "methods" / "lr2" / "summary.json").unlink()  # lr2 stopped before it finished
+    lines = []
+    write_methods_report(out, log=lines.append)
+    assert "not finished yet: method(s) lr2 (rerun the same command to train them)" in lines
+    assert "Not finished yet: lr2" in (out / "report.md").read_text()

@@ -168,6 +168,8 @@ def write_methods_report(root: str | Path, command: str | None = None, log=print
         if summary["until"]:
             log("(a sequential study: its answers are the looks' intervals above; this table's 95% CI and p "
                 "read the replicas as if their number had been fixed)")
+    if missing:  # report.md says it too
+        log(f"not finished yet: method(s) {', '.join(missing)} (rerun the same command to train them)")
     log(f"report: {paths.report}")
     return summary
 
