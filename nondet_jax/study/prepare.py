@@ -56,7 +56,7 @@ def check_arms_active(config: Config, arms: list[Arm], fns) -> None:
     from the user's own parts, a model whose training pass never reads its dropout input or an
     ``augment`` that never reads its key."""
     parts, inactive = fns.parts, set()
-    if parts.init_params is not None and pretrained.covers_all(parts.init_params, _params_shape(fns)):
+    if parts.init_params is not None and pretrained.covers_all(parts.init_params, _variables_shape(fns)["params"]):
         inactive.add(("init", "drawing nothing: init_params holds every parameter",
                       "leave a layer (the head) out of init_params"))
     if fns.augment is None:
@@ -130,10 +130,6 @@ def _variables_shape(fns, name: str | None = None):
         raise UsageError(f"model {_model_name(fns, name)}'s init fails on data of shape {_data_shape(fns.spec)} (called "
                          f"on one example, shape {x1.shape}: {_first_line(e)}); make the model take inputs of this "
                          "shape, or reshape the data (images are (N, H, W, C))") from None
-
-
-def _params_shape(fns):
-    return _variables_shape(fns)["params"]
 
 
 def check_init_params(fns, name: str | None = None) -> None:
