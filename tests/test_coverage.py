@@ -157,6 +157,13 @@ def test_the_power_simulation_runs_the_printed_spread_test():
     from scipy import stats as sps
     fk = coverage.power._rank_pvalues(a, b, "fligner")
     np.testing.assert_allclose(fk, [sps.fligner(x, y).pvalue for x, y in zip(a, b)], atol=0.05)
+    # the variance ratio permuted is scipy's exact permutation test of it on the mean-centred arms
+    var_p = coverage.power._variance_pvalues(a[:4], b[:4])
+    ref = [sps.permutation_test((x - x.mean(), y - y.mean()), lambda u, v: abs(u.var() / (u.var() + v.var()) - 0.5),
+                                permutation_type="independent", alternative="greater", n_resamples=np.inf).pvalue
+           for x, y in zip(a[:4], b[:4])]
+    np.testing.assert_allclose(var_p, ref, rtol=1e-9)
+    assert coverage.power._variance_pvalues(np.zeros((1, 8)), np.zeros((1, 8)))[0] == 1.0
     klotz = coverage.power._rank_pvalues(a, b, "klotz")
     np.testing.assert_allclose(klotz, coverage.power._rank_pvalues(b, a, "klotz"))
     assert 0 < klotz.min() and klotz.max() <= 1
@@ -183,5 +190,5 @@ def test_the_docs_power_tables_are_the_stored_simulation():
     normal = next(r for r in tests if r["scenario"] == "normal" and r["replicas"] == 8)
     keeps = [t for t in coverage.power.SPREAD_TESTS if max(r[t]["false_alarm"] for r in tests) <= 0.07]
     assert "printed" in keeps and max(keeps, key=lambda t: normal[t]["power"]) == "printed"
-    assert {"hines", "levene", "klotz"}.isdisjoint(keeps) and "fligner" in keeps
+    assert {"hines", "levene", "klotz", "trimmed", "variance"}.isdisjoint(keeps) and "fligner" in keeps
     assert all(r["bonferroni"] <= 0.05 for r in stored["family"])

@@ -184,7 +184,9 @@ SPREAD_TESTS = {"printed": "Brown–Forsythe (printed): deviations from each arm
                 "hines": "the same, an even arm's two equal middle deviations merged (Hines & O'Hara Hines 2000)",
                 "levene": "Levene: deviations from each arm's mean",
                 "fligner": "Fligner–Killeen: normal scores of the ranks of the deviations from each arm's median",
-                "klotz": "Klotz: squared normal scores of the ranks of the values centred on each arm's median"}
+                "klotz": "Klotz: squared normal scores of the ranks of the values centred on each arm's median",
+                "trimmed": "deviations from each arm's 25% trimmed mean",
+                "variance": "the variance ratio itself, each arm centred on its mean (Boos & Brownie 1989)"}
 RANK_TESTS = ("fligner", "klotz")  # tests of a sum of rank scores (asymptotically as efficient as the F-test for
 # normal data, Klotz), permuted over the same splits
 
@@ -207,6 +209,8 @@ def _spread_deviations(x, test: str) -> np.ndarray:
     """Each study's absolute deviations (T, R) -> (T, R') that ``test`` of :data:`SPREAD_TESTS` permutes."""
     if test == "levene":
         return np.abs(x - x.mean(-1, keepdims=True))
+    if test == "trimmed":
+        return np.abs(x - sps.trim_mean(x, 0.25, axis=-1)[..., None])
     z = np.sort(np.abs(x - np.median(x, -1, keepdims=True)), -1)
     if test == "printed":
         return z
@@ -252,6 +256,24 @@ def _rank_pvalues(a, b, test: str) -> np.ndarray:
     return np.concatenate(out)
 
 
+def _variance_pvalues(a, b) -> np.ndarray:
+    """Two-sided permutation p of the variance ratio (studies (T, n) each): each arm's values centred on its mean
+    and pooled, every split's two variances recomputed; the statistic |s_a² / (s_a² + s_b²) − ½| orders splits as
+    max(F, 1/F) does and is 0 when both arms are constant."""
+    n = a.shape[-1]
+    z_all = np.concatenate([a - a.mean(-1, keepdims=True), b - b.mean(-1, keepdims=True)], -1)
+    mask = _split_masks(n).astype(np.float64)
+    out = []
+    for i in range(0, len(z_all), 64):
+        z = z_all[i:i + 64]
+        qa = (z ** 2) @ mask.T - (z @ mask.T) ** 2 / n
+        qb = (z ** 2) @ (1 - mask).T - (z @ (1 - mask).T) ** 2 / n
+        total = qa + qb
+        s = np.abs(np.divide(qa, total, out=np.full_like(total, 0.5), where=total > 0) - 0.5)
+        out.append(np.mean(s >= s[:, :1] * (1 - 1e-12), -1))
+    return np.concatenate(out)
+
+
 def spread_test_cell(scenario: str, replicas: int, trials: int = 2000, seed: int = 0, effect: float = 2.0) -> dict:
     """Per test of :data:`SPREAD_TESTS` (a permutation test of a pooled t of deviations, as
     :func:`nondet_jax.analysis.stats.spread_test`), its false alarms (p < 0.05 when both arms are drawn alike)
@@ -262,8 +284,12 @@ def spread_test_cell(scenario: str, replicas: int, trials: int = 2000, seed: int
     for k, key in ((1.0, "false_alarm"), (effect, "power")):
         a, b = _arm(sc, rng, (trials, replicas), k), _arm(sc, rng, (trials, replicas), 1.0)
         for t in SPREAD_TESTS:
-            p = _rank_pvalues(a, b, t) if t in RANK_TESTS else _split_pvalues(_spread_deviations(a, t),
-                                                                               _spread_deviations(b, t))
+            if t == "variance":
+                p = _variance_pvalues(a, b)
+            elif t in RANK_TESTS:
+                p = _rank_pvalues(a, b, t)
+            else:
+                p = _split_pvalues(_spread_deviations(a, t), _spread_deviations(b, t))
             out[t][key] = float(np.mean(p < 0.05))
     return out
 
