@@ -156,3 +156,30 @@ def test_a_folder_without_a_finished_arm_takes_the_corrected_model(tmp_path, mon
         runner.run(config, tmp_path / "run", parts=corrected, data=data, **QUIET)
     summary = runner.run(config, tmp_path / "run", parts=corrected, data=data, recompute=("init",), **QUIET)
     assert "init" in summary["arms"]
+
+
+def test_methods_and_compare_on_a_regression_read_its_errors(tmp_path, capsys):
+    """A study of methods on a regression compares test MSE (it looked for test_loss, which a regression does
+    not store, and crashed after training); `compare` on its run folders defaults to test MSE, takes test_mae,
+    and refuses a classification metric in one line; model.json names the squared error it trained on."""
+    from nondet_jax.cli import compare as cli
+
+    x_tr, y_tr, x_te, y_te = diabetes()
+    data = (x_tr, (y_tr - 150) / 80, x_te, (y_te - 150) / 80)
+    result = nj.run_study(model=MLP, data=data, optimizer=optax.sgd(0.05), epochs=1, batch_size=64, arms="all",
+                          replicas=3, methods={"base": {}, "fast": {"optimizer": optax.sgd(0.2)}},
+                          out=tmp_path / "run", **QUIET)
+    (row,) = result.to_frame("methods").dropna(subset=["n_pairs"]).to_dict("records")
+    assert row["n_pairs"] == 3
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["metric"] == "test_mse"
+    model = json.loads((tmp_path / "run" / "methods" / "base" / "model.json").read_text())
+    assert model["loss"] == model["identity"]["loss"]["name"] == "squared_error" and model["augment"] == "none"
+    base, fast = (str(tmp_path / "run" / "methods" / m) for m in ("base", "fast"))
+    capsys.readouterr()
+    assert cli.main([base, fast, "--arm", "all", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["a"]["metric"] == "test_mse"
+    assert cli.main([base, fast, "--arm", "all", "--metric", "test_mae"]) == 0
+    assert cli.main([base, fast, "--arm", "all", "--metric", "test_accuracy"]) == 2
+    assert ("unknown --metric 'test_accuracy' for a run folder of a regression; use one of test_mse, test_mae, "
+            "train_loss, train_mae") in capsys.readouterr().err

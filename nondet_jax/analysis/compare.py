@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 
 from nondet_jax.analysis import stats as S
+from nondet_jax.analysis.task import RUN_METRICS, run_metric, task_of
 from nondet_jax.errors import UsageError
-from nondet_jax.store.paths import RUN_METRICS, RunPaths
+from nondet_jax.store.paths import RunPaths
 from nondet_jax.store.run import verify_arm_files
 
 INDEX_COLUMNS = ("seed", "replica", "run", "index")
@@ -23,14 +24,13 @@ def _is_run(path: Path) -> bool:
     return path.is_dir()
 
 
-def run_scores(run: str | Path, arm: str, metric: str = "test_accuracy") -> tuple[np.ndarray, dict]:
-    """Per-replica ``metric`` of ``arm`` in a run folder (replicas that diverged left out), and where it came from."""
+def run_scores(run: str | Path, arm: str, metric: str | None = None) -> tuple[np.ndarray, dict]:
+    """Per-replica ``metric`` of ``arm`` in a run folder (default: the task's test score, test accuracy or a
+    regression's test MSE; replicas that diverged left out), and where it came from."""
     run = Path(run)
     if not RunPaths(run).config.is_file():
         raise UsageError(f"{run} is not a nondet_jax run folder (no config.json); pass the --out folder of a sweep "
                          "or a CSV file of per-seed scores")
-    if metric not in RUN_METRICS:
-        raise UsageError(f"unknown --metric '{metric}' for a run folder; use one of {', '.join(RUN_METRICS)}")
     record_path = RunPaths(run).arm_file("arms", arm)  # read only: no lock, nothing written
     if not record_path.exists():
         finished = sorted(p.stem for p in (run / "arms").glob("*.json")) if (run / "arms").is_dir() else []
@@ -42,9 +42,10 @@ def run_scores(run: str | Path, arm: str, metric: str = "test_accuracy") -> tupl
         raise UsageError(f"result file {record_path} is unreadable or corrupt; rerun its study with --recompute {arm} "
                          "or pick another --arm") from None
     record = verify_arm_files(run, arm, record)
+    metric = run_metric(task_of(record), metric)
     rows = [r for r in record["rows"] if r.get("diverged_at_step", -1) < 0]
     config = json.loads(RunPaths(run).config.read_text())
-    where = {"source": str(run), "kind": "run", "arm": arm, "metric": metric, "dataset": config["data"]["name"],
+    where = {"source": str(run), "kind": "run", "arm": arm, "metric": metric, "task": task_of(record), "dataset": config["data"]["name"],
              "model": config["model"]["name"], "diverged_left_out": len(record["rows"]) - len(rows),
              "test_set": _test_set(run) or config["data"]["name"], "seed": config["study"]["seed"],
              "replicas": [int(r["replica"]) for r in rows], "n_test": _n_test(run)}
@@ -161,7 +162,7 @@ def pair_up(xa: np.ndarray, wa: dict, xb: np.ndarray, wb: dict) -> tuple[np.ndar
             {"paired_by": how, "pairs_left_out": left_out})
 
 
-def compare(a: str | Path, b: str | Path, arm: str = "all", arm_b: str | None = None, metric: str = "test_accuracy",
+def compare(a: str | Path, b: str | Path, arm: str = "all", arm_b: str | None = None, metric: str | None = None,
             column: str | None = None, higher_is_better: bool | None = None, detect: float | None = None,
             paired: bool = False) -> dict:
     """Compare method A with method B: two run folders (arm ``arm`` of A, ``arm_b`` or ``arm`` of B,
@@ -185,16 +186,16 @@ def compare(a: str | Path, b: str | Path, arm: str = "all", arm_b: str | None = 
         if column is not None:
             raise UsageError("--column is for CSV files; for run folders choose --arm and --metric")
         xa, wa = run_scores(a, arm, metric)
-        xb, wb = run_scores(b, arm_b or arm, metric)
+        xb, wb = run_scores(b, arm_b or arm, wa["metric"])
         if wa["test_set"] != wb["test_set"]:
             what = (f"{a} was tested on {wa['dataset']} and {b} on {wb['dataset']}" if wa["dataset"] != wb["dataset"]
                     else f"{a} and {b} both name {wa['dataset']}, but their test arrays differ")
             raise UsageError(f"{what}: scores on different test sets cannot be compared; pass two runs on the same "
                              "test set")
         if higher_is_better is None:
-            higher_is_better = RUN_METRICS[metric]
+            higher_is_better = RUN_METRICS[wa["task"]][wa["metric"]]
     else:
-        if arm != "all" or arm_b is not None or metric != "test_accuracy":
+        if arm != "all" or arm_b is not None or metric is not None:
             raise UsageError("--arm, --arm-b and --metric are for run folders; for CSV files choose --column")
         xa, wa = csv_scores(a, column)
         xb, wb = csv_scores(b, column)

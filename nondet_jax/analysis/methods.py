@@ -13,8 +13,9 @@ from pathlib import Path
 
 from nondet_jax.analysis import stats as S
 from nondet_jax.analysis.compare import compare
+from nondet_jax.analysis.task import run_metric, task_of
 from nondet_jax.errors import UsageError
-from nondet_jax.store.paths import RUN_METRICS, RunPaths, method_name
+from nondet_jax.store.paths import RunPaths, method_name
 from nondet_jax.until import check_state
 
 
@@ -85,9 +86,8 @@ def compared_arms(summaries: dict[str, dict]) -> list[str]:
 
 
 def default_metric(summaries: dict[str, dict]) -> str:
-    """The score compared: test accuracy for classification, else the test loss."""
-    first = next(iter(summaries.values()))
-    return "test_accuracy" if first.get("task", "classification") == "classification" else "test_loss"
+    """The score compared: the task's test score (test accuracy; a regression's test MSE)."""
+    return run_metric(task_of(next(iter(summaries.values()))), None)
 
 
 def compare_methods(root: str | Path, a: str | None = None, b: str | None = None, arms: list[str] | None = None,
@@ -111,9 +111,7 @@ def compare_methods(root: str | Path, a: str | None = None, b: str | None = None
     others = [b] if b is not None else [n for n in summaries if n != a]
     if not others or others == [a]:
         raise UsageError(f"nothing to compare method '{a}' with in {root}; name another with --method-b")
-    metric = metric or default_metric(summaries)
-    if metric not in RUN_METRICS:
-        raise UsageError(f"unknown --metric '{metric}' for a run folder; use one of {', '.join(RUN_METRICS)}")
+    metric = run_metric(task_of(summaries[a]), metric)
     arms = arms or compared_arms({n: summaries[n] for n in (a, *others)})
     if not arms:
         raise UsageError(f"the methods of {root} share no arm whose replicas vary (control's are one run); train an "

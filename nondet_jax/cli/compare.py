@@ -6,10 +6,11 @@ import json
 import sys
 from pathlib import Path
 
+from nondet_jax.analysis.task import RUN_METRICS
 from nondet_jax.cli import prog_name
 from nondet_jax.errors import OneLineParser, UsageError
 from nondet_jax.store.io import check_output_file, check_path_name
-from nondet_jax.store.paths import RUN_METRICS, RunPaths
+from nondet_jax.store.paths import RunPaths
 
 
 def _plot_path(path: str) -> Path:
@@ -39,7 +40,7 @@ def _sequential(args, state: dict) -> int:
     would read its data as if no look had decided when to stop, and could contradict the study's answer)."""
     from nondet_jax.analysis.sequential import look_lines
 
-    if args.method_a or args.method_b or args.arm or args.metric != "test_accuracy" or args.detect or args.plot:
+    if args.method_a or args.method_b or args.arm or args.metric is not None or args.detect or args.plot:
         raise UsageError(f"{args.a} is a sequential study (--until {state['design']['spec']}): its answers are its "
                          "looks', which compare prints whole; drop --method-a, --method-b, --arm, --metric, --detect "
                          "and --plot")
@@ -75,7 +76,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                    "whose replicas vary); several, comma-separated "
                    "(init,data_order,all): each compared, p-values also Holm-adjusted over them")
     p.add_argument("--arm-b", default=None, help="a different arm for B (default: --arm)")
-    p.add_argument("--metric", default="test_accuracy", help=f"run folders: one of {', '.join(RUN_METRICS)}")
+    p.add_argument("--metric", help="run folders: one of " + "; ".join(f"{', '.join(m)} ({task})" for task, m in
+                                                              RUN_METRICS.items()) + " (default: the first of its task)")
     p.add_argument("--column", default=None, help="CSV files: the score column (default: the only numeric one); "
                    "several, comma-separated: each compared, p-values also Holm-adjusted over them")
     p.add_argument("--lower-is-better", action="store_true", help="scores are losses or errors (CSV files)")

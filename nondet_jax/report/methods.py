@@ -75,7 +75,9 @@ def _md_table(summaries: dict[str, dict]) -> list[str]:
     q1, q2 = QUANTITIES[task_of(next(iter(summaries.values())))]
     lines = [f"| method | arm | R | {q1.label} mean | {q1.label} std [95% CI] | {q2.label} mean | {q2.label} std |",
              "|---|---|---|---|---|---|---|"]
-    f = lambda v, d=2: "n/a" if v is None else f"{v:.{d}f}"  # noqa: E731
+    # accuracy in % and cross-entropy in nats at fixed decimals; a regression's errors in the targets' own units,
+    # whatever their scale, to 4 significant digits
+    f = lambda v, d=2: "n/a" if v is None else f"{v:.{d}f}" if q1.unit else f"{v:.4g}"  # noqa: E731
     for name, summary in summaries.items():
         for row in arm_rows(summary):
             u1, u2 = q1.unit, q2.unit

@@ -16,8 +16,6 @@ from pathlib import Path
 from nondet_jax.arms import parse_arm
 from nondet_jax.errors import UsageError
 
-# The per-replica scores a run folder holds for `compare`, and whether higher is better for each.
-RUN_METRICS = {"test_accuracy": True, "test_loss": False, "train_loss": False, "train_accuracy": True}
 # The long tables the report writes as <kind>.csv (nondet_jax.report.frames; instruments.csv is the study's).
 TABLES = ("replicas", "curves", "best", "decomposition", "pairs")
 ARM_FILES = ("arms/{}.json", "logits/{}.npy", "features/{}.npy", "history/{}.npz", "weights/{}.npz", "pairs/{}.npz")

@@ -169,7 +169,9 @@ def part_identities(config, data, fns) -> dict[str, dict]:
         "optimizer": {"name": config.optim.name if p.optimizer is None or cfg.imported(config.optim.name)
                       else label_of(type(p.optimizer)) + " (user's)",
                       "sha256": opt.hexdigest(), "transforms": describe_optimizer(fns.tx, total)},
-        "loss": {"name": "softmax_cross_entropy_with_integer_labels" if p.loss is None else label_of(p.loss),
+        "loss": {"name": label_of(p.loss) if p.loss is not None else "squared_error"
+                 if getattr(data, "task", "classification") == "regression"
+                 else "softmax_cross_entropy_with_integer_labels",
                  "sha256": jaxpr_sha256(fns.example_loss, logits, yb)},
         "augment": {"name": "none" if fns.augment is None else "config" if p.augment is None else label_of(p.augment),
                     "sha256": hashlib.sha256(aug.encode()).hexdigest()},

@@ -310,13 +310,12 @@ def model_record(config: Config, data, fns) -> dict:
     """What ``model.json`` records: the parts that were used (what was imported), the fingerprint
     of the model's parameter shapes, and every part's identity by content
     (:func:`nondet_jax.study.identity.part_identities`) with their combined ``identity_sha256``."""
-    p = fns.parts
     keys = abstract_keys()
     x = jax.ShapeDtypeStruct((1, *fns.spec.image_shape), np.asarray(data.x_train[:1]).dtype)
     params = jax.eval_shape(fns.init, keys, perturbations(frozenset()), x).params
     parts = part_identities(config, data, fns)
     return {"model": parts["model"]["name"], "optimizer": parts["optimizer"]["name"], "loss": parts["loss"]["name"],
-            "augment": "config" if p.augment is None else label_of(p.augment),
+            "augment": parts["augment"]["name"],
             **model_facts(fns, np.asarray(data.x_train[:1]).dtype), **shape_fingerprint(params),
             "identity": parts, "identity_sha256": identity_sha256(parts)}
 
