@@ -464,6 +464,18 @@ def _check_parts(optimizer, loss, augment) -> None:
             raise UsageError(f"{name}={fn!r} is a {type(fn).__name__}, not a function; pass a function {signature}")
 
 
+def _traced(signature: str, fn: Callable, *args):
+    """``fn(*args)`` while ``replicate`` traces it; a TypeError (a wrong signature, a value that is not a JAX type,
+    a Python ``if``/``float()``/``np.asarray`` on a traced value) becomes one line naming the function."""
+    try:
+        return fn(*args)
+    except TypeError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise UsageError(f"{signature} failed while JAX traced it ({type(e).__name__}: {first}); give it that signature "
+                         "and keep it jittable: jnp/lax on traced values (jnp.where or lax.cond, not a Python if, "
+                         "float() or np.asarray)") from None
+
+
 def _check_carry(before, after) -> None:
     """Refuse a ``replicate`` step whose state differs from the one it got in structure, or a leaf in
     shape or dtype: ``lax.scan`` said so deep in JAX, in its own words."""
@@ -565,6 +577,9 @@ def replicate(init: Callable, step: Callable, batches=None, *, steps: int | None
       ``.to_frame("arms" | "replicas" | "curves" | "decomposition")``, ``.report()``,
       ``.compare(arm_a, arm_b)`` and ``.decompose()``, by the statistics of a study's report.
     """
+    for name, fn, signature in (("init", init, "keys -> state"), ("step", step, "(state, batch, keys) -> state")):
+        if not callable(fn):
+            raise UsageError(f"{name} must be a function {signature}, got {type(fn).__name__}")
     if collect is not None and not callable(collect):
         raise UsageError(f"collect must be a function (state, keys) -> pytree, got {type(collect).__name__}")
     if score is not None and not callable(score):
@@ -588,16 +603,17 @@ def replicate(init: Callable, step: Callable, batches=None, *, steps: int | None
         raise UsageError(f"replicate runs strategy vmap or sequential, not '{chosen}'")
     reads: set[str] = set()  # the sources init and step read, recorded while they are traced
 
-    def one(keys, on, own_k, own_on):
-        state = init(StepKeys(keys, on, None, reads, own_k, own_on))
+    def one(keys, on, own_k, own_on, batches):  # batches an argument: closed over, XLA would embed them
+        state = _traced("init(keys) -> state", init, StepKeys(keys, on, None, reads, own_k, own_on))
 
         def body(state, xs):
             t, batch = xs
             step_keys = StepKeys(keys, on, t, reads, own_k, own_on)
-            new = step(state, batch, step_keys)
+            new = _traced("step(state, batch, keys) -> state", step, state, batch, step_keys)
             _check_carry(state, new)
             state = new
-            return state, (None if collect is None else collect(state, step_keys))
+            return state, (None if collect is None else _traced("collect(state, keys) -> pytree", collect, state,
+                                                                 step_keys))
 
         xs = (jnp.arange(steps), batches if batches is not None else jnp.zeros(steps))
         if batches is None:
@@ -610,7 +626,12 @@ def replicate(init: Callable, step: Callable, batches=None, *, steps: int | None
         return (arm_keys(seed, varied, replicas), switches(varied, replicas), own_keys(seed, own, varied, replicas),
                 {n: jnp.full((replicas,), n in varied) for n in own})
 
-    jax.eval_shape(jax.vmap(one), *arm_inputs(frozenset()))
+    batched = jax.vmap(one, in_axes=(0, 0, 0, 0, None))  # every replica reads the same batches
+    shapes = _traced("init(keys) -> state, step(state, batch, keys) -> state and collect(state, keys) -> pytree "
+                     "(pytrees of JAX arrays)", jax.eval_shape, batched, *arm_inputs(frozenset()), batches)
+    if score is not None:  # checked before anything trains
+        _check_scores(_traced("score(state) -> number or {name: number}", jax.eval_shape, jax.vmap(score),
+                              shapes if collect is None else shapes[0]))
     for a in parsed:
         unread = sorted(a.varied - reads)
         if a.varied and len(unread) == len(a.varied):
@@ -618,37 +639,58 @@ def replicate(init: Callable, step: Callable, batches=None, *, steps: int | None
                              f"{unread[0]}), so its replicas would equal control's; use that key or drop the arm")
     inputs = arm_inputs(frozenset())
     if chosen == "vmap":
-        run = jax.jit(jax.vmap(one)).lower(*inputs).compile()
-        check_program_fits(run.memory_analysis(), f"{replicas} replicas", "use fewer replicas, a smaller state or strategy='sequential'")
+        program = jax.jit(batched).lower(*inputs, batches).compile()
+        check_program_fits(program.memory_analysis(), f"{replicas} replicas", "use fewer replicas, a smaller state or strategy='sequential'")
+
+        def run(*inputs):
+            return program(*inputs, batches)
     else:
-        single = jax.jit(one).lower(*jax.tree.map(lambda k: k[0], inputs)).compile()
+        single = jax.jit(one).lower(*jax.tree.map(lambda k: k[0], inputs), batches).compile()
         check_program_fits(single.memory_analysis(), f"{replicas} replicas one at a time", "use fewer replicas or a smaller state",
                            copies=replicas)
 
         def run(*inputs):
-            states = [single(*jax.tree.map(lambda k: k[r], inputs)) for r in range(replicas)]
+            states = [single(*jax.tree.map(lambda k: k[r], inputs), batches) for r in range(replicas)]
             return jax.tree.map(lambda *xs: jnp.stack(xs), *states)
     states = {a.name: run(*arm_inputs(a.varied)) for a in parsed}
     return _replicated(states, {a.name: sorted(a.varied) for a in parsed}, score, collect is not None, own)
 
 
-def _replicated(states: dict, varied: dict, score: Callable | None, collected: bool, own) -> Any:
-    """replicate's result: the states, with their ``score``s and the history's numbers per step as tables."""
-    def numbers(tree, default: str) -> dict[str, np.ndarray]:
-        if not isinstance(tree, dict):
-            tree = {default: tree}
-        return {jax.tree_util.keystr(path).strip("[]'\""): np.asarray(v, np.float64)
-                for path, v in jax.tree_util.tree_leaves_with_path(tree)}
+def _named_leaves(tree, default: str) -> dict:
+    """A score's or history's leaves by name: ``default`` for a bare leaf, nested keys joined by ``/``."""
+    if not isinstance(tree, dict):
+        tree = {default: tree}
+    return {jax.tree_util.keystr(path, simple=True, separator="/"): v
+            for path, v in jax.tree_util.tree_leaves_with_path(tree)}
 
+
+def _real(v) -> bool:
+    """A real number's dtype (not complex, not a PRNG key: numpy cannot read a key's dtype)."""
+    try:
+        dtype = np.dtype(v.dtype)
+    except TypeError:
+        return False
+    return np.issubdtype(dtype, np.number) and not np.issubdtype(dtype, np.complexfloating)
+
+
+def _check_scores(shapes) -> None:
+    """``score``'s output for R replicas (abstract): one real number per name and replica."""
+    for name, v in _named_leaves(shapes, "score").items():
+        if not _real(v) or len(v.shape) != 1:
+            what = f"a {v.dtype} value" if not _real(v) else f"shape {tuple(v.shape[1:])} per replica"
+            raise UsageError(f"score returns {name!r} as {what}; return one real number per name (e.g. lambda s: "
+                             "{'loss': s.loss.mean()})")
+
+
+def _replicated(states: dict, varied: dict, score: Callable | None, collected: bool, own) -> Any:
+    """replicate's result: the states, with their ``score``s and the history's numbers per step as tables (a
+    history leaf that is not a number per step, a PRNG key say, stays in the states only)."""
     scores, curves = {}, {}
     for arm, out in states.items():
         final, history = out if collected else (out, None)
         if score is not None:
-            scores[arm] = numbers(jax.vmap(score)(final), "score")
-            bad = [k for k, v in scores[arm].items() if v.shape != (len(v),)]
-            if bad:
-                raise UsageError(f"score returns {bad[0]!r} shaped {scores[arm][bad[0]].shape[1:]} per replica; return "
-                                 "one number per name (e.g. lambda s: {'loss': s.loss.mean()})")
+            scores[arm] = {k: np.asarray(v, np.float64) for k, v in _named_leaves(jax.vmap(score)(final), "score").items()}
         if history is not None:
-            curves[arm] = {k: v for k, v in numbers(history, "value").items() if v.ndim == 2}
+            curves[arm] = {k: np.asarray(v, np.float64) for k, v in _named_leaves(history, "value").items()
+                           if v.ndim == 2 and _real(v)}
     return Replicated(states, scores, varied, {a: c for a, c in curves.items() if c}, tuple(own))

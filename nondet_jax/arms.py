@@ -48,7 +48,8 @@ def check_own_sources(names) -> tuple[str, ...]:
     names = (names,) if isinstance(names, str) else tuple(names)
     for n in names:
         if not isinstance(n, str) or not n.isidentifier() or n.startswith("_"):
-            raise UsageError(f"source name {n!r} is not a Python identifier; name your sources like env or policy")
+            raise UsageError(f"source name {n!r} is not a Python identifier without a leading underscore; name your "
+                             "sources like env or policy")
         if n in SOURCE_ID or n in RESERVED:
             raise UsageError(f"source name '{n}' is taken ({'a built-in source' if n in SOURCE_ID else 'reserved'}); "
                              "choose another name for your own source")

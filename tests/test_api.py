@@ -994,3 +994,57 @@ def test_batch_statistics_recomputed_exactly_for_own_batchnorm():
         for k in ("mean", "var"):
             np.testing.assert_allclose(got[layer][k], want[layer][k], rtol=2e-5, atol=1e-6 * want[layer]["var"].max())
     np.testing.assert_allclose(got["_RunningMean_0"]["mean"], h.mean(0), atol=1e-4)
+
+
+def test_replicate_leaves_out_and_names_replicas_whose_score_is_not_finite():
+    """A replica that blows up to infinity is left out of every number, as a study's diverged replicas are, and
+    the report names it (it gave one arm a Holm p of 1 and another of 0 from an infinite score)."""
+    def init(keys):
+        return jax.random.normal(keys.init, (2,))
+
+    def step(w, batch, keys):  # blows up where the init drew w[0] > 1
+        w = w + 0.01 * jax.random.normal(keys.data_order, (2,))
+        return jnp.where(w[0] > 1.0, w * 1e30, w)
+
+    r = nj.replicate(init, step, steps=3, arms="control,init,data_order,all", replicas=6,
+                     score=lambda w: {"loss": jnp.sum(w ** 2)})
+    bad = [int(i) for i in np.flatnonzero(~np.isfinite(r.scores["init"]["loss"]))]
+    assert bad and r.diverged["init"] == bad and r.diverged["data_order"] == []
+    row = next(t for t in r.table if t["arm"] == "init")
+    kept = np.delete(r.scores["init"]["loss"], bad)
+    assert row["replicas"] == 6 - len(bad) and row["std"] == pytest.approx(kept.std(ddof=1))
+    assert np.isfinite(row["spread_p"]) and f"init: replica(s) {', '.join(map(str, bad))} of 6 scored NaN" in r.report()
+    paired = r.compare("data_order", "init")
+    assert paired["n_pairs"] == 6 - len(bad)
+
+
+def test_replicate_names_the_function_that_cannot_be_traced_before_training():
+    """init, step, collect and score are traced (abstractly) before anything trains: a wrong signature, a Python
+    if on a traced value or a score that is not a number gets one line naming the function (they were JAX
+    tracebacks, the score's after every arm had trained); a PRNG key in the history stays in the states, and
+    nested score names read a/b."""
+    from nondet_jax.errors import UsageError
+
+    def init(keys):
+        return {"w": jax.random.normal(keys.init, (3,)), "key": keys.init}
+
+    def step(s, batch, keys):
+        return {"w": s["w"] * 0.9, "key": s["key"]}
+
+    run = functools.partial(nj.replicate, steps=2, replicas=2, arms="control,init")
+    for kwargs, match in (
+            ({"init": lambda: {}}, r"^init\(keys\) -> state failed while JAX traced it \(TypeError: .* takes 0"),
+            ({"step": lambda s, keys: s}, r"^step\(state, batch, keys\) -> state failed .* takes 2 positional"),
+            ({"step": lambda s, b, k: {"w": s["w"] if s["w"][0] > 0 else -s["w"], "key": s["key"]}},
+             r"^step\(state, batch, keys\).*\(TracerBoolConversionError: .*not a Python if"),
+            ({"collect": lambda s: s}, r"^collect\(state, keys\) -> pytree failed"),
+            ({"score": lambda s, k: s}, r"^score\(state\) -> number or \{name: number\} failed"),
+            ({"score": lambda s: "x"}, r"^score\(state\).*is not a valid JAX type"),
+            ({"score": lambda s: {"w": s["w"]}}, r"^score returns 'w' as shape \(3,\) per replica"),
+            ({"init": {"w": 1}}, r"^init must be a function keys -> state, got dict$")):
+        with pytest.raises(UsageError, match=match):
+            run(**{"init": init, "step": step, **kwargs})
+    r = run(init=init, step=step, collect=lambda s, k: {"w0": s["w"][0], "key": s["key"]},
+            score=lambda s: {"a": {"b": s["w"][0]}, "c": [s["w"][1]]})
+    assert r.metrics == ["a/b", "c/0"] and [row["metric"] for row in r.rows("curves")] == ["w0"] * 8
+    assert "— : n/a with 2 replicas in an arm (the std's interval needs 3, the ratio and the spread test 5" in r.report()

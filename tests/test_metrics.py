@@ -177,3 +177,20 @@ def test_bfloat16_logits_give_the_metrics_of_their_float32_values():
         np.testing.assert_allclose(fn(b), fn(f), rtol=1e-6)
     np.testing.assert_allclose(M.cross_entropy(b, labels), M.cross_entropy(f, labels), rtol=1e-5)
     assert M.minority_predictions(b) == M.minority_predictions(f)
+
+
+def test_arrays_of_the_wrong_shape_or_labels_out_of_range_are_named():
+    """The arrays entry's messages name the problem: a 2-D array where replicas are stacked (an einsum error
+    before), labels out of range (it said "got dtype int64"), one number where an interval needs replicas."""
+    from nondet_jax.analysis import stats
+    from nondet_jax.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"^logits of shape \(3, 4\) are not \(replicas, examples, classes\)"):
+        metrics.disagreement(np.ones((3, 4)))
+    with pytest.raises(UsageError, match=r"^features of shape \(3, 20\) are not \(replicas, examples, dimensions\)"):
+        metrics.linear_cka(np.ones((3, 20)))
+    with pytest.raises(UsageError, match=r"^labels range over 10 \.\. 12, but must lie in \[0, 4\)"):
+        metrics.accuracy(np.ones((2, 3, 4)), np.arange(3) + 10)
+    for interval in (stats.std_ci, stats.mean_ci):
+        with pytest.raises(UsageError, match=r"^got one number \(3\), but an interval needs one score per replica"):
+            interval(3.0)

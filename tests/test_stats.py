@@ -448,3 +448,40 @@ def test_a_tied_arm_of_counts_keeps_the_independent_interval_with_its_tie_bound(
     assert "paired" not in c  # nothing to pair: no replica moved
     lo, hi = c["family_ci"]
     assert lo == 0 < hi  # the tie bound, not a zero-width [0, 0]
+
+
+def test_replicas_for_std_factor_is_the_printed_intervals():
+    """The design figure is the printed (robust, widened) interval's: it spans at most a factor 2 in 80% of
+    normal studies at 31 replicas and not at 30; the chi-square interval's 18 was printed before, where the
+    printed interval never spans less than 2.45."""
+    assert stats.replicas_for_std_factor(2.0) == 31
+    share = {n: np.mean(np.divide(*stats.std_ci(np.random.default_rng(n).normal(size=(4000, n)))[::-1]) <= 2)
+             for n in (30, 31)}
+    assert share[30] < 0.8 <= share[31]
+    lo, hi = stats.std_ci(np.random.default_rng(0).normal(size=(4000, 18)))
+    assert (hi / lo).min() > 2.45 and stats.replicas_for_std_factor(1.0) is None
+
+
+def test_non_finite_or_too_few_scores_get_no_confident_p():
+    """A NaN or infinite score is refused in one line (it gave a spread p of 1.0 or 0.0); Brown–Forsythe is n/a
+    below 5 replicas per arm (at 2 its statistic is infinite whatever the spreads: p < 0.05 in every study)."""
+    from nondet_jax.errors import UsageError
+
+    good = [0.91, 0.92, 0.93, 0.90, 0.94]
+    with pytest.raises(UsageError, match=r"^x holds 1 NaN or infinite score\(s\) \(the first at index 2\); leave out"):
+        stats.compare_spread([0.9, 0.91, np.nan, 0.92, 0.93], good)
+    with pytest.raises(UsageError, match="reference holds 1 NaN"):
+        stats.compare_spread(good, [0.1, np.inf, 0.2, 0.5, 0.4])
+    with pytest.raises(UsageError, match="need two finite, non-negative stds"):
+        stats.compare_spread_from_summary(float("nan"), 5, 0.02, 5)
+    with pytest.raises(UsageError, match="but a has 5 and b 7; pass the two methods' scores for the same seeds"):
+        stats.compare_paired(range(5), range(7))
+    with pytest.raises(UsageError, match="b holds 1 NaN"):
+        stats.compare_means(good, good[:4] + [np.nan])
+    rng = np.random.default_rng(0)
+    assert np.isnan(stats.brown_forsythe(rng.normal(size=2), rng.normal(size=2)))
+    with np.errstate(divide="ignore"):  # why: at R=2 the raw test rejects in every study
+        assert all(stats.levene_median(*rng.normal(size=(2, 2))) < 0.05 for _ in range(200))
+    assert np.isnan(stats.compare_spread([0.91, 0.93], [0.90, 0.94])["brown_forsythe_p"])
+    a, b = rng.normal(size=8), rng.normal(size=8)
+    assert stats.brown_forsythe(a, b) == pytest.approx(sps.levene(a, b, center="median").pvalue)

@@ -66,9 +66,12 @@ def check_labels(logits, labels) -> tuple[np.ndarray, np.ndarray]:
     if logits.ndim not in (2, 3) or labels.ndim != 1 or logits.shape[-2] != len(labels):
         raise UsageError(f"logits of shape {logits.shape} do not match labels of shape {labels.shape}; pass logits "
                          "as (replicas, examples, classes) and one integer label per example")
-    if labels.dtype.kind not in "iu" or (len(labels) and not 0 <= labels.min() <= labels.max() < logits.shape[-1]):
+    if labels.dtype.kind not in "iu":
         raise UsageError(f"labels must be integers in [0, {logits.shape[-1]}) for {logits.shape[-1]} classes of "
                          f"logits, got dtype {labels.dtype}; pass class indices")
+    if len(labels) and not 0 <= labels.min() <= labels.max() < logits.shape[-1]:
+        raise UsageError(f"labels range over {labels.min()} .. {labels.max()}, but must lie in [0, {logits.shape[-1]}) "
+                         f"for {logits.shape[-1]} classes of logits; pass class indices")
     return logits, labels
 
 
@@ -86,9 +89,17 @@ def cross_entropy(logits, labels) -> np.ndarray:
     return -np.take_along_axis(lp, lab[..., None], -1)[..., 0].mean(-1)
 
 
+def _per_replica(x, what: str, axes: str) -> np.ndarray:
+    """``x`` as an array of ``axes`` (three), or a one-line error naming the shape it has."""
+    x = np.asarray(x)
+    if x.ndim != 3:
+        raise UsageError(f"{what} of shape {x.shape} are not {axes}; stack one array per replica on a first axis")
+    return x
+
+
 def disagreement(logits) -> np.ndarray:
     """Fraction of examples whose predicted class differs, per pair: shape (P,)."""
-    logits = np.asarray(logits)
+    logits = _per_replica(logits, "logits", "(replicas, examples, classes)")
     pred = logits.argmax(-1)
     onehot = np.eye(logits.shape[-1], dtype=np.float32)[pred]  # (R, n, C)
     agree = np.einsum("anc,bnc->ab", onehot, onehot) / pred.shape[1]
@@ -179,7 +190,7 @@ def linear_cka(features) -> np.ndarray:
 
     ``CKA(X, Y) = ||Y^T X||_F^2 / (||X^T X||_F ||Y^T Y||_F)`` on column-centred X, Y (n, d).
     """
-    f = np.asarray(features, dtype=np.float64)
+    f = _per_replica(features, "features", "(replicas, examples, dimensions)").astype(np.float64)
     f = f - f.mean(1, keepdims=True)
     self_norm = np.linalg.norm(np.einsum("rnd,rne->rde", f, f), axis=(1, 2))
     out = []

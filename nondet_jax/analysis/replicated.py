@@ -33,6 +33,9 @@ class Replicated(dict):
 
     Attributes:
       scores: ``scores[arm][metric]``, the (R,) scores of the final states, in replica order.
+      diverged: ``{arm: [replica, ...]}``, the replicas with a NaN or infinite score, left out of every
+        table, comparison and decomposition (as a study leaves out the replicas that diverged); the report
+        names them.
       table: one row (a dict) per arm and metric: mean, std with its 95% interval, the std ratio to the
         ``all`` arm with its interval and the permutation spread test's p, raw and Holm-adjusted over
         the arms that vary something (``control`` gets none: it varies nothing). The columns of
@@ -44,6 +47,8 @@ class Replicated(dict):
         super().__init__(states)
         self.scores, self.varied, self._curves, self._own = scores, varied, curves, own
         self.metrics = list(next(iter(scores.values()), {}))
+        self.diverged = {arm: [int(r) for r in np.flatnonzero(~np.all([np.isfinite(x) for x in s.values()], 0))]
+                         for arm, s in scores.items() if s}
         self._quantities = tuple(Quantity(m, m, "", 1.0, m) for m in self.metrics)
         records = self._records()
         self._vs = compare_arms(records, quantities=self._quantities) if self.metrics else {}
@@ -52,11 +57,18 @@ class Replicated(dict):
 
     def _records(self) -> dict[str, dict]:
         return {arm: {"varied": self.varied[arm],
-                      "rows": [{"replica": r, **{m: float(s[m][r]) for m in s}} for r in range(len(next(iter(s.values()))))]}
+                      "rows": [{"replica": r, **{m: float(s[m][r]) for m in s},
+                                "diverged_at_step": 0 if r in self.diverged[arm] else -1}
+                               for r in range(len(next(iter(s.values()))))]}
                 for arm, s in self.scores.items()}
 
-    def _row(self, arm: str, metric: str) -> dict:
+    def _finite(self, arm: str, metric: str) -> np.ndarray:
+        """The arm's ``metric`` without its diverged replicas."""
         x = self.scores[arm][metric]
+        return np.delete(x, self.diverged[arm])
+
+    def _row(self, arm: str, metric: str) -> dict:
+        x = self._finite(arm, metric)
         st = S.spread(x) if len(x) > 1 else {"mean": float(np.mean(x)), "std": np.nan, "std_ci": [np.nan, np.nan]}
         vs = self._vs.get(arm, {}).get(metric, {})
         lo, hi = vs.get("ratio_ci") or [None, None]
@@ -125,8 +137,10 @@ class Replicated(dict):
                 raise UsageError(f"{what} {name!r} is not in this result ({what}s: {', '.join(map(repr, known))}); "
                                  "pick one of those")
         xa, xb = self.scores[a][metric], self.scores[b][metric]
-        how = S.compare_paired if paired else S.compare_means
-        return how(xa, xb, higher_is_better=higher_is_better)
+        if paired:  # a seed whose replica diverged in either arm leaves its pair
+            keep = np.setdiff1d(np.arange(len(xa)), self.diverged[a] + self.diverged[b])
+            return S.compare_paired(xa[keep], xb[keep], higher_is_better=higher_is_better)
+        return S.compare_means(self._finite(a, metric), self._finite(b, metric), higher_is_better=higher_is_better)
 
     def report(self) -> str:
         """The per-arm table in plain text, with the sentences a study's report gives where the numbers
@@ -142,14 +156,22 @@ class Replicated(dict):
         lines.append(f"std: sample std over replicas (ddof=1), 95% CI: {S.METHODS['std'].split(':')[0]}; ratio: std / "
                      "the all arm's; Holm p: permutation spread test, Holm-adjusted over the arms that vary something")
         few = min((row["replicas"] for row in self.table if row["varied"] != "none"), default=0)
+        if few < S.SPREAD_TEST_MIN and any(row["varied"] != "none" for row in self.table):
+            lines.append(f"— : n/a with {few} replicas in an arm (the std's interval needs {S.MIN_REPLICAS['std']}, the "
+                         f"ratio and the spread test {S.SPREAD_TEST_MIN} per arm).")
         if 2 <= few <= 5 and len({row["arm"] for row in self.table if row["varied"] != "none"}) > 1:
             span = [row["std_ci_high"] / row["std_ci_low"] for row in self.table
                     if row["varied"] != "none" and np.isfinite(row["std_ci_high"]) and row["std_ci_low"] > 0]
             lines.append(f"Too few replicas to rank the sources: with {few} replicas in an arm the std's 95% intervals "
                          + (f"span a factor of {min(span):.0f} to {max(span):.0f}" if span else "are n/a")
-                         + f"; a factor of 2 needs {S.replicas_for_std_factor(2.0)} replicas per arm.")
+                         + f"; a factor of 2 needs {S.replicas_for_std_factor(2.0)} replicas per arm (in 80% of "
+                         "simulated studies of normal data).")
+        for arm, bad in self.diverged.items():
+            if bad:
+                lines.append(f"{arm}: replica(s) {', '.join(map(str, bad))} of {len(self.scores[arm][self.metrics[0]])} "
+                             "scored NaN or infinity (diverged?) and are left out of every number above.")
         for row in self.table:
-            x = self.scores[row["arm"]][row["metric"]]
+            x = self._finite(row["arm"], row["metric"])
             if np.isfinite(row["std_ci_low"]) and row["std_ci_high"] - row["std_ci_low"] > np.ptp(x) > 0:
                 lines.append(f"{row['arm']} {row['metric']}: the std's 95% interval is wider than the whole range of "
                              f"its replicas' values ({g(x.min())} to {g(x.max())}): it cannot say how large the spread is.")

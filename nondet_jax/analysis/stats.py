@@ -30,6 +30,7 @@ from scipy import integrate, optimize, special
 from scipy import stats as sps
 
 from nondet_jax.analysis.metrics import PAIRWISE_RANGE, PAIRWISE_SCALE, pair_indices
+from nondet_jax.errors import UsageError
 
 LEVEL = 0.95
 BOOTSTRAP_SAMPLES = 4000
@@ -174,6 +175,14 @@ def _z_spread(level: float) -> float:
     return float(sps.norm.ppf(1 - SPREAD_TAIL * (1 - level) / 2))
 
 
+def _replica_axis(x) -> np.ndarray:
+    """``x`` as float64 with its replicas on the last axis, or a one-line error for a single number."""
+    x = np.asarray(x, dtype=np.float64)
+    if x.ndim == 0:
+        raise UsageError(f"got one number ({float(x):g}), but an interval needs one score per replica (an array)")
+    return x
+
+
 def mean_ci(x, level: float = LEVEL, resolution: float | None = None, widen: bool = True) -> tuple:
     """t interval of the mean, its critical value widened for skewed data (:data:`MEAN_TAIL`: t's
     1 − 0.7·(1 − level)/2 quantile); (nan, nan) below 2 values. Last axis: replicas.
@@ -186,7 +195,7 @@ def mean_ci(x, level: float = LEVEL, resolution: float | None = None, widen: boo
     replica a step away from the rest giving too small a spread). ``widen=False``: the plain t interval
     (t's (1 + level)/2 quantile) and no Poisson join, tied counts still given the tie bound.
     """
-    x = np.asarray(x, dtype=np.float64)
+    x = _replica_axis(x)
     n = x.shape[-1]
     if n < MIN_REPLICAS["mean"]:
         return _nan2(x.shape[:-1])
@@ -274,7 +283,7 @@ def std_ci(x, level: float = LEVEL, std_max: float = np.inf, resolution: float |
     R tied counts give ``[0, √tie_rate(R)·resolution]``, the largest std that still ties R replicas
     with probability 2.5%; without it tied values give (0, 0): the spread is exactly zero.
     """
-    x = np.asarray(x, dtype=np.float64)
+    x = _replica_axis(x)
     n = x.shape[-1]
     if n < MIN_REPLICAS["std"]:
         return _nan2(x.shape[:-1])
@@ -423,6 +432,8 @@ ACCURACY_RANGE = (0.0, 1.0)
 
 
 def _f_p(f: float, d1: int, d2: int) -> float:
+    if not np.isfinite(f):
+        return float("nan")
     cdf = sps.f.cdf(f, d1, d2)
     return float(min(1.0, 2 * min(cdf, 1 - cdf)))
 
@@ -433,7 +444,16 @@ def f_test(a, b) -> float:
 
 
 def brown_forsythe(a, b) -> float:
-    """Brown-Forsythe (Levene with medians) p-value for equal spread: robust to non-normality."""
+    """Brown-Forsythe (Levene with medians) p-value for equal spread: robust to non-normality. NaN below
+    :data:`SPREAD_TEST_MIN` replicas per arm (at 2 each arm's two deviations from its median are equal, so the
+    F statistic is infinite whatever the spreads: p < 0.05 in every study)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float("nan") if min(a.size, b.size) < SPREAD_TEST_MIN else levene_median(a, b)
+
+
+def levene_median(a, b) -> float:
+    """scipy's Levene test about the medians at any R (1.0 when neither arm varies): :func:`brown_forsythe`
+    without its minimum, for the simulation that shows why it has one."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     if np.ptp(a) == 0 and np.ptp(b) == 0:
         return 1.0
@@ -637,8 +657,8 @@ def compare_spread_from_summary(std_a: float, n_a: int, std_b: float, n_b: int, 
 
 def _f_comparison(std_a: float, n_a: int, std_b: float, n_b: int, ddof: int = 1, level: float = LEVEL) -> dict:
     """Ratio, its F interval and the two-sided F-test p of two stds (see compare_spread_from_summary)."""
-    if min(n_a, n_b) < 2 or min(n_a, n_b) <= ddof or min(std_a, std_b) < 0:
-        raise ValueError(f"need two non-negative stds from at least 2 values each (and more than ddof={ddof}); "
+    if min(n_a, n_b) < 2 or min(n_a, n_b) <= ddof or not (std_a >= 0 and std_b >= 0 and np.isfinite([std_a, std_b]).all()):
+        raise UsageError(f"need two finite, non-negative stds from at least 2 values each (and more than ddof={ddof}); "
                          f"got std {std_a} of {n_a} and std {std_b} of {n_b}")
     va, vb = std_a ** 2 * (n_a - ddof) / (n_a - 1), std_b ** 2 * (n_b - ddof) / (n_b - 1)
     d1, d2 = n_a - 1, n_b - 1
@@ -651,6 +671,19 @@ def _f_comparison(std_a: float, n_a: int, std_b: float, n_b: int, ddof: int = 1,
 
 
 POWER_RATIOS = (0.5, 0.75)
+
+
+def _finite_scores(x, name: str) -> np.ndarray:
+    """``x`` as a 1-D float64 array of per-replica scores, or a one-line error naming what is wrong with it: a
+    non-finite score would otherwise become a p of 0 or 1 with nothing said."""
+    x = np.asarray(x, np.float64)
+    if x.ndim != 1:
+        raise UsageError(f"{name} has shape {x.shape}, but must be one score per replica (a 1-D array)")
+    bad = np.flatnonzero(~np.isfinite(x))
+    if len(bad):
+        raise UsageError(f"{name} holds {len(bad)} NaN or infinite score(s) (the first at index {bad[0]}); leave "
+                         "out the replicas that diverged")
+    return x
 # below 5 replicas per arm the permutation test of median deviations is not valid (at R=4 the two middle
 # deviations of each arm are equal: 6-16% false alarms at p < 0.05, benchmarks/coverage.py): n/a there
 SPREAD_TEST_MIN = 5
@@ -667,7 +700,7 @@ def compare_spread(x, reference, resolution: float | None = None, ratios=POWER_R
     (:func:`replicas_for_ratio_interval`: normal data; a design figure, not a post-hoc power). ``spread_p``:
     :func:`spread_test`'s p when the caller computed it already (:func:`spread_tests`, many comparisons at once).
     """
-    x, reference = np.asarray(x, np.float64), np.asarray(reference, np.float64)
+    x, reference = (_finite_scores(v, name) for v, name in ((x, "x"), (reference, "reference")))
     out = compare_spread_from_summary(std(x), len(x), std(reference), len(reference))
     return {"ratio": out["ratio"], "ratio_ci": list(std_ratio_ci(x, reference, resolution=resolution)),
             "ratio_ci_normal": out["ratio_ci"],
@@ -696,14 +729,22 @@ def replicas_for_ratio_interval(ratio: float, power: float = 0.8, level: float =
     return _smallest_n(ok, max_n)
 
 
-def replicas_for_std_factor(factor: float = 2.0, level: float = LEVEL, max_n: int = 100_000) -> int | None:
-    """Replicas at which the 95% std interval of normal data spans at most ``factor`` (upper end /
-    lower end: 2.0 means the std is known to within a factor of about √2 either way); the robust
-    interval is wider on skewed data."""
-    if factor <= 1:
+@functools.lru_cache(maxsize=32)
+def replicas_for_std_factor(factor: float = 2.0, share: float = 0.8, level: float = LEVEL, trials: int = 4000,
+                            max_n: int = 10_000) -> int | None:
+    """Replicas at which the printed 95% std interval (:func:`std_ci`, robust and widened) spans at most
+    ``factor`` (upper end / lower end: 2.0 means the std is known to within a factor of about √2 either way)
+    in ``share`` of simulated studies of normal data (seeded: the same answer every time); wider on skewed
+    data. The chi-square interval's figure, which the report printed before, is smaller (18 for a factor of 2,
+    where the printed interval spans at least 2.45)."""
+    if not factor > 1:
         return None
-    return _smallest_n(lambda n: math.sqrt(sps.chi2.ppf(0.5 + level / 2, n - 1) / sps.chi2.ppf(0.5 - level / 2, n - 1))
-                       <= factor, max_n)
+
+    def ok(n):
+        lo, hi = std_ci(np.random.default_rng(n).normal(size=(trials, n)), level)
+        return float(np.mean(hi <= factor * lo)) >= share
+
+    return _smallest_n(ok, max_n)
 
 
 def welch(a, b, level: float = LEVEL) -> dict:
@@ -840,8 +881,12 @@ def compare_paired(a, b, level: float = LEVEL, higher_is_better: bool = True, de
     ``higher_is_better`` is False) with its interval, the correlation of the pairs, and the pairs a
     paired t-test needs for 80% power at the observed (and at ``detect``) difference."""
     a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
-    if len(a) != len(b) or len(a) < 2 or not (np.isfinite(a).all() and np.isfinite(b).all()):
-        raise ValueError(f"need at least 2 pairs of finite scores; got {len(a)} and {len(b)} scores")
+    if len(a) != len(b):
+        raise UsageError(f"paired scores come in pairs (a[i] and b[i] under seed i), but a has {len(a)} and b "
+                         f"{len(b)}; pass the two methods' scores for the same seeds")
+    a, b = _finite_scores(a, "a"), _finite_scores(b, "b")
+    if len(a) < 2:
+        raise UsageError(f"need at least 2 pairs of scores; got {len(a)}")
     sign = 1.0 if higher_is_better else -1.0
     d, poi = paired_difference(a, b, level, resolution), paired_probability_of_improvement(sign * a, sign * b, level)
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -898,9 +943,9 @@ def compare_means(a, b, level: float = LEVEL, higher_is_better: bool = True, det
     point of accuracy) also ``replicas_for_detect``: the replicas per method for 80% power at that
     stated difference, the number to plan the next study by.
     """
-    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
-    if min(len(a), len(b)) < 2 or not (np.isfinite(a).all() and np.isfinite(b).all()):
-        raise ValueError(f"need at least 2 finite scores per method; got {len(a)} and {len(b)}")
+    a, b = (_finite_scores(np.asarray(v, np.float64).ravel(), n) for v, n in ((a, "a"), (b, "b")))
+    if min(len(a), len(b)) < 2:
+        raise UsageError(f"need at least 2 scores per method; got {len(a)} and {len(b)}")
     sign = 1.0 if higher_is_better else -1.0
     w, poi = welch(a, b, level), probability_of_improvement(sign * a, sign * b, level)
     pooled = math.sqrt(((len(a) - 1) * std(a) ** 2 + (len(b) - 1) * std(b) ** 2) / (len(a) + len(b) - 2))

@@ -94,7 +94,8 @@ def tta_logits(evaluate: Callable, state, x: jax.Array, views, padding: int) -> 
     Returns:
       (N, classes) float32 logits. Jittable; the views run one after another in a ``lax.scan``
       (a fixed summation order, so the result is deterministic), with one view of ``x`` in memory
-      at a time.
+      at a time on an accelerator. On the CPU a scan of at most 16 views is unrolled for speed
+      (:func:`nondet_jax.train.scan_unroll`), and XLA may then hold several views at once.
     """
     views = jnp.asarray(views, jnp.int32)
 

@@ -56,7 +56,7 @@ def _comparison_md(summary: dict) -> list[str]:
                      + ", ".join(f"{k} ({n} replicas per arm)" for k, n in needed.items())
                      + " with 80% power (the printed 95% ratio interval excludes 1 in 80% of simulated studies of normal data; the "
                      "F-test alone would need fewer, but it is not what is printed); a std interval spanning at most a factor 2 needs "
-                     f"{replicas_for_std_factor(2.0)} replicas (normal data). Other ratios: "
+                     f"{replicas_for_std_factor(2.0)} replicas (80% of simulated studies of normal data). Other ratios: "
                      "rerun the sweep with `--set metrics.power_ratios=0.5,0.75` (finished arms are reused, only the report "
                      "is rebuilt).")
     return lines + [""]
@@ -169,7 +169,7 @@ def _caveats(summary: dict, records: dict[str, dict]) -> list[str]:
         out.append(f"- **Too few replicas to rank the sources**: with {min(used.values())} replicas in an arm, "
                    f"{_span(summary, q, used)}, so which source moves the {q.label} most is not read off these "
                    f"numbers; a std interval spanning at most a factor 2 needs {replicas_for_std_factor(2.0)} replicas "
-                   "per arm (normal data).")
+                   "per arm (in 80% of simulated studies of normal data).")
     for arm, rec in records.items():
         st = (summary["arms"][arm].get("metrics") or {}).get(q.name, {})
         values = [row[q.row] for row in rec["rows"] if row.get("diverged_at_step", -1) < 0]
