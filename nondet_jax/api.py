@@ -379,7 +379,8 @@ def api_words():
     except UsageError as e:
         text = re.sub(r"--set ([\w.]+)=([^\s;,)]+)", lambda m: f"settings={{'{m.group(1)}': "
                       f"{ {'true': 'True', 'false': 'False'}.get(m.group(2), m.group(2))}}}", str(e))
-        text = re.sub(r"--(out|arms|replicas|epochs|seed|strategy|batch-size)( (?=[\d/.~]))?",
+        text = re.sub(r"--(until|baseline) ([\w.=]+)", r"\1='\2'", text).replace("--batch-methods", "batch_methods=True")
+        text = re.sub(r"--(out|arms|replicas|epochs|seed|strategy|batch-size|max-replicas|until)( (?=[\d/.~]))?",
                       lambda m: m.group(1).replace("-", "_") + "=", text)
         raise UsageError(text.replace("rerun the sweep", "rerun the study")) from None
 
@@ -396,7 +397,10 @@ def _run_methods(methods, baseline, parts: dict, dataset, data_name, study: dict
                         base=config, **study)
     planned, baseline = M.plan(base, methods, baseline, api=True)
     until = None
-    if sequential[0] is not None or sequential[1] is not None:
+    if sequential[0] is None and sequential[1] is not None:
+        raise UsageError(f"max_replicas={sequential[1]} is for a sequential study; add until='decided' (or "
+                         "'decided=D', 'width=X'), or drop max_replicas")
+    if sequential[0] is not None:
         until = parse_until("decided" if sequential[0] is None else sequential[0], sequential[1], base.study.replicas,
                       where="until=")
         check_arms(base.study.arms)

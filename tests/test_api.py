@@ -799,7 +799,9 @@ def test_every_table_in_one_naming_scheme(decomposed):
 
     from nondet_jax.analysis.compare import run_scores
     from nondet_jax.report.frames import COLUMNS
-    from nondet_jax.store.paths import RUN_METRICS
+    from nondet_jax.analysis.task import RUN_METRICS as BY_TASK
+
+    RUN_METRICS = BY_TASK["classification"]
 
     r, tmp_path = decomposed, decomposed.out.parent
     frames = {kind: r.to_frame(kind) for kind in COLUMNS if kind != "instruments"}

@@ -277,7 +277,9 @@ def test_run_study_takes_a_sequential_design(tmp_path):
     with pytest.raises(UsageError, match="until= and max_replicas= run a sequential study of methods"):
         nj.run_study(model="mlp", until="decided")
     with pytest.raises(UsageError, match=r"max_replicas= 3 must be an integer above"):
-        nj.run_study(model="mlp", methods={"a": {}, "b": {"optim.lr": 0.2}}, replicas=3, max_replicas=3)
+        nj.run_study(model="mlp", methods={"a": {}, "b": {"optim.lr": 0.2}}, replicas=3, until="decided", max_replicas=3)
+    with pytest.raises(UsageError, match=r"^max_replicas=8 is for a sequential study; add until='decided'"):
+        nj.run_study(model="mlp", methods={"a": {}, "b": {"optim.lr": 0.2}}, replicas=3, max_replicas=8)
 
 
 def test_an_answer_stands_and_its_method_trains_no_more():
@@ -297,10 +299,66 @@ def test_an_answer_stands_and_its_method_trains_no_more():
     assert later["comparisons"][0] == earlier["bad", "base", "all"]
 
 
+def test_a_look_is_the_replicas_trained_when_a_diverged_replicas_pair_is_left_out():
+    """A look counts the replicas it trained, not the pairs left (a diverged replica's pair is left out): the
+    look at 8 of at most 8 stops with 7 pairs (it looked again and again at 7 pairs, and its record of a look
+    at 7 replicas was refused as one the design never takes)."""
+    rng = np.random.default_rng(2)
+    a = rng.normal(0.9, 0.01, 7)
+    design = Until("decided", None, 4, 8)
+    look = sequential.assess(design, [_comparison(a, a + rng.normal(0, 0.01, 7))], replicas=8)
+    (row,) = look["comparisons"]
+    assert look["replicas"] == row["replicas"] == 8 and row["pairs"] == 7 and look["stop"]
+    assert look["level"] == sequential.design_levels(design)[1]
+    assert "(97.5" not in sequential.look_lines(look)[0] and "7 pairs: a diverged replica's pair left out" in \
+        sequential.look_lines(look)[0]
+
+
+def test_what_a_stop_saved_is_said_for_decided_comparisons_at_d_in_the_scores_units():
+    """decided=D is in the scores' units; the simulation behind "saved" draws differences of std 1, so D enters
+    it as D / sd (it entered as D standard deviations); a comparison that decided nothing gets no saving."""
+    rng = np.random.default_rng(3)
+    a = rng.normal(0.9, 0.01, 8)
+    better, same = _comparison(a, a + 0.01 + rng.normal(0, 0.003, 8)), _comparison(a, a + rng.normal(0, 1e-4, 8), "same")
+    design = Until("decided", 0.01, 8, 16)
+    look = sequential.assess(design, [better, same])
+    assert [c["decision"] for c in look["comparisons"]] == ["lr2 is better", "within ±0.01"]
+    rows = sequential.saving(design, look, [better, same], trials=500)
+    sd = better["std_difference"]
+    sim = sequential.simulate(Until("decided", 0.01 / sd, 8, 16), rows[0]["effect"], 500, comparisons=2)
+    assert rows[0]["power"] == sim["decided"] and rows[0]["expected_replicas"] == sim["mean_replicas"]
+    assert "power" not in rows[1] and rows[1]["decision"] == "within ±0.01"
+
+
+def test_a_study_stopped_before_its_first_look_resumes_and_keeps_its_baseline(tmp_path):
+    """methods.json holds the design from the start (interrupted before its first look, the study was refused as
+    "a fixed number of replicas" on every rerun); once a look is recorded, another baseline is refused."""
+    from nondet_jax.analysis.methods import read_record
+    from nondet_jax.study import methods as M
+
+    base = cfg.from_flat({**MLP, "study.replicas": 4})
+    planned, baseline = M.plan(base, {"base": {}, "lr2": {"optim.lr": 0.2}}, "base", api=True)
+    design, names = Until("decided", None, 4, 12), [m.name for m in planned]
+    M.write_methods(tmp_path, base, planned, baseline, design)  # what run_methods writes before training
+    assert read_record(tmp_path)["until"]["looks"] == []
+    assert M.check_design(tmp_path, design, names, "lr2") == 4  # no look yet: nothing to keep
+    record = read_record(tmp_path)
+    a = np.random.default_rng(4).normal(0.9, 0.01, 4)
+    look = sequential.assess(design, [_comparison(a, a + np.array([0.01, -0.005, 0.002, 0.004]))], replicas=4)
+    assert look["comparisons"][0]["decision"] == "open" and not look["stop"]
+    record["until"]["looks"] = [look]
+    (tmp_path / "methods.json").write_text(json.dumps(record))
+    assert M.check_design(tmp_path, design, names, "base") == 8
+    with pytest.raises(UsageError, match="whose looks compared every method with the baseline base; rerun it with "
+                                         "--baseline base"):
+        M.check_design(tmp_path, design, names, "lr2")
+
+
 def test_a_damaged_or_impossible_record_of_the_looks_is_refused():
     """methods.json's ``until`` is read as untrusted input: a design no command can make (a round of 0, a million
-    replicas, an unknown key, a spec that is not its rule's), no looks, a level that is not a probability or a
-    boundary that is not one are each refused in one line, not read into a traceback or a 30 GiB simulation."""
+    replicas, an unknown key, a spec that is not its rule's), looks that are not a list, a level that is not a
+    probability or a boundary that is not one are each refused in one line, not read into a traceback or a 30 GiB
+    simulation. No look yet is a record: the design is written before the first look trains."""
     from nondet_jax.until import check_state
 
     good = {"design": {**sequential.design_record(Until("decided", None, 4, 8))},
@@ -308,10 +366,11 @@ def test_a_damaged_or_impossible_record_of_the_looks_is_refused():
                        "comparisons": [{"method_a": "base", "method_b": "lr2", "arm": "all", "decision": "open",
                                         "replicas": 4, "difference": 0.1, "interval": [-0.1, 0.3]}]}]}
     assert check_state(json.loads(json.dumps(good)), "methods.json") is not None
+    assert check_state({**json.loads(json.dumps(good)), "looks": []}, "methods.json")["looks"] == []
     edits = [("design", "round", 0), ("design", "max_replicas", 10 ** 6), ("design", "note", "by hand"),
              ("design", "spec", "width=1"), ("design", "first", 1), ("design", "rule", "soon"),
              ("boundary", "shape", float("nan")), ("boundary", "futility", 1.5), ("look", "level", float("nan")),
-             ("look", "level", 0.0), ("look", "replicas", 99), ("looks", None, [])]
+             ("look", "level", 0.0), ("look", "replicas", 99), ("looks", None, {})]
     for where, key, value in edits:
         bad = json.loads(json.dumps(good))
         if where == "looks":

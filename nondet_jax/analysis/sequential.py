@@ -181,17 +181,20 @@ def answered(looks: list[dict]) -> dict[tuple, dict]:
     return out
 
 
-def assess(until: Until, comparisons: list[dict], earlier: dict[tuple, dict] | None = None) -> dict:
+def assess(until: Until, comparisons: list[dict], earlier: dict[tuple, dict] | None = None,
+           replicas: int | None = None) -> dict:
     """One look: each comparison (:func:`nondet_jax.analysis.methods.compare_methods`'s results, which carry
     the paired scores) answered or not, and whether the study stops; those in ``earlier`` (:func:`answered`)
     keep their answer. The levels are shared by every comparison (Bonferroni over all of them, answered or
     not). Returns ``{"replicas", "level", "comparisons": [{method_a, method_b, arm, difference, interval,
     decision, replicas}], "stop", "why"}``; ``level`` is this look's two-sided level (:func:`design_levels`;
-    each interval printed at 1 − level)."""
+    each interval printed at 1 − level). ``replicas``: the replicas per method this look trained (default: the
+    most pairs compared); a comparison whose pairs are fewer (a replica diverged and its pair is left out) says
+    so in ``pairs``."""
     earlier = earlier or {}
     levels = design_levels(until, len(comparisons))
     assessed = [r for r in comparisons if key(r) not in earlier]
-    n = max((r["n_pairs"] for r in assessed), default=max(r["n_pairs"] for r in comparisons))
+    n = replicas or max((r["n_pairs"] for r in assessed), default=max(r["n_pairs"] for r in comparisons))
     level = levels[min(bisect.bisect_left(until.looks(), n), len(levels) - 1)]
     rows = []
     for r in comparisons:
@@ -208,16 +211,17 @@ def assess(until: Until, comparisons: list[dict], earlier: dict[tuple, dict] | N
                 decision = f"within ±{until.value:g}"
             elif n >= until.max_replicas:
                 decision = "not decided"
-            elif conditional_power(_t_stat(r["difference"], r["std_difference"], n), n, until.max_replicas,
-                                   levels[-1]) < FUTILITY:
+            elif conditional_power(_t_stat(r["difference"], r["std_difference"], r["n_pairs"]), r["n_pairs"],
+                                   until.max_replicas, levels[-1]) < FUTILITY:
                 decision = "futile"
             else:
                 decision = "open"
         else:
             decision = "narrow enough" if hi - lo <= until.value else "not narrow enough" if n >= until.max_replicas \
                 else "open"
-        rows.append({"method_a": r["method_a"], "method_b": r["method_b"], "arm": r["arm"], "replicas": r["n_pairs"],
-                     "difference": r["difference"], "interval": [lo, hi], "decision": decision})
+        rows.append({"method_a": r["method_a"], "method_b": r["method_b"], "arm": r["arm"], "replicas": n,
+                     "difference": r["difference"], "interval": [lo, hi], "decision": decision,
+                     **({"pairs": r["n_pairs"]} if r["n_pairs"] != n else {})})
     done = all(row["decision"] not in ("open", "not decided", "not narrow enough") for row in rows)
     last = n >= until.max_replicas
     why = ("every comparison is answered" if done else
@@ -234,6 +238,8 @@ def look_lines(look: dict) -> list[str]:
         lo, hi = c["interval"]
         now = c["replicas"] == look["replicas"]  # else an answer standing from an earlier look, at that look's level
         level = f"{100 * (1 - look['level']):.2f}% interval" if now else f"answered at {c['replicas']} replicas"
+        if "pairs" in c:
+            level += f", {c['pairs']} pairs: a diverged replica's pair left out"
         out.append(f"look at {look['replicas']} replicas: {c['method_b']} − {c['method_a']} on {c['arm']} "
                    f"{c['difference']:+.4g} [{lo:+.4g}, {hi:+.4g}] ({level}): {c['decision']}")
     return out
@@ -271,14 +277,20 @@ def saving(until: Until, look: dict, comparisons: list[dict], trials: int = 4000
     the same power at the same family-wise level, and the share of replicas the sequential study saved against
     it (at the replicas its method trained). ``boundary``: the design's (:func:`boundary_of`)."""
     used = {key(c): c.get("replicas", look["replicas"]) for c in look["comparisons"]}
+    decisions = {key(c): c["decision"] for c in look["comparisons"]}
     out = []
     for c in comparisons:
         sd = c.get("std_difference") or 0.0
         effect = abs(c["difference"]) / sd if sd > 0 else float("inf") if c["difference"] else 0.0
         n = used.get(key(c), look["replicas"])
-        row = {"method_b": c["method_b"], "arm": c["arm"], "effect": effect, "replicas": n}
-        if 0 < effect < float("inf") and until.rule == "decided":
-            sim = simulate(until, effect, trials, comparisons=len(comparisons), boundary=boundary)
+        row = {"method_b": c["method_b"], "arm": c["arm"], "effect": effect, "replicas": n,
+               "decision": decisions.get(key(c))}
+        # a saving against a design of the same power is what a decision cost; a comparison given up or found
+        # within ±D decided nothing
+        if 0 < effect < float("inf") and until.rule == "decided" and str(row["decision"]).endswith(" is better"):
+            # simulate() draws differences of std 1: ±D in those units is D / sd
+            standard = until if until.value is None else until._replace(value=until.value / sd)
+            sim = simulate(standard, effect, trials, comparisons=len(comparisons), boundary=boundary)
             fixed = sim["fixed_same_power"]
             row.update(power=sim["decided"], expected_replicas=sim["mean_replicas"], fixed_same_power=fixed,
                        saved=None if not fixed else 1 - n / fixed)

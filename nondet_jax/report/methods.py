@@ -67,7 +67,8 @@ def methods_summary(root: str | Path) -> tuple[dict, dict[str, dict], list[dict]
                "arms_compared": compared_arms(summaries) if len(summaries) >= 2 else [],
                "comparisons": [{k: v for k, v in c.items() if k not in ("a", "b")} |
                                {"scores_a": c["a"]["scores"], "scores_b": c["b"]["scores"]} for c in comparisons],
-               "note": note, "until": record.get("until")}
+               # a sequential study interrupted before its first look is reported as far as it got, without looks
+               "note": note, "until": record.get("until") if (record.get("until") or {}).get("looks") else None}
     return summary, summaries, comparisons
 
 
@@ -229,6 +230,12 @@ def _md_sequential(state: dict, comparisons: list[dict]) -> list[str]:
                           f"so this stop at {row['replicas']} " + (f"saved {100 * row['saved']:.0f}% of them." if
                                                                     row["saved"] >= 0 else
                                                                     f"used {-100 * row['saved']:.0f}% more."))
+            elif design.rule == "decided" and row.get("decision") and not str(row["decision"]).endswith(" is better"):
+                why = {"futile": "given up: its chance of being decided by the last look, were the difference what it "
+                                 f"was, fell under {100 * boundary['futility']:.0f}%"}.get(row["decision"], row["decision"])
+                md.append(f"- {row['method_b']} on `{row['arm']}`: {why}, at {row['replicas']} replicas per method "
+                          f"({design.max_replicas - row['replicas']} fewer than `--max-replicas`); no difference was "
+                          "decided, so there is no design of the same power to compare with.")
     return md + [""]
 
 

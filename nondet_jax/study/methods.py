@@ -151,14 +151,17 @@ def check_folder(root: Path) -> None:
                          "for the methods")
 
 
-def write_methods(root: Path, base: cfg.Config, methods: list[Method], baseline: str) -> dict:
+def write_methods(root: Path, base: cfg.Config, methods: list[Method], baseline: str, until=None) -> dict:
     """``methods.json``: the methods of earlier runs of this folder kept (in their order), this run's
-    added or updated, its baseline."""
+    added or updated, its baseline; a sequential study's design (``until``) from the start, with no look yet,
+    so a study interrupted before its first look resumes as the sequential study it is."""
     from nondet_jax.analysis.methods import read_record
+    from nondet_jax.analysis.sequential import design_record
 
     old = read_record(root) if RunPaths(root).methods_json.exists() else {"methods": {}}
+    state = old.get("until") or (None if until is None else {"design": design_record(until), "looks": []})
     record = {"baseline": baseline, "config": cfg.to_dict(base), "methods": dict(old["methods"]),
-              **({"until": old["until"]} if "until" in old else {})}
+              **({"until": state} if state is not None else {})}
     for m in methods:
         entry = {"settings": {k: str(v) for k, v in m.settings.items()}, "parts": sorted(m.parts),
                  "folder": f"methods/{m.name}"}
@@ -187,8 +190,8 @@ def run_methods(base: cfg.Config, methods: list[Method], baseline: str, out: str
     if until is not None and batch is not None:
         raise UsageError("--batch-methods trains every method's replicas at once, which a sequential study (--until) "
                          "adds look by look; drop one of them")
-    replicas = check_design(out, until, [m.name for m in methods])
-    write_methods(out, base, methods, baseline)
+    replicas = check_design(out, until, [m.name for m in methods], baseline)
+    write_methods(out, base, methods, baseline, until)
     if batch is not None:
         batch(out)
     if until is None:
@@ -234,17 +237,18 @@ def method_fix(text: str, folder: str | Path | None = None) -> str:
                   lambda m: f"rerun with --resume {folder} --recompute {m.group(1)}, then this command again,", text)
 
 
-def check_design(out: Path, until, names: list[str]) -> int | None:
+def check_design(out: Path, until, names: list[str], baseline: str | None = None) -> int | None:
     """Where a sequential study resumes: the replicas of its last look (``methods.json``'s ``until``) where it
     stopped there, else of the look after it (the one an interrupted study was training), the first look's for a
     new one, None without ``until``. A folder of a fixed-size study of methods, or of a sequential one run with
-    another design or other methods (``names``), is refused before anything is written."""
+    another design, other methods (``names``) or another ``baseline``, is refused before anything is written."""
     path = RunPaths(out).methods_json
     if not path.exists():
         return None if until is None else until.first
     from nondet_jax.analysis.methods import read_record
 
-    state = read_record(out).get("until")
+    record = read_record(out)
+    state = record.get("until")
     if until is None and state is not None:
         raise UsageError(f"{out} is a sequential study of methods (--until {state['design']['spec']} --max-replicas "
                          f"{state['design']['max_replicas']}); rerun it with those, or choose another --out")
@@ -265,6 +269,10 @@ def check_design(out: Path, until, names: list[str]) -> int | None:
         raise UsageError(f"{out} is a sequential study whose looks were read at {words(old.get('boundary'))}, not this "
                          f"version's {words(design.get('boundary'))}; finish it with the version that started it (a "
                          "changed design would not keep its error rate), or choose another --out")
+    if baseline is not None and state["looks"] and record["baseline"] != baseline:
+        raise UsageError(f"{out} is a sequential study whose looks compared every method with the baseline "
+                         f"{record['baseline']}; rerun it with --baseline {record['baseline']} (a baseline chosen after "
+                         "the looks would not keep the design's error rate), or choose another --out")
     if old != design:
         raise UsageError(f"{out} is a sequential study run with --until {old.get('spec')} --max-replicas "
                          f"{old.get('max_replicas')} from {old.get('first')} replicas; rerun it with those (a changed "
@@ -307,7 +315,7 @@ def run_looks(out: Path, methods: list[Method], until, replicas: int, run_one, l
         last = [c for k in state["looks"][-1:] for c in k["comparisons"]]  # every comparison, named at each look
         done = {c["method_b"] for c in last} - {c["method_b"] for c in last if sequential.key(c) not in earlier}
         train_methods(out, [m for m in methods if m.name == baseline or m.name not in done], run_one, replicas, log)
-        look = sequential.assess(until, compare_methods(out), earlier)
+        look = sequential.assess(until, compare_methods(out), earlier, replicas)
         record = json.loads(paths.methods_json.read_text())
         state["looks"] = [k for k in state["looks"] if k["replicas"] < look["replicas"]] + [look]
         record["until"] = state
