@@ -264,6 +264,28 @@ def test_a_sequential_study_of_methods_stops_once_answered_and_resumes(tmp_path,
     assert "Traceback" not in damaged.stderr
 
 
+@pytest.mark.slow
+def test_an_answered_methods_folder_removed_is_trained_again_to_its_answer(tmp_path):
+    """A method answered at an earlier look trains no more; if its folder goes, the next run trains it again to
+    the replicas it was answered at (the same keys: the same scores), so the family and every level stay the
+    design's (it dropped out of the family, loosening the level, and a later run grew it past its answer)."""
+    out = tmp_path / "study"
+    study = ["--model", "mlp", "--epochs", "1", "--replicas", "3", "--arms", "control,all", "--no-progress",
+             "--method", "base:", "--method", "close:optim.lr=0.0501", "--method", "nomom:optim.momentum=0",
+             "--until", "decided", "--max-replicas", "11", "--out", out]
+    assert sweep_cli(*study).returncode == 0
+    finished = json.loads((out / "methods.json").read_text())["until"]["looks"]
+    last = {c["method_b"]: c for c in finished[-1]["comparisons"]}
+    assert last["close"]["replicas"] < finished[-1]["replicas"], "close must be answered before the last look"
+    scores = (out / "methods" / "close" / "replicas.csv").read_bytes()
+    shutil.rmtree(out / "methods" / "close")
+    again = sweep_cli(*study)
+    assert again.returncode == 0, again.stderr
+    assert f"method close (optim.lr=0.0501), {last['close']['replicas']} replicas" in again.stdout
+    assert json.loads((out / "methods.json").read_text())["until"]["looks"] == finished
+    assert (out / "methods" / "close" / "replicas.csv").read_bytes() == scores
+
+
 def test_run_study_takes_a_sequential_design(tmp_path):
     import nondet_jax as nj
 

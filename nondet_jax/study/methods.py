@@ -315,6 +315,14 @@ def run_looks(out: Path, methods: list[Method], until, replicas: int, run_one, l
         last = [c for k in state["looks"][-1:] for c in k["comparisons"]]  # every comparison, named at each look
         done = {c["method_b"] for c in last} - {c["method_b"] for c in last if sequential.key(c) not in earlier}
         train_methods(out, [m for m in methods if m.name == baseline or m.name not in done], run_one, replicas, log)
+        # an answered method trains no more, but its folder must hold what its answer read: a folder or arm deleted
+        # since is trained again to the replicas it was answered at (the same keys: the same scores), so the
+        # family and every level stay the design's
+        for m in methods:
+            if m.name in done and m.name != baseline:
+                at = max(c["replicas"] for c in earlier.values() if c["method_b"] == m.name)
+                if not _finished(paths.method(m.name), at):
+                    train_methods(out, [m], run_one, at, log)
         look = sequential.assess(until, compare_methods(out), earlier, replicas)
         record = json.loads(paths.methods_json.read_text())
         state["looks"] = [k for k in state["looks"] if k["replicas"] < look["replicas"]] + [look]
@@ -329,6 +337,17 @@ def run_looks(out: Path, methods: list[Method], until, replicas: int, run_one, l
                 guarded("rmtree", out, RunPaths(paths.method(m.name)).parts())
             return look
         replicas = min(replicas + until.round, until.max_replicas)
+
+
+def _finished(folder: Path, replicas: int) -> bool:
+    """Whether a method's folder holds every arm of its study finished at ``replicas`` (a cheap look at its arm
+    records; the study itself checks every file when it runs)."""
+    paths = RunPaths(folder)
+    try:
+        arms = json.loads(paths.config.read_text())["study"]["arms"]
+        return all(json.loads(paths.arm_file("arms", a).read_text())["replicas"] == replicas for a in arms)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def _identity(root: Path, name: str) -> str | None:
