@@ -79,6 +79,23 @@ def check_arms(arms) -> None:
                          "cannot grow look by look; drop it, or study it with a fixed --replicas")
 
 
+def _follows(rule: str, value, c: dict) -> bool:
+    """Whether a recorded decision is the one its interval gives (a hand-edited answer would stop a study or
+    train a method no more): ``decided``, a method better exactly when the interval excludes 0, and the one on
+    its side; ``within ±D`` only inside ±D; ``width``, narrow enough only at most X wide."""
+    lo, hi = c["interval"]
+    decision = c["decision"]
+    if lo is None or hi is None:  # no interval (too few pairs): no answer
+        return decision in ("open", "not decided", "not narrow enough", "futile")
+    if rule == "width":
+        return (decision == "narrow enough") == (hi - lo <= value)
+    if (lo > 0 or hi < 0) != decision.endswith(" is better"):
+        return False
+    if decision.endswith(" is better"):
+        return decision[:-len(" is better")] in (c["method_a"], c["method_b"])
+    return not decision.startswith("within ±") or (value is not None and -value < lo and hi < value)
+
+
 def check_state(state, where: str) -> dict:
     """``methods.json``'s ``until`` as :func:`nondet_jax.study.methods.run_looks` writes it: the design and
     each look with its comparisons. A run folder is untrusted input: a damaged record is refused in one line
@@ -112,7 +129,8 @@ def check_state(state, where: str) -> dict:
             for c in k["comparisons"] if ok else ():
                 ok = ok and text(c["method_a"], c["method_b"], c["arm"], c["decision"]) and count(c["replicas"]) \
                     and num(c["difference"]) and isinstance(c["interval"], list) and len(c["interval"]) == 2 \
-                    and all(num(v) for v in c["interval"])
+                    and all(num(v) for v in c["interval"]) \
+                    and _follows(d["rule"], d["value"], c)
     except (KeyError, TypeError, UsageError):
         ok = False
     if not ok:

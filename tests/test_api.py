@@ -798,8 +798,8 @@ def test_every_table_in_one_naming_scheme(decomposed):
     import csv
 
     from nondet_jax.analysis.compare import run_scores
-    from nondet_jax.report.frames import COLUMNS
     from nondet_jax.analysis.task import RUN_METRICS as BY_TASK
+    from nondet_jax.report.frames import COLUMNS
 
     RUN_METRICS = BY_TASK["classification"]
 

@@ -392,13 +392,16 @@ def test_a_damaged_or_impossible_record_of_the_looks_is_refused():
     edits = [("design", "round", 0), ("design", "max_replicas", 10 ** 6), ("design", "note", "by hand"),
              ("design", "spec", "width=1"), ("design", "first", 1), ("design", "rule", "soon"),
              ("boundary", "shape", float("nan")), ("boundary", "futility", 1.5), ("look", "level", float("nan")),
-             ("look", "level", 0.0), ("look", "replicas", 99), ("looks", None, {})]
+             ("look", "level", 0.0), ("look", "replicas", 99), ("looks", None, {}),
+             ("comparison", "decision", "lr2 is better"), ("comparison", "decision", "within ±0.5"),
+             ("comparison", "interval", [0.1, 0.3])]  # a decision its interval does not give, either way
     for where, key, value in edits:
         bad = json.loads(json.dumps(good))
         if where == "looks":
             bad["looks"] = value
         else:
-            target = {"design": bad["design"], "boundary": bad["design"]["boundary"], "look": bad["looks"][0]}[where]
+            target = {"design": bad["design"], "boundary": bad["design"]["boundary"], "look": bad["looks"][0],
+                      "comparison": bad["looks"][0]["comparisons"][0]}[where]
             target[key] = value
         with pytest.raises(UsageError, match="holds a damaged record of a sequential study's looks"):
             check_state(bad, "methods.json")
