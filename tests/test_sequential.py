@@ -405,3 +405,14 @@ def test_a_damaged_or_impossible_record_of_the_looks_is_refused():
             target[key] = value
         with pytest.raises(UsageError, match="holds a damaged record of a sequential study's looks"):
             check_state(bad, "methods.json")
+
+
+def test_a_look_says_what_futile_means_and_which_method_a_narrow_interval_favours():
+    rng = np.random.default_rng(5)
+    a = rng.normal(0.9, 0.01, 8)
+    narrow = sequential.assess(Until("width", 0.5, 8, 16), [_comparison(a, a + 0.02 + rng.normal(0, 0.001, 8))])
+    assert narrow["comparisons"][0]["better"] == "lr2"
+    assert sequential.look_lines(narrow)[0].endswith("narrow enough (lr2 is better: the interval excludes 0)")
+    tied = sequential.assess(Until("decided", None, 8, 16), [_comparison(a, a + np.array([1.0, -1.0] * 4) * 1e-4)])
+    assert tied["comparisons"][0]["decision"] == "futile"
+    assert "futile (given up: too unlikely to be decided by the last look" in sequential.look_lines(tied)[0]

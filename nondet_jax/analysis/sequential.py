@@ -203,10 +203,11 @@ def assess(until: Until, comparisons: list[dict], earlier: dict[tuple, dict] | N
             continue
         a, b = np.asarray(r["a"]["scores"]), np.asarray(r["b"]["scores"])
         lo, hi = S.paired_difference(a, b, 1 - level, _resolution(r))["ci"]
+        better = None if not (lo > 0 or hi < 0) else \
+            r["method_b"] if (hi < 0) != r.get("higher_is_better", True) else r["method_a"]
         if until.rule == "decided":
-            if lo > 0 or hi < 0:
-                better = "B" if (hi < 0) != r.get("higher_is_better", True) else "A"
-                decision = f"{r['method_b'] if better == 'B' else r['method_a']} is better"
+            if better is not None:
+                decision = f"{better} is better"
             elif until.value is not None and -until.value < lo and hi < until.value:
                 decision = f"within ±{until.value:g}"
             elif n >= until.max_replicas:
@@ -221,6 +222,8 @@ def assess(until: Until, comparisons: list[dict], earlier: dict[tuple, dict] | N
                 else "open"
         rows.append({"method_a": r["method_a"], "method_b": r["method_b"], "arm": r["arm"], "replicas": n,
                      "difference": r["difference"], "interval": [lo, hi], "decision": decision,
+                     # a width study's repeated interval that excludes 0 says which is better too
+                     **({"better": better} if until.rule == "width" and better is not None else {}),
                      **({"pairs": r["n_pairs"]} if r["n_pairs"] != n else {})})
     done = all(row["decision"] not in ("open", "not decided", "not narrow enough") for row in rows)
     last = n >= until.max_replicas
@@ -240,8 +243,11 @@ def look_lines(look: dict) -> list[str]:
         level = f"{100 * (1 - look['level']):.2f}% interval" if now else f"answered at {c['replicas']} replicas"
         if "pairs" in c:
             level += f", {c['pairs']} pairs: a diverged replica's pair left out"
+        said = c["decision"] + (f" ({c['better']} is better: the interval excludes 0)" if c.get("better") else "")
+        if said == "futile":
+            said += " (given up: too unlikely to be decided by the last look, were the difference what it is now)"
         out.append(f"look at {look['replicas']} replicas: {c['method_b']} − {c['method_a']} on {c['arm']} "
-                   f"{c['difference']:+.4g} [{lo:+.4g}, {hi:+.4g}] ({level}): {c['decision']}")
+                   f"{c['difference']:+.4g} [{lo:+.4g}, {hi:+.4g}] ({level}): {said}")
     return out
 
 

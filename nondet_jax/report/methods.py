@@ -179,7 +179,10 @@ def write_methods_report(root: str | Path, command: str | None = None, log=print
 
 def _sequential_words(row: dict) -> str:
     lo, hi = row["interval"]
-    return (f"{row['decision']} at {row['replicas']} replicas per method (sequential study: the look's interval of the "
+    said = {"futile": "given up (futile: too unlikely to be decided by the last look)"}.get(row["decision"], row["decision"])
+    if row.get("better"):
+        said += f", and {row['better']} is better (the interval excludes 0)"
+    return (f"{said} at {row['replicas']} replicas per method (sequential study: the look's interval of the "
             f"difference [{lo:+.4g}, {hi:+.4g}]).")
 
 
