@@ -513,6 +513,18 @@ def decompose(run: "str | Path | StudyResult") -> dict:
         return from_records(load_records(folder)[1])
 
 
+def _check_callables(init, step, collect, score) -> None:
+    """:func:`replicate`'s functions are functions (what they take and return is checked as they are traced)."""
+    for name, fn, signature in (("init", init, "keys -> state"), ("step", step, "(state, batch, keys) -> state")):
+        if not callable(fn):
+            raise UsageError(f"{name} must be a function {signature}, got {type(fn).__name__}")
+    if collect is not None and not callable(collect):
+        raise UsageError(f"collect must be a function (state, keys) -> pytree, got {type(collect).__name__}")
+    if score is not None and not callable(score):
+        raise UsageError(f"score={score!r} is a {type(score).__name__}, not a function; pass a function of one replica's "
+                         "final state returning a number or a dict of numbers, e.g. score=lambda s: {'loss': s['loss']}")
+
+
 def _replicate_counts(batches, steps, replicas, seed) -> int:
     """:func:`replicate`'s seed, replicas, and steps against its batches, checked; returns the steps."""
     lo, hi = cfg.SEED_RANGE
@@ -581,14 +593,7 @@ def replicate(init: Callable, step: Callable, batches=None, *, steps: int | None
       ``.to_frame("arms" | "replicas" | "curves" | "decomposition")``, ``.report()``,
       ``.compare(arm_a, arm_b)`` and ``.decompose()``, by the statistics of a study's report.
     """
-    for name, fn, signature in (("init", init, "keys -> state"), ("step", step, "(state, batch, keys) -> state")):
-        if not callable(fn):
-            raise UsageError(f"{name} must be a function {signature}, got {type(fn).__name__}")
-    if collect is not None and not callable(collect):
-        raise UsageError(f"collect must be a function (state, keys) -> pytree, got {type(collect).__name__}")
-    if score is not None and not callable(score):
-        raise UsageError(f"score={score!r} is a {type(score).__name__}, not a function; pass a function of one replica's "
-                         "final state returning a number or a dict of numbers, e.g. score=lambda s: {'loss': s['loss']}")
+    _check_callables(init, step, collect, score)
     arm_list = [a.strip() for a in arms.split(",") if a.strip()] if isinstance(arms, str) else list(arms)
     if not arm_list:
         raise UsageError("replicate needs at least one arm, e.g. arms=('control', 'init')")
