@@ -286,6 +286,16 @@ def test_an_answered_methods_folder_removed_is_trained_again_to_its_answer(tmp_p
     assert (out / "methods" / "close" / "replicas.csv").read_bytes() == scores
 
 
+def test_decided_beyond_an_accuracys_range_is_said(tmp_path):
+    """decided=2 on accuracy (a fraction) answers every comparison 'within ±2' at the first look: the study says
+    D is in the score's units (it stopped silently, having asked nothing)."""
+    proc = sweep_cli(*FAST, "--replicas", "3", "--arms", "control,all", "--method", "base:", "--method", "lr2:optim.lr=0.2",
+                     "--until", "decided=2", "--max-replicas", "6", "--out", tmp_path / "study")
+    assert proc.returncode == 0, proc.stderr
+    assert "note: --until decided=2 on accuracy, a fraction: every difference lies within ±1" in proc.stdout
+    assert "within ±2" in proc.stdout
+
+
 def test_run_study_takes_a_sequential_design(tmp_path):
     import nondet_jax as nj
 

@@ -323,7 +323,12 @@ def run_looks(out: Path, methods: list[Method], until, replicas: int, run_one, l
                 at = max(c["replicas"] for c in earlier.values() if c["method_b"] == m.name)
                 if not _finished(paths.method(m.name), at):
                     train_methods(out, [m], run_one, at, log)
-        look = sequential.assess(until, compare_methods(out), earlier, replicas)
+        compared = compare_methods(out)
+        if replicas == until.first and until.rule == "decided" and (until.value or 0) >= 1 and \
+                any("accuracy" in str(r["a"].get("metric")) for r in compared):
+            log(f"note: --until decided={until.value:g} on accuracy, a fraction: every difference lies within ±1, so "
+                f"each comparison is 'within ±{until.value:g}' at once; D is in the score's units (0.02 is two points)")
+        look = sequential.assess(until, compared, earlier, replicas)
         record = json.loads(paths.methods_json.read_text())
         state["looks"] = [k for k in state["looks"] if k["replicas"] < look["replicas"]] + [look]
         record["until"] = state
