@@ -384,6 +384,11 @@ def test_a_study_stopped_before_its_first_look_resumes_and_keeps_its_baseline(tm
     with pytest.raises(UsageError, match="whose looks compared every method with the baseline base; rerun it with "
                                          "--baseline base"):
         M.check_design(tmp_path, design, names, "lr2")
+    (tmp_path / "methods" / "base").mkdir(parents=True)  # methods.json lost, the method folders kept
+    (tmp_path / "methods.json").unlink()
+    with pytest.raises(UsageError, match=r"holds the folders of methods \(.*methods\) but no methods.json"):
+        M.check_design(tmp_path, design, names, "base")
+    assert not (tmp_path / "methods.json").exists()
 
 
 def test_a_damaged_or_impossible_record_of_the_looks_is_refused():

@@ -244,6 +244,10 @@ def check_design(out: Path, until, names: list[str], baseline: str | None = None
     another design, other methods (``names``) or another ``baseline``, is refused before anything is written."""
     path = RunPaths(out).methods_json
     if not path.exists():
+        grown = RunPaths(out).method(names[0]).parent if names else None
+        if until is not None and grown is not None and grown.is_dir() and any(grown.iterdir()):
+            raise UsageError(f"{out} holds the folders of methods ({grown}) but no methods.json, which records a "
+                             "sequential study's design and looks; restore it, or choose another --out")
         return None if until is None else until.first
     from nondet_jax.analysis.methods import read_record
 
