@@ -1050,3 +1050,25 @@ def test_replicate_names_the_function_that_cannot_be_traced_before_training():
             score=lambda s: {"a": {"b": s["w"][0]}, "c": [s["w"][1]]})
     assert r.metrics == ["a/b", "c/0"] and [row["metric"] for row in r.rows("curves")] == ["w0"] * 8
     assert "— : n/a with 2 replicas in an arm (the std's interval needs 3, the ratio and the spread test 5" in r.report()
+
+
+def test_replicate_a_score_tied_over_differing_states_is_no_zero_width_interval():
+    """Replicas one ulp apart (bitflip) can tie on a score rounded to float32: their std interval reaches the
+    largest std that ties them at the score's spacing (it was [0, 0]); bitwise identical replicas say so."""
+    import jax
+    import jax.numpy as jnp
+
+    from nondet_jax.analysis.stats import tie_rate
+    from nondet_jax.sources import bitflip
+
+    def init(keys):
+        return bitflip({"w": jax.random.normal(jax.random.key(7), (3, 4))}, keys)
+
+    r = nj.replicate(init, lambda s, b, k: s, steps=1, arms="control,bitflip", replicas=4,
+                     score=lambda s: {"n": jnp.round(s["w"].sum())})
+    rows = {row["arm"]: row for row in r.table}
+    assert r.identical == {"control": True, "bitflip": False}
+    assert np.ptp(r.scores["bitflip"]["n"]) == 0 and rows["bitflip"]["std_ci_low"] == 0
+    step = np.spacing(np.float32(abs(r.scores["bitflip"]["n"][0])))
+    assert rows["bitflip"]["std_ci_high"] == pytest.approx(np.sqrt(tie_rate(4)) * step)
+    assert "bitwise identical" in next(line for line in r.report().splitlines() if line.startswith("control"))

@@ -27,12 +27,32 @@ def _nan(v):
     return np.nan if v is None else float(v)
 
 
+def _identical(state) -> bool:
+    """Whether every replica's state (leaves with a leading replica axis) is bitwise replica 0's."""
+    def same(a):
+        return np.array_equal(np.broadcast_to(a[:1], a.shape), a, equal_nan=a.dtype.kind in "fc")
+
+    try:
+        return all(same(np.asarray(leaf)) for leaf in jax.tree.leaves(state) if np.ndim(leaf))
+    except TypeError:  # a leaf numpy cannot read (a PRNG key): its bits via jax.random.key_data
+        return all(same(np.asarray(jax.random.key_data(leaf) if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+                                   else leaf)) for leaf in jax.tree.leaves(state) if np.ndim(leaf))
+
+
+def _float_step(x: np.ndarray) -> float | None:
+    """The step of a tied float32 score (its spacing at the value): replicas whose states differ can tie on a
+    score rounded to it, so their spread is bounded by it, not known to be zero."""
+    return float(np.spacing(np.float32(abs(x[0])))) if len(x) > 1 and np.ptp(x) == 0 else None
+
+
 class Replicated(dict):
     """``{arm: state}`` (with ``collect``: ``{arm: (state, history)}``), every leaf with a leading replica
     axis, as :func:`nondet_jax.replicate` always returned; and, when it was given ``score=``:
 
     Attributes:
       scores: ``scores[arm][metric]``, the (R,) scores of the final states, in replica order.
+      identical: ``{arm: bool}``, whether the arm's replicas ended bitwise identical (the report says so); a
+        score tied over replicas whose states differ gets the interval of a float32 score tied at its spacing.
       diverged: ``{arm: [replica, ...]}``, the replicas with a NaN or infinite score, left out of every
         table, comparison and decomposition (as a study leaves out the replicas that diverged); the report
         names them.
@@ -47,6 +67,7 @@ class Replicated(dict):
         super().__init__(states)
         self.scores, self.varied, self._curves, self._own = scores, varied, curves, own
         self.metrics = list(next(iter(scores.values()), {}))
+        self.identical = {arm: _identical(state) for arm, state in states.items()}
         self.diverged = {arm: [int(r) for r in np.flatnonzero(~np.all([np.isfinite(x) for x in s.values()], 0))]
                          for arm, s in scores.items() if s}
         self._quantities = tuple(Quantity(m, m, "", 1.0, m) for m in self.metrics)
@@ -69,7 +90,8 @@ class Replicated(dict):
 
     def _row(self, arm: str, metric: str) -> dict:
         x = self._finite(arm, metric)
-        st = S.spread(x) if len(x) > 1 else {"mean": float(np.mean(x)), "std": np.nan, "std_ci": [np.nan, np.nan]}
+        step = None if self.identical[arm] or not self.varied[arm] else _float_step(x)
+        st = S.spread(x, resolution=step) if len(x) > 1 else {"mean": float(np.mean(x)), "std": np.nan, "std_ci": [np.nan, np.nan]}
         vs = self._vs.get(arm, {}).get(metric, {})
         lo, hi = vs.get("ratio_ci") or [None, None]
         return {"arm": arm, "varied": "+".join(self.varied[arm]) or "none", "replicas": len(x), "metric": metric,
@@ -151,9 +173,12 @@ class Replicated(dict):
         g = lambda v: "—" if v is None or not np.isfinite(v) else f"{v:.4g}"  # noqa: E731
         for row in self.table:
             ci = "" if not np.isfinite(row["std_ci_low"]) else f" [{g(row['std_ci_low'])}, {g(row['std_ci_high'])}]"
+            spread = "bitwise identical" if self.identical[row["arm"]] and row["replicas"] > 1 else g(row["std"]) + ci
             lines.append(f"{row['arm']:<14}{row['replicas']:>3} {row['metric']:<14}{g(row['mean']):>11} "
-                         f"{g(row['std']) + ci:>30} {g(row['std_ratio_vs_all']):>12} {g(row['spread_p_holm']):>8}")
-        lines.append(f"std: sample std over replicas (ddof=1), 95% CI: {S.METHODS['std'].split(':')[0]}; ratio: std / "
+                         f"{spread:>30} {g(row['std_ratio_vs_all']):>12} {g(row['spread_p_holm']):>8}")
+        lines.append(f"std: sample std over replicas (ddof=1), 95% CI: {S.METHODS['std'].split(':')[0]} (a float32 score "
+                     "tied over replicas whose states differ: up to the largest std that ties them at its spacing); "
+                     "ratio: std / "
                      "the all arm's; Holm p: permutation spread test, Holm-adjusted over the arms that vary something")
         few = min((row["replicas"] for row in self.table if row["varied"] != "none"), default=0)
         if few < S.SPREAD_TEST_MIN and any(row["varied"] != "none" for row in self.table):
