@@ -223,3 +223,24 @@ def test_the_report_of_methods_names_the_unfinished_ones_in_the_terminal_too(met
     write_methods_report(out, log=lines.append)
     assert "not finished yet: method(s) lr2 (rerun the same command to train them)" in lines
     assert "Not finished yet: lr2" in (out / "report.md").read_text()
+
+
+def test_a_methods_arm_record_gone_is_named_with_the_fix(methods_run, tmp_path):
+    """A method's arm record removed by hand: the report names the method and arm it lacks (it said only that the
+    methods share no varied arm, and to train an arm such as all)."""
+    import shutil
+
+    from nondet_jax.analysis.methods import compare_methods
+    from nondet_jax.errors import UsageError
+
+    out = tmp_path / "study"
+    shutil.copytree(methods_run[0], out)
+    (out / "methods" / "lr2" / "arms" / "all.json").unlink()
+    for rebuilt in (False, True):  # lr2's summary as it was, and rebuilt without the arm
+        if rebuilt:
+            from nondet_jax.report.markdown import write_report
+
+            write_report(out / "methods" / "lr2")
+        with pytest.raises(UsageError, match=r"method lr2 lacks arm all \(its arms/<arm>.json is gone\); rerun the "
+                                             "study's command to train it again"):
+            compare_methods(out, b="lr2")

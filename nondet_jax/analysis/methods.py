@@ -113,6 +113,12 @@ def compare_methods(root: str | Path, a: str | None = None, b: str | None = None
         raise UsageError(f"nothing to compare method '{a}' with in {root}; name another with --method-b")
     metric = run_metric(task_of(summaries[a]), metric)
     arms = arms or compared_arms({n: summaries[n] for n in (a, *others)})
+    varied = arms or [arm for arm, s in summaries[a]["arms"].items() if s.get("varied")]
+    lacking = [f"{n} lacks arm {arm}" for n in (a, *others) for arm in varied
+               if not RunPaths(RunPaths(root).method(n)).arm_file("arms", arm).is_file()]
+    if lacking:  # a finished arm's record gone from a method's folder (the compare CLI's "pick one with --arm" misled)
+        raise UsageError(f"in {root}, method {'; '.join(lacking)} (its arms/<arm>.json is gone); rerun the study's "
+                         "command to train it again")
     if not arms:
         raise UsageError(f"the methods of {root} share no arm whose replicas vary (control's are one run); train an "
                          "arm such as all")
