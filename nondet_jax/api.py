@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import json
 import re
 from pathlib import Path
@@ -379,7 +380,7 @@ def api_words():
     except UsageError as e:
         text = re.sub(r"--set ([\w.]+)=([^\s;,)]+)", lambda m: f"settings={{'{m.group(1)}': "
                       f"{ {'true': 'True', 'false': 'False'}.get(m.group(2), m.group(2))}}}", str(e))
-        text = re.sub(r"--(until|baseline) ([\w.=]+)", r"\1='\2'", text).replace("--batch-methods", "batch_methods=True")
+        text = re.sub(r"--(until|baseline) ([\w.=+-]+)", r"\1='\2'", text).replace("--batch-methods", "batch_methods=True")
         text = re.sub(r"--(out|arms|replicas|epochs|seed|strategy|batch-size|max-replicas|until)( (?=[\d/.~]))?",
                       lambda m: m.group(1).replace("-", "_") + "=", text)
         raise UsageError(text.replace("rerun the sweep", "rerun the study")) from None
@@ -401,7 +402,7 @@ def _run_methods(methods, baseline, parts: dict, dataset, data_name, study: dict
         raise UsageError(f"max_replicas={sequential[1]} is for a sequential study; add until='decided' (or "
                          "'decided=D', 'width=X'), or drop max_replicas")
     if sequential[0] is not None:
-        until = parse_until("decided" if sequential[0] is None else sequential[0], sequential[1], base.study.replicas,
+        until = parse_until(sequential[0], sequential[1], base.study.replicas,
                       where="until=")
         check_arms(base.study.arms)
     for m in planned:
@@ -469,15 +470,27 @@ def _check_parts(optimizer, loss, augment) -> None:
 
 
 def _traced(signature: str, fn: Callable, *args):
-    """``fn(*args)`` while ``replicate`` traces it; a TypeError (a wrong signature, a value that is not a JAX type,
-    a Python ``if``/``float()``/``np.asarray`` on a traced value) becomes one line naming the function."""
+    """``fn(*args)`` while ``replicate`` traces it. A function that cannot take these arguments, JAX's own tracing
+    errors (a Python ``if``/``float()``/``np.asarray`` on a traced value) and a returned value that is not a JAX
+    type become one line naming the function, the original chained beneath it; any other error is the user's
+    code's own, raised as it is."""
+    try:
+        inspect.signature(fn).bind(*args)
+    except TypeError as e:
+        raise UsageError(f"{signature} cannot be called as {getattr(fn, '__name__', 'it')}"
+                         f"{inspect.signature(fn)} ({e}); give it that signature") from e
+    except ValueError:  # a builtin without a signature
+        pass
     try:
         return fn(*args)
     except TypeError as e:
+        tracing = isinstance(e, jax.errors.JAXTypeError) or "is not a valid JAX type" in str(e)
+        if not tracing:
+            raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise UsageError(f"{signature} failed while JAX traced it ({type(e).__name__}: {first}); give it that signature "
-                         "and keep it jittable: jnp/lax on traced values (jnp.where or lax.cond, not a Python if, "
-                         "float() or np.asarray)") from None
+        raise UsageError(f"{signature} failed while JAX traced it ({type(e).__name__}: {first}); keep it jittable: "
+                         "jnp/lax on traced values (jnp.where or lax.cond, not a Python if, float() or np.asarray), "
+                         "JAX arrays (or pytrees of them) out") from e
 
 
 def _check_carry(before, after) -> None:
@@ -539,6 +552,10 @@ def _replicate_counts(batches, steps, replicas, seed) -> int:
         raise UsageError(f"steps must be an integer >= 1, got {steps!r}")
     if batches is None:
         return steps
+    for path, leaf in jax.tree_util.tree_leaves_with_path(batches):
+        if not _real(leaf if hasattr(leaf, "dtype") else np.asarray(leaf)):
+            raise UsageError(f"batches{jax.tree_util.keystr(path)} holds {np.asarray(leaf).dtype} values; batches must "
+                             "be numbers (arrays of them, one slice per step)")
     lengths = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in jax.tree.leaves(batches)}
     if None in lengths or len(lengths) != 1:
         raise UsageError(f"every leaf of batches needs the same leading step axis (one slice per step), got "
@@ -584,7 +601,8 @@ def replicate(init: Callable, step: Callable, batches=None, *, steps: int | None
         arms may name them (``"env"``, ``"policy+init"``), and ``all`` varies them too.
       score: ``score(state) -> number`` or ``-> {name: number}``, of one replica's final state (jittable),
         e.g. ``lambda s: {"return": s.total_reward}``: what the tables, report, comparison and
-        decomposition of the result measure.
+        decomposition of the result measure (nested names joined by ``/``: ``{"a": {"b": x}}`` is ``a/b``);
+        a replica whose score is NaN or infinite is left out of that score's numbers and named.
 
     Returns:
       A :class:`nondet_jax.analysis.replicated.Replicated`: ``{arm: state}``, every leaf with a leading
@@ -607,6 +625,7 @@ def replicate(init: Callable, step: Callable, batches=None, *, steps: int | None
             raise UsageError(f"arm '{a.name}' needs the study runner (a child process or a schedule); replicate takes "
                              "arms of seeded sources: control, all, init, data_order, ... or their + combinations")
     steps = _replicate_counts(batches, steps, replicas, seed)
+    batches = jax.device_put(batches)  # once: every arm's (and replica's) call takes them from the device
     chosen, _ = resolve_strategy(strategy, replicas)
     if chosen not in ("vmap", "sequential"):
         raise UsageError(f"replicate runs strategy vmap or sequential, not '{chosen}'")
@@ -639,7 +658,8 @@ def replicate(init: Callable, step: Callable, batches=None, *, steps: int | None
     shapes = _traced("init(keys) -> state, step(state, batch, keys) -> state and collect(state, keys) -> pytree "
                      "(pytrees of JAX arrays)", jax.eval_shape, batched, *arm_inputs(frozenset()), batches)
     if score is not None:  # checked before anything trains
-        _check_scores(_traced("score(state) -> number or {name: number}", jax.eval_shape, jax.vmap(score),
+        said = "score(state) -> number or {name: number}"
+        _check_scores(_traced(said, jax.eval_shape, jax.vmap(lambda s: _traced(said, score, s)),
                               shapes if collect is None else shapes[0]))
     for a in parsed:
         unread = sorted(a.varied - reads)
@@ -674,12 +694,10 @@ def _named_leaves(tree, default: str) -> dict:
 
 
 def _real(v) -> bool:
-    """A real number's dtype (not complex, not a PRNG key: numpy cannot read a key's dtype)."""
-    try:
-        dtype = np.dtype(v.dtype)
-    except TypeError:
-        return False
-    return np.issubdtype(dtype, np.number) and not np.issubdtype(dtype, np.complexfloating)
+    """A real number's dtype, bfloat16 and bool included (JAX's lattice; numpy's leaves out bfloat16): not complex,
+    not a PRNG key."""
+    return (jnp.issubdtype(v.dtype, jnp.number) or jnp.issubdtype(v.dtype, jnp.bool_)) \
+        and not jnp.issubdtype(v.dtype, jnp.complexfloating)
 
 
 def _check_scores(shapes) -> None:

@@ -91,9 +91,13 @@ def _follows(rule: str, value, c: dict) -> bool:
         return (decision == "narrow enough") == (hi - lo <= value)
     if (lo > 0 or hi < 0) != decision.endswith(" is better"):
         return False
-    if decision.endswith(" is better"):
-        return decision[:-len(" is better")] in (c["method_a"], c["method_b"])
-    return not decision.startswith("within ±") or (value is not None and -value < lo and hi < value)
+    if decision.endswith(" is better"):  # the winner on its side (where the record says which way is better)
+        winner = c["method_b"] if (hi < 0) != c.get("higher_is_better", True) else c["method_a"]
+        return decision[:-len(" is better")] == winner if "higher_is_better" in c else \
+            decision[:-len(" is better")] in (c["method_a"], c["method_b"])
+    if decision.startswith("within ±"):
+        return value is not None and decision == f"within ±{value:g}" and -value < lo and hi < value
+    return True
 
 
 def check_state(state, where: str) -> dict:

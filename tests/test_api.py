@@ -1009,13 +1009,16 @@ def test_replicate_leaves_out_and_names_replicas_whose_score_is_not_finite():
         return jnp.where(w[0] > 1.0, w * 1e30, w)
 
     r = nj.replicate(init, step, steps=3, arms="control,init,data_order,all", replicas=6,
-                     score=lambda w: {"loss": jnp.sum(w ** 2)})
+                     score=lambda w: {"loss": jnp.sum(w ** 2), "never": jnp.where(w[1] > 9, 1.0, jnp.inf)})
     bad = [int(i) for i in np.flatnonzero(~np.isfinite(r.scores["init"]["loss"]))]
-    assert bad and r.diverged["init"] == bad and r.diverged["data_order"] == []
-    row = next(t for t in r.table if t["arm"] == "init")
+    assert bad and r.diverged["init"]["loss"] == bad and r.diverged["data_order"]["loss"] == []
+    # a score infinite by its meaning ("never reached") leaves the other scores' replicas alone
+    assert r.diverged["data_order"]["never"] == list(range(6))
+    assert next(t for t in r.table if t["arm"] == "data_order" and t["metric"] == "loss")["replicas"] == 6
+    row = next(t for t in r.table if t["arm"] == "init" and t["metric"] == "loss")
     kept = np.delete(r.scores["init"]["loss"], bad)
     assert row["replicas"] == 6 - len(bad) and row["std"] == pytest.approx(kept.std(ddof=1))
-    assert np.isfinite(row["spread_p"]) and f"init: replica(s) {', '.join(map(str, bad))} of 6 scored NaN" in r.report()
+    assert np.isfinite(row["spread_p"]) and f"init loss: replica(s) {', '.join(map(str, bad))} of 6 scored NaN" in r.report()
     paired = r.compare("data_order", "init")
     assert paired["n_pairs"] == 6 - len(bad)
 
@@ -1035,15 +1038,22 @@ def test_replicate_names_the_function_that_cannot_be_traced_before_training():
 
     run = functools.partial(nj.replicate, steps=2, replicas=2, arms="control,init")
     for kwargs, match in (
-            ({"init": lambda: {}}, r"^init\(keys\) -> state failed while JAX traced it \(TypeError: .* takes 0"),
-            ({"step": lambda s, keys: s}, r"^step\(state, batch, keys\) -> state failed .* takes 2 positional"),
+            ({"init": lambda: {}}, r"^init\(keys\) -> state cannot be called as <lambda>\(\) \(too many positional"),
+            ({"step": lambda s, keys: s}, r"^step\(state, batch, keys\) -> state cannot be called as <lambda>\(s, keys\)"),
             ({"step": lambda s, b, k: {"w": s["w"] if s["w"][0] > 0 else -s["w"], "key": s["key"]}},
              r"^step\(state, batch, keys\).*\(TracerBoolConversionError: .*not a Python if"),
-            ({"collect": lambda s: s}, r"^collect\(state, keys\) -> pytree failed"),
-            ({"score": lambda s, k: s}, r"^score\(state\) -> number or \{name: number\} failed"),
+            ({"collect": lambda s: s}, r"^collect\(state, keys\) -> pytree cannot be called as <lambda>\(s\)"),
+            ({"score": lambda s, k: s}, r"^score\(state\) -> number or \{name: number\} cannot be called as "
+                                        r"<lambda>\(s, k\) \(missing a required argument: 'k'\)"),
+            ({"score": lambda s: {"b": jnp.bfloat16(1.0), "f": s["w"][0] > 0}}, None),  # bfloat16 and bool are numbers
+            ({"batches": {"ids": np.array(["a", "b"])}, "steps": None},
+             r"^batches\['ids'\] holds <U1 values; batches must be numbers"),
             ({"score": lambda s: "x"}, r"^score\(state\).*is not a valid JAX type"),
             ({"score": lambda s: {"w": s["w"]}}, r"^score returns 'w' as shape \(3,\) per replica"),
             ({"init": {"w": 1}}, r"^init must be a function keys -> state, got dict$")):
+        if match is None:
+            assert run(**{"init": init, "step": step, **kwargs}).metrics == ["b", "f"]
+            continue
         with pytest.raises(UsageError, match=match):
             run(**{"init": init, "step": step, **kwargs})
     r = run(init=init, step=step, collect=lambda s, k: {"w0": s["w"][0], "key": s["key"]},

@@ -183,3 +183,11 @@ def test_methods_and_compare_on_a_regression_read_its_errors(tmp_path, capsys):
     assert cli.main([base, fast, "--arm", "all", "--metric", "test_accuracy"]) == 2
     assert ("unknown --metric 'test_accuracy' for a run folder of a regression; use one of test_mse, test_mae, "
             "train_loss, train_mae") in capsys.readouterr().err
+    from nondet_jax.cli import sweep
+
+    assert sweep.main(["--model", "mlp", "--epochs", "1", "--replicas", "2", "--batch-size", "256", "--arms", "all",
+                       "--no-progress", "--out", str(tmp_path / "cls")]) == 0
+    capsys.readouterr()
+    assert cli.main([base, str(tmp_path / "cls"), "--arm", "all"]) == 2  # it blamed a --metric nobody passed
+    assert f"{base} is a regression and {tmp_path / 'cls'} a classification: their scores cannot be compared" in \
+        capsys.readouterr().err

@@ -292,7 +292,8 @@ def test_decided_beyond_an_accuracys_range_is_said(tmp_path):
     proc = sweep_cli(*FAST, "--replicas", "3", "--arms", "control,all", "--method", "base:", "--method", "lr2:optim.lr=0.2",
                      "--until", "decided=2", "--max-replicas", "6", "--out", tmp_path / "study")
     assert proc.returncode == 0, proc.stderr
-    assert "note: --until decided=2 on accuracy, a fraction: every difference lies within ±1" in proc.stdout
+    assert "note: --until decided=2 on accuracy, a fraction: every difference lies within ±1, so a comparison not " \
+        "decided is 'within ±2' as soon as its interval fits inside ±1" in proc.stdout
     assert "within ±2" in proc.stdout
 
 
@@ -371,8 +372,15 @@ def test_a_study_stopped_before_its_first_look_resumes_and_keeps_its_baseline(tm
     base = cfg.from_flat({**MLP, "study.replicas": 4})
     planned, baseline = M.plan(base, {"base": {}, "lr2": {"optim.lr": 0.2}}, "base", api=True)
     design, names = Until("decided", None, 4, 12), [m.name for m in planned]
+    M.write_methods(tmp_path, base, planned, baseline)  # what an earlier version wrote before the first look
+    assert M.check_design(tmp_path, design, names, "base") == 4  # nothing finished: a sequential study starts
+    (tmp_path / "methods.json").unlink()
     M.write_methods(tmp_path, base, planned, baseline, design)  # what run_methods writes before training
     assert read_record(tmp_path)["until"]["looks"] == []
+    from nondet_jax.report.methods import write_methods_report
+
+    write_methods_report(tmp_path, log=lambda *a, **k: None)  # no fixed-sample verdicts for a study with no look
+    assert "(No comparison: this sequential study has taken no look yet" in (tmp_path / "report.md").read_text()
     assert M.check_design(tmp_path, design, names, "lr2") == 4  # no look yet: nothing to keep
     record = read_record(tmp_path)
     a = np.random.default_rng(4).normal(0.9, 0.01, 4)
@@ -389,6 +397,11 @@ def test_a_study_stopped_before_its_first_look_resumes_and_keeps_its_baseline(tm
     with pytest.raises(UsageError, match=r"holds the folders of methods \(.*methods\) but no methods.json"):
         M.check_design(tmp_path, design, names, "base")
     assert not (tmp_path / "methods.json").exists()
+    M.write_methods(tmp_path, base, planned, baseline)  # a fixed study of methods, one arm finished
+    (tmp_path / "methods" / "base" / "arms").mkdir()
+    (tmp_path / "methods" / "base" / "arms" / "all.json").write_text("{}")
+    with pytest.raises(UsageError, match="holds a study of methods with a fixed number of replicas"):
+        M.check_design(tmp_path, design, names, "base")
 
 
 def test_a_damaged_or_impossible_record_of_the_looks_is_refused():
@@ -404,16 +417,21 @@ def test_a_damaged_or_impossible_record_of_the_looks_is_refused():
                                         "replicas": 4, "difference": 0.1, "interval": [-0.1, 0.3]}]}]}
     assert check_state(json.loads(json.dumps(good)), "methods.json") is not None
     assert check_state({**json.loads(json.dumps(good)), "looks": []}, "methods.json")["looks"] == []
+    won = json.loads(json.dumps(good))
+    won["looks"][0]["comparisons"][0].update(interval=[0.1, 0.3], decision="lr2 is better", higher_is_better=True)
+    assert check_state(won, "methods.json") is not None
     edits = [("design", "round", 0), ("design", "max_replicas", 10 ** 6), ("design", "note", "by hand"),
              ("design", "spec", "width=1"), ("design", "first", 1), ("design", "rule", "soon"),
              ("boundary", "shape", float("nan")), ("boundary", "futility", 1.5), ("look", "level", float("nan")),
              ("look", "level", 0.0), ("look", "replicas", 99), ("looks", None, {}),
              ("comparison", "decision", "lr2 is better"), ("comparison", "decision", "within ±0.5"),
-             ("comparison", "interval", [0.1, 0.3])]  # a decision its interval does not give, either way
+             ("comparison", "interval", [0.1, 0.3]), ("winner", None, "base is better")]  # a decision its interval does not give, either way
     for where, key, value in edits:
         bad = json.loads(json.dumps(good))
         if where == "looks":
             bad["looks"] = value
+        elif where == "winner":  # an interval above 0, higher better: lr2 won, the record names base
+            bad["looks"][0]["comparisons"][0].update(interval=[0.1, 0.3], decision=value, higher_is_better=True)
         else:
             target = {"design": bad["design"], "boundary": bad["design"]["boundary"], "look": bad["looks"][0],
                       "comparison": bad["looks"][0]["comparisons"][0]}[where]

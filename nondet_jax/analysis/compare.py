@@ -186,7 +186,10 @@ def compare(a: str | Path, b: str | Path, arm: str = "all", arm_b: str | None = 
         if column is not None:
             raise UsageError("--column is for CSV files; for run folders choose --arm and --metric")
         xa, wa = run_scores(a, arm, metric)
-        xb, wb = run_scores(b, arm_b or arm, wa["metric"])
+        xb, wb = run_scores(b, arm_b or arm, metric)
+        if wa["task"] != wb["task"]:
+            raise UsageError(f"{a} is a {wa['task']} and {b} a {wb['task']}: their scores cannot be compared; pass two "
+                             "runs of the same task")
         if wa["test_set"] != wb["test_set"]:
             what = (f"{a} was tested on {wa['dataset']} and {b} on {wb['dataset']}" if wa["dataset"] != wb["dataset"]
                     else f"{a} and {b} both name {wa['dataset']}, but their test arrays differ")

@@ -53,9 +53,8 @@ class Replicated(dict):
       scores: ``scores[arm][metric]``, the (R,) scores of the final states, in replica order.
       identical: ``{arm: bool}``, whether the arm's replicas ended bitwise identical (the report says so); a
         score tied over replicas whose states differ gets the interval of a float32 score tied at its spacing.
-      diverged: ``{arm: [replica, ...]}``, the replicas with a NaN or infinite score, left out of every
-        table, comparison and decomposition (as a study leaves out the replicas that diverged); the report
-        names them.
+      diverged: ``{arm: {score: [replica, ...]}}``, the replicas whose score is NaN or infinite, left out of that
+        score's table row, comparison and decomposition (its other scores keep them); the report names them.
       table: one row (a dict) per arm and metric: mean, std with its 95% interval, the std ratio to the
         ``all`` arm with its interval and the permutation spread test's p, raw and Holm-adjusted over
         the arms that vary something (``control`` gets none: it varies nothing). The columns of
@@ -68,30 +67,33 @@ class Replicated(dict):
         self.scores, self.varied, self._curves, self._own = scores, varied, curves, own
         self.metrics = list(next(iter(scores.values()), {}))
         self.identical = {arm: _identical(state) for arm, state in states.items()}
-        self.diverged = {arm: [int(r) for r in np.flatnonzero(~np.all([np.isfinite(x) for x in s.values()], 0))]
-                         for arm, s in scores.items() if s}
-        self._quantities = tuple(Quantity(m, m, "", 1.0, m) for m in self.metrics)
-        records = self._records()
-        self._vs = compare_arms(records, quantities=self._quantities) if self.metrics else {}
-        self._dec = decompose(records, quantities=self._quantities, own=own) if self.metrics else {}
+        self.diverged = {arm: {m: [int(r) for r in np.flatnonzero(~np.isfinite(x))] for m, x in s.items()}
+                         for arm, s in scores.items()}
+        self._vs, self._dec = {}, {}
+        for q in (Quantity(m, m, "", 1.0, m) for m in self.metrics):  # each score leaves out its own non-finite
+            records = self._records(q.name)
+            for arm, vs in compare_arms(records, quantities=(q,)).items():
+                self._vs.setdefault(arm, {}).update(vs)
+            self._dec.update(decompose(records, quantities=(q,), own=own))
         self.table = [self._row(arm, m) for arm in scores for m in self.metrics]
 
-    def _records(self) -> dict[str, dict]:
+    def _records(self, metric: str) -> dict[str, dict]:
+        """Arm records of one score, a replica whose score is not finite marked as diverged."""
         return {arm: {"varied": self.varied[arm],
-                      "rows": [{"replica": r, **{m: float(s[m][r]) for m in s},
-                                "diverged_at_step": 0 if r in self.diverged[arm] else -1}
-                               for r in range(len(next(iter(s.values()))))]}
+                      "rows": [{"replica": r, metric: float(x), "diverged_at_step": 0 if not np.isfinite(x) else -1}
+                               for r, x in enumerate(s[metric])]}
                 for arm, s in self.scores.items()}
 
     def _finite(self, arm: str, metric: str) -> np.ndarray:
-        """The arm's ``metric`` without its diverged replicas."""
+        """The arm's ``metric`` without its non-finite replicas."""
         x = self.scores[arm][metric]
-        return np.delete(x, self.diverged[arm])
+        return x[np.isfinite(x)]
 
     def _row(self, arm: str, metric: str) -> dict:
         x = self._finite(arm, metric)
         step = None if self.identical[arm] or not self.varied[arm] else _float_step(x)
-        st = S.spread(x, resolution=step) if len(x) > 1 else {"mean": float(np.mean(x)), "std": np.nan, "std_ci": [np.nan, np.nan]}
+        st = S.spread(x, resolution=step) if len(x) > 1 else \
+            {"mean": float(x[0]) if len(x) else np.nan, "std": np.nan, "std_ci": [np.nan, np.nan]}
         vs = self._vs.get(arm, {}).get(metric, {})
         lo, hi = vs.get("ratio_ci") or [None, None]
         return {"arm": arm, "varied": "+".join(self.varied[arm]) or "none", "replicas": len(x), "metric": metric,
@@ -159,8 +161,8 @@ class Replicated(dict):
                 raise UsageError(f"{what} {name!r} is not in this result ({what}s: {', '.join(map(repr, known))}); "
                                  "pick one of those")
         xa, xb = self.scores[a][metric], self.scores[b][metric]
-        if paired:  # a seed whose replica diverged in either arm leaves its pair
-            keep = np.setdiff1d(np.arange(len(xa)), self.diverged[a] + self.diverged[b])
+        if paired:  # a seed whose replica's score is not finite in either arm leaves its pair
+            keep = np.flatnonzero(np.isfinite(xa) & np.isfinite(xb))
             return S.compare_paired(xa[keep], xb[keep], higher_is_better=higher_is_better)
         return S.compare_means(self._finite(a, metric), self._finite(b, metric), higher_is_better=higher_is_better)
 
@@ -191,10 +193,11 @@ class Replicated(dict):
                          + (f"span a factor of {min(span):.0f} to {max(span):.0f}" if span else "are n/a")
                          + f"; a factor of 2 needs {S.replicas_for_std_factor(2.0)} replicas per arm (in 80% of "
                          "simulated studies of normal data).")
-        for arm, bad in self.diverged.items():
-            if bad:
-                lines.append(f"{arm}: replica(s) {', '.join(map(str, bad))} of {len(self.scores[arm][self.metrics[0]])} "
-                             "scored NaN or infinity (diverged?) and are left out of every number above.")
+        for arm, by in self.diverged.items():
+            for metric, bad in by.items():
+                if bad:
+                    lines.append(f"{arm} {metric}: replica(s) {', '.join(map(str, bad))} of {len(self.scores[arm][metric])}"
+                                 f" scored NaN or infinity (diverged?) and are left out of its numbers above.")
         for row in self.table:
             x = self._finite(row["arm"], row["metric"])
             if np.isfinite(row["std_ci_low"]) and row["std_ci_high"] - row["std_ci_low"] > np.ptp(x) > 0:

@@ -222,6 +222,7 @@ def assess(until: Until, comparisons: list[dict], earlier: dict[tuple, dict] | N
                 else "open"
         rows.append({"method_a": r["method_a"], "method_b": r["method_b"], "arm": r["arm"], "replicas": n,
                      "difference": r["difference"], "interval": [lo, hi], "decision": decision,
+                     "higher_is_better": bool(r.get("higher_is_better", True)),
                      # a width study's repeated interval that excludes 0 says which is better too
                      **({"better": better} if until.rule == "width" and better is not None else {}),
                      **({"pairs": r["n_pairs"]} if r["n_pairs"] != n else {})})

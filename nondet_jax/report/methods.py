@@ -67,8 +67,7 @@ def methods_summary(root: str | Path) -> tuple[dict, dict[str, dict], list[dict]
                "arms_compared": compared_arms(summaries) if len(summaries) >= 2 else [],
                "comparisons": [{k: v for k, v in c.items() if k not in ("a", "b")} |
                                {"scores_a": c["a"]["scores"], "scores_b": c["b"]["scores"]} for c in comparisons],
-               # a sequential study interrupted before its first look is reported as far as it got, without looks
-               "note": note, "until": record.get("until") if (record.get("until") or {}).get("looks") else None}
+               "note": note, "until": record.get("until")}
     return summary, summaries, comparisons
 
 
@@ -118,6 +117,9 @@ def write_methods_report(root: str | Path, command: str | None = None, log=print
     atomic_write_json(paths.summary, strict_json(summary), root=root)
     if summaries:
         _write_csv(paths.methods_csv, [strict_json(r) for r in methods_table(summaries, comparisons)], root=root)
+    if summary["until"] and not summary["until"]["looks"]:  # interrupted before its first look: no answer to read
+        comparisons = []
+        summary = {**summary, "note": "this sequential study has taken no look yet; rerun its command to go on"}
     figures = _figures(root, comparisons)
     if command:
         atomic_write_bytes(paths.command, (command + "\n").encode(), root=root)

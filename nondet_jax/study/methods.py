@@ -259,6 +259,8 @@ def check_design(out: Path, until, names: list[str], baseline: str | None = None
     if until is None:
         return None
     if state is None:
+        if not any(next(RunPaths(out).method(n).joinpath("arms").glob("*.json"), None) for n in names):
+            return until.first  # nothing finished yet: an earlier version wrote methods.json before the first look
         raise UsageError(f"{out} holds a study of methods with a fixed number of replicas, which a sequential study "
                          "(--until) cannot grow; choose another --out")
     from nondet_jax.analysis.sequential import design_record
@@ -330,8 +332,9 @@ def run_looks(out: Path, methods: list[Method], until, replicas: int, run_one, l
         compared = compare_methods(out)
         if replicas == until.first and until.rule == "decided" and (until.value or 0) >= 1 and \
                 any("accuracy" in str(r["a"].get("metric")) for r in compared):
-            log(f"note: --until decided={until.value:g} on accuracy, a fraction: every difference lies within ±1, so "
-                f"each comparison is 'within ±{until.value:g}' at once; D is in the score's units (0.02 is two points)")
+            log(f"note: --until decided={until.value:g} on accuracy, a fraction: every difference lies within ±1, so a "
+                f"comparison not decided is 'within ±{until.value:g}' as soon as its interval fits inside ±1; D is in "
+                "the score's units (0.02 is two points)")
         look = sequential.assess(until, compared, earlier, replicas)
         record = json.loads(paths.methods_json.read_text())
         state["looks"] = [k for k in state["looks"] if k["replicas"] < look["replicas"]] + [look]
