@@ -236,6 +236,8 @@ def test_a_sequential_study_of_methods_stops_once_answered_and_resumes(tmp_path,
     capsys.readouterr()
     assert report_cli.main([str(out)]) == 2  # the same fix from the report
     assert f"--resume {out / 'methods' / 'lr2'} --recompute all, then this command again" in capsys.readouterr().err
+    assert compare.main([str(out)]) == 2  # and from compare, which printed the recorded answers over a broken arm
+    assert f"--resume {out / 'methods' / 'lr2'} --recompute all, then this command again" in capsys.readouterr().err
     assert (out / "methods.json").read_bytes() == before
     arm.write_bytes(whole)
     other = sweep_cli(*study, "--until", "width=0.01", "--max-replicas", "12")

@@ -45,6 +45,14 @@ def _sequential(args, state: dict) -> int:
                          "looks', which compare prints whole; drop --method-a, --method-b, --arm, --metric, --detect "
                          "and --plot")
     looks = state["looks"]
+    if looks and looks[-1]["stop"]:  # the files its answers were read from, checked as the sweep and report do
+        from nondet_jax.analysis.methods import compare_methods
+        from nondet_jax.study.methods import method_fix
+
+        try:
+            compare_methods(args.a)
+        except UsageError as e:
+            raise UsageError(method_fix(str(e))) from None
     if args.json:
         print(json.dumps({"sequential": state["design"]["spec"], "looks": looks}, indent=2))
         return 0
