@@ -11,6 +11,7 @@ import numpy as np
 from nondet_jax.analysis import stats as S
 from nondet_jax.analysis.arm import compare_arms
 from nondet_jax.analysis.decomposition import decompose
+from nondet_jax.analysis.health import bitwise_identical
 from nondet_jax.analysis.task import Quantity
 from nondet_jax.errors import UsageError
 
@@ -28,15 +29,13 @@ def _nan(v):
 
 
 def _identical(state) -> bool:
-    """Whether every replica's state (leaves with a leading replica axis) is bitwise replica 0's."""
-    def same(a):
-        return np.array_equal(np.broadcast_to(a[:1], a.shape), a, equal_nan=a.dtype.kind in "fc")
+    """Whether every replica's state (leaves with a leading replica axis) is bitwise replica 0's: the study's
+    check (:func:`nondet_jax.analysis.health.bitwise_identical`) on each leaf, a PRNG key by its bits."""
+    def bits(leaf):
+        return jax.random.key_data(leaf) if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key) else leaf
 
-    try:
-        return all(same(np.asarray(leaf)) for leaf in jax.tree.leaves(state) if np.ndim(leaf))
-    except TypeError:  # a leaf numpy cannot read (a PRNG key): its bits via jax.random.key_data
-        return all(same(np.asarray(jax.random.key_data(leaf) if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
-                                   else leaf)) for leaf in jax.tree.leaves(state) if np.ndim(leaf))
+    return all(bitwise_identical(np.asarray(bits(leaf)), np.full(len(leaf), -1))
+               for leaf in jax.tree.leaves(state) if np.ndim(leaf))
 
 
 def _float_step(x: np.ndarray) -> float | None:
