@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import functools
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -210,6 +213,33 @@ def _outputs_of(act):
         return jax.nn.logsumexp(logits) - logits[example[1]]
 
     return example_output, output_loss
+
+
+def test_output_factors_do_not_hang_in_replica_threads():
+    """Two threads running the GGN's output factors at once (a study's replica threads with HessTrace or TICDiag
+    on): on XLA:CPU a batched eigh next to other work hung both for good on the second arm (outside review). In a
+    child, so a hang is a timeout, not a stuck test run."""
+    script = textwrap.dedent("""
+        import time
+        from concurrent.futures import ThreadPoolExecutor
+        import jax, jax.numpy as jnp
+        from nondet_jax.instruments import curvature
+        y = jnp.arange(128) % 10
+        f = jax.jit(lambda x: curvature.output_factors(lambda o, t: jax.nn.logsumexp(o) - o[t],
+                                                       jax.random.normal(jax.random.key(1), (128, 10)) + x, y).sum())
+        x = jnp.zeros((128, 10))
+        jax.block_until_ready(f(x))
+        end = time.monotonic() + 5
+        with ThreadPoolExecutor(2) as pool:
+            while time.monotonic() < end:
+                list(pool.map(lambda k: jax.block_until_ready(f(x + k)), (0, 1)))
+        print("finished")
+    """)
+    try:
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=90)
+    except subprocess.TimeoutExpired:
+        pytest.fail("two threads computing output factors at once hung")
+    assert out.returncode == 0 and "finished" in out.stdout, out.stderr[-2000:]
 
 
 @pytest.mark.parametrize("act", ["relu", "tanh"])
