@@ -207,5 +207,35 @@ def test_one_device_in_process_equals_vmap(small_digits):
     np.testing.assert_array_equal(a.train_loss, b.train_loss)
 
 
+
+def test_per_example_and_curvature_instruments_run_sharded(small_digits):
+    """The instruments whose loops start from zeros (histograms, the GGN diagonal, Lanczos, GSNR) run inside the
+    sharded strategy's shard_map (a JAX carry-type traceback before: `--strategy sharded --instruments economy`,
+    outside review) and measure what vmap measures."""
+    from conftest import spec_of
+
+    from nondet_jax.replicas.choice import run_replicas
+    from nondet_jax.replicas.sharded import run_sharded
+    from nondet_jax.train import make_train
+
+    config = tiny_config_with("GradHist1d,GradHist2d,HessTrace,HessMaxEV,TICDiag,MeanGSNR")
+    fns = make_train(config, spec_of(small_digits))
+    _, keys, perturb = _setup(small_digits)
+    keys = jax.tree.map(lambda k: k[:2], keys)
+    a = run_sharded(fns, keys, perturb, small_digits, 1)
+    b = run_replicas(fns, keys, perturb, small_digits, 1, "vmap")
+    assert np.array_equal(a.logits, b.logits)
+    got, want = a.steps["instruments"], b.steps["instruments"]
+    assert {"GradHist1d", "GradHist2d", "HessTrace", "HessMaxEV", "TICDiag", "MeanGSNR"} <= set(want) == set(got)
+    for k in want:
+        np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def tiny_config_with(instruments: str):
+    from conftest import tiny_config
+
+    return tiny_config(**{"instruments.config": instruments, "train.epochs": 1})
+
+
 if __name__ == "__main__":
     child(int(sys.argv[1]), Path(sys.argv[2]))

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
 from nondet_jax.instruments import layerwise
-from nondet_jax.instruments.per_example import common_dtype, per_example_pass
+from nondet_jax.instruments.per_example import common_dtype, per_example_pass, vary_like
 
 
 def hvp_operator(loss: Callable, params) -> Callable:
@@ -111,7 +111,7 @@ def lanczos_top(hvp: Callable, params, key, iters: int, start=None, tol: float |
         basis = basis.at[j + 1].set(nxt, mode="drop")  # the last step's vector is not needed
         return basis, alpha.at[j].set(a), beta.at[j].set(b)
 
-    init = (jnp.zeros((k, n), dtype).at[0].set(v0), jnp.zeros(k, dtype), jnp.zeros(k, dtype))
+    init = vary_like((jnp.zeros((k, n), dtype).at[0].set(v0), jnp.zeros(k, dtype), jnp.zeros(k, dtype)), params)
     if tol is None:
         # Unrolled on CPU: XLA:CPU runs convolutions inside loops on a slow path (8 products: 6.0 s rolled,
         # 1.3 s unrolled for ResNet-8 at batch 128 on a loaded 2-core CPU).
@@ -131,7 +131,8 @@ def lanczos_top(hvp: Callable, params, key, iters: int, start=None, tol: float |
             carry = body(j, carry)
             return j + 1, carry, top(carry[1], carry[2], j)[2]
 
-        j, (basis, alpha, beta), _ = jax.lax.while_loop(cond, step, (jnp.asarray(0), init, jnp.asarray(jnp.inf, dtype)))
+        j, (basis, alpha, beta), _ = jax.lax.while_loop(cond, step, (jnp.asarray(0), init,
+                                                                      vary_like(jnp.asarray(jnp.inf, dtype), params)))
         last = j - 1
     # The basis rows past ``last`` are zero and drop out of the Ritz vector.
     value, s, res = top(alpha, beta, last)
@@ -209,7 +210,7 @@ def hutchinson(hvp: Callable, params, key, probes: int):
         hv_sq = hv_sq + sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(hv))
         return jax.tree.map(lambda d, a, b: d + a * b / probes, diag, v, hv), hv_sq
 
-    carry = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), common_dtype(params)))
+    carry = vary_like((jax.tree.map(jnp.zeros_like, params), jnp.zeros((), common_dtype(params))), params)
     if probes <= 2:  # straight-line code: XLA:CPU runs convolutions inside loops on a slower path
         for i in range(probes):
             carry = add_probe(i, carry)

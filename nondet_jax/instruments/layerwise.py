@@ -49,6 +49,7 @@ from nondet_jax.instruments.per_example import (
     matmul_sum,
     over_chunks,
     split_chunks,
+    vary_like,
 )
 from nondet_jax.models import common
 
@@ -357,9 +358,9 @@ def tape_stats(tape: Tape, params, chunk: int, *, grad_sq: bool, hist1d: dict | 
     p_flat = _flat(params)
     t_flat = jnp.stack([_flat(t).astype(p_flat.dtype) for t in tangents], axis=1) if tangents else None  # (P, T)
     zeros = jnp.zeros_like(p_flat)
-    init = (zeros, jnp.zeros((), p_flat.dtype), zeros if grad_sq else None,
-            None if hist1d is None else jnp.zeros(hist1d["bins"], jnp.float32),
-            None if hist2d is None else jnp.zeros(hist2d["bins"], jnp.float32))
+    init = vary_like((zeros, jnp.zeros((), p_flat.dtype), zeros if grad_sq else None,
+                      None if hist1d is None else jnp.zeros(hist1d["bins"], jnp.float32),
+                      None if hist2d is None else jnp.zeros(hist2d["bins"], jnp.float32)), params)
     p_bins = None if hist2d is None else histograms.bin_index(p_flat, hist2d["bins"][1], *hist2d["value_range"][1])
 
     def body(acc, chunk_data):

@@ -47,12 +47,36 @@ def common_dtype(params):
     return jnp.result_type(*(x.dtype for x in jax.tree.leaves(params)))
 
 
+def _varying(x) -> frozenset:
+    """The ``shard_map`` axes ``x`` varies over (empty outside one)."""
+    t = jax.typeof(x)
+    mat = getattr(t, "manual_axis_type", None)  # jax 0.10; later versions name it ``vma``
+    return frozenset(mat.varying) if mat is not None else frozenset(getattr(t, "vma", ()))
+
+
+def vary_like(tree, ref):
+    """``tree``'s leaves made to vary over every ``shard_map`` axis that a leaf of ``ref`` varies over.
+
+    A loop's carry started from zeros inside the ``sharded`` strategy's ``shard_map`` is the same on every
+    device, while the body, computed from one replica's parameters, makes it vary per device: ``lax.scan``
+    and ``fori_loop`` refuse a carry whose type changes. Outside ``shard_map`` ``tree`` is returned as it is."""
+    axes = frozenset().union(*(_varying(x) for x in jax.tree.leaves(ref)))
+
+    def cast(x):
+        missing = tuple(sorted(axes - _varying(x)))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, tree) if axes else tree
+
+
 def init_sums(params, *, grad_sq: bool, hist1d: dict | None, hist2d: dict | None):
-    """Zero running sums ``(sum_g, sum_sq_norm, sum_g2, hist1d, hist2d)`` (None for those not asked for)."""
+    """Zero running sums ``(sum_g, sum_sq_norm, sum_g2, hist1d, hist2d)`` (None for those not asked for), varying
+    as ``params`` do (:func:`vary_like`)."""
     zeros = jax.tree.map(jnp.zeros_like, params)
-    return (zeros, jnp.zeros((), common_dtype(params)), zeros if grad_sq else None,
-            None if hist1d is None else jnp.zeros(hist1d.get("bins", histograms.HIST1D_BINS), jnp.float32),
-            None if hist2d is None else jnp.zeros(hist2d.get("bins", histograms.HIST2D_BINS), jnp.float32))
+    return vary_like((zeros, jnp.zeros((), common_dtype(params)), zeros if grad_sq else None,
+                      None if hist1d is None else jnp.zeros(hist1d.get("bins", histograms.HIST1D_BINS), jnp.float32),
+                      None if hist2d is None else jnp.zeros(hist2d.get("bins", histograms.HIST2D_BINS), jnp.float32)),
+                     params)
 
 
 def matmul_sum(x: jax.Array) -> jax.Array:
