@@ -227,6 +227,8 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
                 raise UsageError(f"config key '{key}' got {value!r}, which is not a finite number; fix the value")
             return number
         if isinstance(default, tuple):
+            if isinstance(value, str) and value.strip().startswith("[") and value.strip().endswith("]"):
+                value = value.strip()[1:-1]  # a YAML list typed on the command line: [control, init]
             items = tuple(v.strip() for v in value.split(",") if v.strip()) if isinstance(value, str) else tuple(value)
             if default and all(isinstance(v, float) for v in default):  # a list of numbers
                 if any(isinstance(v, bool) for v in items):
@@ -547,12 +549,15 @@ def validate(config: Config) -> None:
         raise UsageError(f"optim.cycles={o.cycles} needs the snapshot schedule; add --set optim.schedule=snapshot "
                          "or set optim.cycles=1")
     if o.schedule == "snapshot":
+        # the fewest epochs at least as many as asked that both checks below pass: whole cycles longer than the warm-up
+        fits = o.cycles * max(1, t.epochs // o.cycles, math.floor(o.warmup_epochs) + 1)
         if t.epochs % o.cycles:
             raise UsageError(f"the snapshot schedule needs train.epochs divisible by optim.cycles, got {t.epochs} "
-                             f"epochs and {o.cycles} cycles; use e.g. --epochs {o.cycles * max(1, t.epochs // o.cycles)}")
+                             f"epochs and {o.cycles} cycles; use e.g. --epochs {fits}")
         if o.warmup_epochs >= t.epochs // o.cycles:
             raise UsageError(f"optim.warmup_epochs={o.warmup_epochs} leaves no cosine decay in cycles of "
-                             f"{t.epochs // o.cycles} epoch(s); make it smaller than train.epochs / optim.cycles")
+                             f"{t.epochs // o.cycles} epoch(s); make it smaller than train.epochs / optim.cycles, "
+                             f"or use e.g. --epochs {fits}")
     if t.epochs < 1:
         raise UsageError(f"epochs must be >= 1, got {t.epochs}; use e.g. --epochs 10")
     if t.checkpoint_every < 0:

@@ -583,7 +583,7 @@ def test_dashboard_draws_every_quantity_the_instruments_compute():
               "EarlyStopping": np.full((r, t), -0.5), "CABS": np.full((r, t), 0.01)}
     panels = {a.get_title(): a for a in dashboard(values).axes}
     assert len(panels["TIC"].get_lines()) == 2 * r and len(panels["Gradient signal to noise"].get_lines()) == 2 * r
-    assert len(panels["CABS (suggested learning rate)"].get_lines()) == r
+    assert len(panels["CABS (suggested batch size)"].get_lines()) == r
     assert len(panels["GradHist2d (last tracked step, replica 0)"].get_images()) == 1
     assert [x.get_text() for x in panels["learning rate"].texts] == ["not recorded\n(your own optimiser)"]
 

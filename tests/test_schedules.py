@@ -72,6 +72,20 @@ def test_bad_schedule_settings_are_refused(flat, match):
         from_flat(flat)
 
 
+
+@pytest.mark.parametrize("epochs", [1, 2, 3, 4, 5, 7])
+def test_the_epochs_a_snapshot_refusal_suggests_are_accepted(epochs):
+    """The mitigations preset at --epochs 2 suggested --epochs 3, which its warm-up of 1 epoch then refused
+    (outside review): the suggestion is the fewest epochs that pass both checks."""
+    import re
+
+    flat = {"optim.schedule": "snapshot", "optim.cycles": 3, "optim.warmup_epochs": 1, "train.epochs": epochs}
+    with pytest.raises(UsageError) as e:
+        from_flat(flat)
+    suggested = int(re.search(r"--epochs (\d+)", str(e.value)).group(1))
+    assert suggested == 6 and from_flat({**flat, "train.epochs": suggested}).train.epochs == 6
+
+
 @pytest.fixture(scope="module")
 def resnet_params():
     model = make_model("resnet8", 10, 0.5)

@@ -184,26 +184,53 @@ def set_pairs(groups: list[list[str]]) -> list[str]:
     return out
 
 
+def _preset_keys(args: argparse.Namespace) -> dict:
+    """The keys of the preset (default: sources unless --config is given)."""
+    preset = args.preset or (None if args.config else DEFAULT_PRESET)
+    return cfg.load_file(preset_path(preset)) if preset else {}
+
+
 def _file_keys(args: argparse.Namespace) -> dict:
     """The keys of the preset (default: sources unless --config is given), then --config."""
-    preset = args.preset or (None if args.config else DEFAULT_PRESET)
-    flat = cfg.load_file(preset_path(preset)) if preset else {}
+    flat = _preset_keys(args)
     if args.config:
         flat.update(cfg.load_file(args.config))
     return flat
 
 
+# a preset's flips are chosen for its own data set (digits: none, a mirrored digit is another symbol); for another
+# data set they are that set's default (CIFAR-10: flips). Its crops stay on: its arms include `augmentation`
+DATA_BOUND_KEYS = ("data.flip",)
+
+
+def _data_bound(preset: dict, flat: dict, chosen: set) -> dict:
+    """``flat`` without the preset's :data:`DATA_BOUND_KEYS` when the study's data set is not the preset's and
+    nothing but the preset chose them."""
+    name = cfg.from_flat({k: v for k, v in preset.items() if k == "data.name"}).data.name
+    if flat.get("data.name", name) == name:
+        return flat
+    return {k: v for k, v in flat.items() if k not in DATA_BOUND_KEYS or k in chosen}
+
+
 def config_from_args(args: argparse.Namespace) -> Config:
     """Preset (default: sources unless --config is given), then --config, then flags, then --set (a file's
     ``methods:`` and ``baseline:`` are :func:`methods_from_args`'s)."""
-    flat = _file_keys(args)
+    preset, chosen = _preset_keys(args), cfg.load_file(args.config) if args.config else {}
+    flat = {**preset, **chosen}
     methods.from_file(flat)
+    chosen = set(chosen)
     for flag, key in FLAGS.items():
         value = getattr(args, flag)
         if value is not None:
             flat[key] = value
+            chosen.add(key)
     overrides = cfg.parse_overrides(set_pairs(args.set))
+    for flag, key in FLAGS.items():
+        value = getattr(args, flag)
+        if value is not None and key in overrides and str(overrides[key]) != str(value):
+            raise UsageError(f"--{flag.replace('_', '-')} {value} and --set {key}={overrides[key]} disagree; give one")
     flat.update(overrides)
+    flat = _data_bound(preset, flat, chosen | set(overrides))
     name = flat.get("data.name")
     if isinstance(name, str) and name.endswith(".npz") and not os.path.isabs(name):
         flat["data.name"] = os.path.abspath(name)  # config.json's path then resumes from any directory

@@ -38,7 +38,7 @@ PANELS = [  # (row, column, title, quantities)
     (2, 2, "TIC", ("TICTrace", "TICDiag")),
     (0, 3, "GradHist2d (last tracked step, replica 0)", ("GradHist2d",)),
     (1, 3, "Gradient signal to noise", ("MeanGSNR", "EarlyStopping")),
-    (2, 3, "CABS (suggested learning rate)", ("CABS",)),
+    (2, 3, "CABS (suggested batch size)", ("CABS",)),
 ]
 COLORS = {"NormTest": "C0", "InnerTest": "C1", "OrthoTest": "C2", "TICTrace": "C0", "TICDiag": "C1", "MeanGSNR": "C0",
           "EarlyStopping": "C1"}

@@ -22,7 +22,8 @@ def bin_index(values: jax.Array, bins: int, lo: float, hi: float) -> jax.Array:
 
 
 def counts(idx: jax.Array, length: int) -> jax.Array:
-    """How many times each bin index in ``[0, length)`` occurs in ``idx`` (float32; exact: counted in int32).
+    """How many times each bin index in ``[0, length)`` occurs in ``idx`` (float32, counted in int32: exact up to
+    2^24 in one bin; the caller sums chunks in float32 too, which rounds above it).
 
     A segment sum of ones, not ``jnp.bincount``: the same scatter-add in XLA, but on XLA:CPU 30% faster
     for GradHist2d's 2000 bins (2.1 vs 3.0 ms for 32 x 78k indices) and equal for GradHist1d's 100

@@ -350,12 +350,15 @@ def check_epoch_shape(paths, shape: str, recompute=()) -> None:
     try:
         env = json.loads(paths.environment.read_text())
         old = env.get("epoch_shape", "scan") if isinstance(env, dict) else None
+        why = "train.epoch_shape when they ran" if isinstance(env, dict) and "epoch_shape" in env else \
+            "an older nondet_jax"
     except (OSError, ValueError):
         return  # unreadable: the arms' own records and checks stand
     if isinstance(old, str) and old != shape:
-        raise UsageError(f"--out {paths.root} holds arms whose epochs ran as '{old}' (an older nondet_jax), and this "
-                         f"version runs them as '{shape}' (train.epoch_shape), which changes results in their last "
-                         "bits; choose another --out, or retrain every finished arm with --recompute ARM")
+        raise UsageError(f"--out {paths.root} holds arms whose epochs ran as '{old}' ({why}), and this run runs "
+                         f"them as '{shape}' (train.epoch_shape), which changes results in their last bits; keep "
+                         f"--set train.epoch_shape={old}, choose another --out, or retrain every finished arm with "
+                         "--recompute ARM")
 
 
 def check_model(paths, record: dict, config: Config | None = None) -> None:
