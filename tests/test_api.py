@@ -1082,3 +1082,29 @@ def test_replicate_a_score_tied_over_differing_states_is_no_zero_width_interval(
     step = np.spacing(np.float32(abs(r.scores["bitflip"]["n"][0])))
     assert rows["bitflip"]["std_ci_high"] == pytest.approx(np.sqrt(tie_rate(4)) * step)
     assert "bitwise identical" in next(line for line in r.report().splitlines() if line.startswith("control"))
+
+
+def test_an_init_from_file_of_other_shapes_is_named_with_the_fix_for_a_file():
+    """Digits weights (1 input channel) given to a CIFAR model by --init-from were explained in the API's words,
+    'drop it from init_params', which a CLI user has no way to do (outside review)."""
+    from nondet_jax.models import pretrained
+
+    want = {"stem": {"kernel": jax.ShapeDtypeStruct((3, 3, 3, 16), np.float32)}}
+    given = {"stem": {"kernel": np.zeros((3, 3, 1, 16), np.float32)}}
+    with pytest.raises(UsageError, match=r"--init-from w.npz@0 'stem/kernel' has shape \(3, 3, 1, 16\), the model's "
+                                         r"is \(3, 3, 3, 16\) .*; write a .npz without that array"):
+        pretrained.check(given, want, "w.npz@0")
+    with pytest.raises(UsageError, match="; drop it from init_params"):
+        pretrained.check(given, want)
+
+
+def test_the_spread_figure_does_not_promise_intervals_it_cannot_draw(tmp_path):
+    """With 2 replicas no std interval exists (n/a in the table); spread.png's title still said 'with 95% CIs'
+    (outside review)."""
+    from nondet_jax.report.figures import draw_figures
+    from nondet_jax.report.summary import load_records
+
+    r = nj.run_study(model="mlp", data="digits", epochs=1, batch_size=512, arms="control,init", replicas=2,
+                     out=tmp_path / "run", **QUIET)
+    figs = dict(draw_figures(r.out, r.summary, load_records(r.out)[1]))
+    assert figs["spread"]._suptitle.get_text() == "Spread across replicas (std, ddof=1); no 95% CI below 3 replicas per arm"

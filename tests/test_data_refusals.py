@@ -241,3 +241,15 @@ def test_a_finished_study_has_no_unfinished_line(finished_run_template):
     run, proc = finished_run_template
     assert "unfinished" not in proc.stdout and "unfinished" not in (run / "report.md").read_text()
     assert json.loads((run / "summary.json").read_text())["unfinished"] == []
+
+
+def test_a_tfds_set_missing_from_the_data_dir_is_named_as_missing(tmp_path, capfd):
+    """A --data-dir without the set (or that does not exist) was reported, after a warning of TFDS's own, as a
+    TFRECORD format problem (outside review): it is named as not there, with the command that prepares it."""
+    from nondet_jax.data.tfds_source import load_tfds
+
+    for where in (tmp_path / "does_not_exist", tmp_path):
+        with pytest.raises(UsageError, match=rf"dataset 'mnist' is not in {re.escape(str(where))} \(no folder mnist "
+                                             r"there\); prepare it once .*tfds build mnist"):
+            load_tfds("mnist", str(where))
+    assert "WARNING" not in capfd.readouterr().err

@@ -586,6 +586,22 @@ def test_dashboard_draws_every_quantity_the_instruments_compute():
     assert len(panels["CABS (suggested batch size)"].get_lines()) == r
     assert len(panels["GradHist2d (last tracked step, replica 0)"].get_images()) == 1
     assert [x.get_text() for x in panels["learning rate"].texts] == ["not recorded\n(your own optimiser)"]
+    # the line styles of several replicas of one quantity are named (outside review: only colour was)
+    assert {"replica 0", "replica 1"} <= {x.get_text() for x in panels["TIC"].get_legend().get_texts()}
+
+
+def test_dashboard_histogram_draws_every_replica_and_no_empty_bin_as_a_count():
+    """Empty bins were drawn as a count of 0.5 on the log axis and the legend named one of two replicas (outside
+    review): an empty bin is a gap, each replica has its entry."""
+    from nondet_jax.instruments.dashboard import dashboard
+
+    counts = np.zeros((2, 3, 100))
+    counts[:, :, 40:60] = 7.0
+    panel = next(a for a in dashboard({"step": np.arange(3), "GradHist1d": counts}).axes
+                 if a.get_title().startswith("GradHist1d"))
+    lines = panel.get_lines()
+    assert len(lines) == 2 and all(np.nanmin(np.asarray(line.get_ydata(), float)) == 7.0 for line in lines)
+    assert [x.get_text() for x in panel.get_legend().get_texts()] == ["replica 0, step 2", "replica 1, step 2"]
 
 
 def test_mixed_float32_and_float64_parameters(x64):

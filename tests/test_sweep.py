@@ -427,3 +427,20 @@ def test_a_relative_npz_path_is_recorded_absolute(tmp_path, monkeypatch):
         name = cli.config_from_args(cli.build_parser().parse_args(argv)).data.name
         assert name == str(tmp_path / argv[-1].removeprefix("data.name="))
     assert cli.config_from_args(cli.build_parser().parse_args(["--dataset", "digits"])).data.name == "digits"
+
+
+def test_a_folder_with_nothing_trained_is_not_said_to_hold_results(tmp_path):
+    """A first run that crashed before any arm finished left config.json alone; a rerun with other settings was told
+    the folder 'holds results' (outside review): it says nothing is trained yet and that deleting it loses nothing."""
+    from nondet_jax.store.run import different_config
+
+    diff = ["study.strategy 'sharded' vs 'sequential'"]
+    assert "holds nothing trained yet; delete it" in str(different_config(tmp_path, diff))
+    (tmp_path / "checkpoints" / "init").mkdir(parents=True)
+    assert "holds nothing trained yet" in str(different_config(tmp_path, diff))
+    (tmp_path / "checkpoints" / "init" / "3").mkdir()
+    assert "holds results of a different config" in str(different_config(tmp_path, diff))
+    (tmp_path / "checkpoints" / "init" / "3").rmdir()
+    (tmp_path / "arms").mkdir()
+    (tmp_path / "arms" / "control.json").write_text("{}")
+    assert "holds results of a different config" in str(different_config(tmp_path, diff))

@@ -15,7 +15,9 @@ evaluation transform), with an antialiased bilinear filter written in numpy.
 from __future__ import annotations
 
 import functools
+import logging
 import os
+from pathlib import Path
 
 import numpy as np
 
@@ -188,6 +190,13 @@ def load_tfds(name: str, data_dir: str | None = None, *, image_size: int = 0, ma
         raise UsageError(f"{name}'s training split does not fit in memory; set a subset size with "
                          f"--set data.max_train_examples=50000 (say), and --set data.image_size=64 for a smoke run")
     test_split = TEST_SPLIT.get(name, "test")
+    if data_dir and not (Path(data_dir).expanduser() / tfds_name(name).split("/")[0]).is_dir():
+        # nothing of it there: TFDS would name a file-format problem after a warning of its own
+        raise UsageError(f"dataset '{name}' is not in {data_dir} (no folder {tfds_name(name).split('/')[0]} there); "
+                         f"{prepare_hint(name, data_dir)}")
+    absl_log = logging.getLogger("absl")
+    level = absl_log.level
+    absl_log.setLevel(logging.ERROR)  # TFDS's warnings while probing: the one-line error below says what is wrong
     try:
         sources = {s: tfds.data_source(tfds_name(name), split=s, data_dir=data_dir, download=False)
                    for s in ("train", test_split)}
@@ -195,6 +204,8 @@ def load_tfds(name: str, data_dir: str | None = None, *, image_size: int = 0, ma
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(f"dataset '{name}' is not available for random access in "
                          f"{data_dir or 'the TFDS default folder'} ({first}); {prepare_hint(name, data_dir)}") from None
+    finally:
+        absl_log.setLevel(level)
     idx_tr = subset_indices(len(sources["train"]), max_train_examples)
     idx_te = subset_indices(len(sources[test_split]), max_test_examples)
     if len(idx_tr) == 0 or len(idx_te) == 0:

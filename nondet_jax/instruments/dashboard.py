@@ -99,9 +99,10 @@ def _hist1d(ax, step, values: dict, hist_range) -> None:
     centres = 0.5 * (edges[1:] + edges[:-1])
     for r, hr in enumerate(h):
         tracked = np.where(np.all(np.isfinite(hr), -1))[0]
-        if len(tracked):
-            ax.semilogy(centres, np.maximum(hr[tracked[-1]], 0.5), lw=1, alpha=0.75,
-                        label=f"step {step[tracked[-1]]}" if r == 0 else None)
+        if len(tracked):  # an empty bin is a gap in the line (a log axis has no 0), not a count drawn at 0.5
+            last = hr[tracked[-1]]
+            ax.semilogy(centres, np.where(last > 0, last, np.nan), lw=1, alpha=0.75, color=f"C{r % 10}",
+                        label=f"replica {r}, step {step[tracked[-1]]}")
     ax.set_xlabel("individual gradient element")
     ax.legend(fontsize=7)
 
@@ -130,7 +131,16 @@ def _quantity_lines(ax, step, values: dict, qs: tuple, present: list, t: int) ->
     if not several and qs[0] in BANDS and BANDS[qs[0]][0] in values:
         _bands(ax, step, values, qs[0], t)
     if several:
-        ax.legend(fontsize=7)
+        from matplotlib.lines import Line2D
+
+        handles, labels = ax.get_legend_handles_labels()
+        replicas = _per_replica(values[present[0]], t).shape[0]
+        if replicas > 1:  # colour is the quantity here: say which line style is which replica
+            handles += [Line2D([], [], color="0.3", lw=1, ls=LINESTYLES[r % len(LINESTYLES)])
+                        for r in range(min(replicas, len(LINESTYLES)))]
+            labels += [f"replica {r}" + ("" if replicas <= len(LINESTYLES) else f", {r + len(LINESTYLES)}, …")
+                       for r in range(min(replicas, len(LINESTYLES)))]
+        ax.legend(handles, labels, fontsize=7)
         if all(q in LOG_SCALE for q in present):
             ax.set_yscale("log")
     if qs == ("Alpha",):

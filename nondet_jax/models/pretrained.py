@@ -124,18 +124,21 @@ def _orbax_params(path: Path, replica: int | None) -> dict:
     return jax.tree.map(np.asarray, tree)
 
 
-def check(given: dict, params_shape) -> None:
-    """UsageError unless every leaf of ``given`` is a parameter of the model with its shape."""
+def check(given: dict, params_shape, source: str | None = None) -> None:
+    """UsageError unless every leaf of ``given`` is a parameter of the model with its shape. ``source``: the
+    ``--init-from`` file they were read from (the fix is then said for a file), else ``init_params`` in memory."""
     want, have = flat(params_shape), flat(given)
+    where = f"--init-from {source}" if source else "init_params"
+    drop = "write a .npz without that array" if source else "drop it from init_params"
     for name, a in have.items():
         if name not in want:
             close = sorted(want)[:6]
-            raise UsageError(f"init_params holds '{name}', which the model has no parameter of (it has "
-                             f"{', '.join(close)}{', ...' if len(want) > 6 else ''}); drop it or rename it")
+            raise UsageError(f"{where} holds '{name}', which the model has no parameter of (it has "
+                             f"{', '.join(close)}{', ...' if len(want) > 6 else ''}); {drop} or rename it")
         if tuple(np.shape(a)) != tuple(want[name].shape):
-            raise UsageError(f"init_params '{name}' has shape {tuple(np.shape(a))}, the model's is "
-                             f"{tuple(want[name].shape)}; drop it from init_params to draw that layer from the "
-                             "init key")
+            raise UsageError(f"{where} '{name}' has shape {tuple(np.shape(a))}, the model's is "
+                             f"{tuple(want[name].shape)} (weights trained on other inputs or classes?); {drop} to "
+                             "draw that layer from the init key")
 
 
 def covers_all(given: dict, params_shape) -> bool:

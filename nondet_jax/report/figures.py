@@ -140,6 +140,7 @@ def _spread(c: _Context):
 
     arms, x = c.arms, c.x
     fig, axes = plt.subplots(1, 2, figsize=(2 * (0.8 * len(arms) + 2), 4))
+    drawn = False  # any interval drawn (none below 3 replicas: the title says so)
     for ax, q in zip(axes, (c.q1, c.q2)):
         spread = [c.metric(a, q.name) for a in arms]
         s = np.array([m.get("std", np.nan) for m in spread], dtype=float) * q.scale
@@ -152,6 +153,7 @@ def _spread(c: _Context):
         cut = ci[:, 1] > top if top > 0 else np.zeros(len(arms), bool)
         high = np.where(cut, top, ci[:, 1])
         err = np.clip(np.abs(np.stack([s - ci[:, 0], high - s])), 0, None)
+        drawn = drawn or bool(np.isfinite(ci).all(axis=1).any())
         ax.bar(x, s, yerr=err, capsize=4, color="C1")  # no bar where the CI is n/a (NaN), never a 0-width one
         for i in np.flatnonzero(cut):
             ax.annotate(f"↑ {ci[i, 1]:.3g}", (i, top), ha="center", va="bottom", fontsize=8, xytext=(0, 2),
@@ -167,7 +169,8 @@ def _spread(c: _Context):
         ax.set_xticks(x, arms, rotation=30, ha="right")
         ax.set_xlabel("arm")
         ax.set_ylabel(f"std of {_unit_label(q)}")
-    fig.suptitle(f"Spread across replicas (std, ddof=1), with 95% CIs: {interval_name('std')}")
+    fig.suptitle(f"Spread across replicas (std, ddof=1), with 95% CIs: {interval_name('std')}" if drawn else
+                 "Spread across replicas (std, ddof=1); no 95% CI below 3 replicas per arm")
     return "spread", fig
 
 

@@ -69,7 +69,11 @@ def _config_diff(a: dict, b: dict) -> list[str]:
 
 
 def different_config(root: Path, diff: list[str]) -> UsageError:
-    """The refusal of a run folder whose config differs from this study's in ``diff`` (:func:`_config_diff`)."""
+    """The refusal of a run folder whose config differs from this study's in ``diff`` (:func:`_config_diff`); a
+    folder whose first run stopped before any arm finished or saved a checkpoint is said to hold nothing trained."""
+    if not any(p.is_file() for p in (root / "arms").glob("*.json")) and not any((root / "checkpoints").glob("*/*")):
+        return UsageError(f"--out {root} was started with a different config ({'; '.join(diff[:3])}) and holds "
+                          "nothing trained yet; delete it, choose another --out, or rerun with the same settings")
     return UsageError(f"--out {root} holds results of a different config ({'; '.join(diff[:3])}); choose another "
                       "--out or rerun with the same settings")
 

@@ -132,10 +132,11 @@ def _variables_shape(fns, name: str | None = None):
                          "shape, or reshape the data (images are (N, H, W, C))") from None
 
 
-def check_init_params(fns, name: str | None = None) -> None:
-    """Refuse, before anything trains, ``init_params`` that are not a subset of the model's parameters."""
+def check_init_params(fns, name: str | None = None, source: str | None = None) -> None:
+    """Refuse, before anything trains, ``init_params`` that are not a subset of the model's parameters
+    (``source``: the ``--init-from`` they were read from)."""
     if fns.parts.init_params is not None:
-        pretrained.check(fns.parts.init_params, _variables_shape(fns, name)["params"])
+        pretrained.check(fns.parts.init_params, _variables_shape(fns, name)["params"], source)
 
 
 def check_augment(fns) -> None:
@@ -297,7 +298,7 @@ def prepare(config: Config, parts: Parts = Parts(), data=None):
                     getattr(data, "task", "classification"))
     check_model_input(config, spec, parts)
     fns = make_train(config, spec, parts)
-    check_init_params(fns, config.model.name)
+    check_init_params(fns, config.model.name, config.model.init_from or None)
     check_outputs(fns, config.model.name)  # the user's parts, each traced on its own first: a misuse is named, not found deep in JAX
     check_loss(fns, data)
     check_augment(fns)
