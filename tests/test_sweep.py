@@ -441,6 +441,10 @@ def test_a_folder_with_nothing_trained_is_not_said_to_hold_results(tmp_path):
     (tmp_path / "checkpoints" / "init" / "3").mkdir()
     assert "holds results of a different config" in str(different_config(tmp_path, diff))
     (tmp_path / "checkpoints" / "init" / "3").rmdir()
+    (tmp_path / "parts" / "init").mkdir(parents=True)
+    (tmp_path / "parts" / "init" / "0.npz").write_bytes(b"x")  # a block of replicas trained apart
+    assert "holds results of a different config" in str(different_config(tmp_path, diff))
+    (tmp_path / "parts" / "init" / "0.npz").unlink()
     (tmp_path / "arms").mkdir()
     (tmp_path / "arms" / "control.json").write_text("{}")
     assert "holds results of a different config" in str(different_config(tmp_path, diff))

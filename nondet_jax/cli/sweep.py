@@ -215,27 +215,24 @@ def _data_bound(preset: dict, flat: dict, chosen: set) -> dict:
 def config_from_args(args: argparse.Namespace) -> Config:
     """Preset (default: sources unless --config is given), then --config, then flags, then --set (a file's
     ``methods:`` and ``baseline:`` are :func:`methods_from_args`'s)."""
-    preset, chosen = _preset_keys(args), cfg.load_file(args.config) if args.config else {}
-    flat = {**preset, **chosen}
+    preset, from_file = _preset_keys(args), cfg.load_file(args.config) if args.config else {}
+    flat = {**preset, **from_file}
     methods.from_file(flat)
-    chosen = set(chosen)
-    for flag, key in FLAGS.items():
-        value = getattr(args, flag)
-        if value is not None:
-            flat[key] = value
-            chosen.add(key)
     overrides = cfg.parse_overrides(set_pairs(args.set))
     for flag, key in FLAGS.items():
         value = getattr(args, flag)
-        if value is not None and key in overrides and str(overrides[key]) != str(value):
+        if value is None:
+            continue
+        if key in overrides and str(overrides[key]) != str(value):
             raise UsageError(f"--{flag.replace('_', '-')} {value} and --set {key}={overrides[key]} disagree; give one")
+        flat[key] = value
     flat.update(overrides)
-    flat = _data_bound(preset, flat, chosen | set(overrides))
+    given = {key: f"--{flag.replace('_', '-')}" for flag, key in FLAGS.items() if getattr(args, flag) is not None}
+    flat = _data_bound(preset, flat, set(from_file) | set(given) | set(overrides))
     name = flat.get("data.name")
     if isinstance(name, str) and name.endswith(".npz") and not os.path.isabs(name):
         flat["data.name"] = os.path.abspath(name)  # config.json's path then resumes from any directory
     config = cfg.from_flat(flat)
-    given = {key: f"--{flag.replace('_', '-')}" for flag, key in FLAGS.items() if getattr(args, flag) is not None}
     cfg.refuse_optim_settings({k: h for k, h in {**given, **{k: "--set" for k in overrides}}.items()
                                if k != "optim.name"}, config.optim)  # the name chooses the optimizer: not ignored
     return config

@@ -70,8 +70,10 @@ def _config_diff(a: dict, b: dict) -> list[str]:
 
 def different_config(root: Path, diff: list[str]) -> UsageError:
     """The refusal of a run folder whose config differs from this study's in ``diff`` (:func:`_config_diff`); a
-    folder whose first run stopped before any arm finished or saved a checkpoint is said to hold nothing trained."""
-    if not any(p.is_file() for p in (root / "arms").glob("*.json")) and not any((root / "checkpoints").glob("*/*")):
+    folder whose first run stopped before any arm finished or saved a checkpoint or a part is said to hold nothing
+    trained."""
+    if not any(p.is_file() for p in (root / "arms").glob("*.json")) and \
+            not any(any((root / kind).glob("*/*")) for kind in ("checkpoints", "parts")):
         return UsageError(f"--out {root} was started with a different config ({'; '.join(diff[:3])}) and holds "
                           "nothing trained yet; delete it, choose another --out, or rerun with the same settings")
     return UsageError(f"--out {root} holds results of a different config ({'; '.join(diff[:3])}); choose another "
