@@ -212,6 +212,13 @@ def test_detect_sizes_the_next_study_for_a_stated_difference(tmp_path, capsys):
     (lambda d: None, ["{d}/a.csv", "{d}/a.csv", "--column", "acc,x", "--plot", "{d}/f.png"],
      "--plot draws one comparison"),
     (lambda d: None, ["{d}/run", "{d}/run", "--arm", "init,all", "--arm-b", "all"], "--arm-b pairs one arm"),
+    # outside review: a semicolon file, a column named twice, scores that overflow float64's sums
+    (lambda d: (d / "c.csv").write_text("seed;acc\n0;0.9\n1;0.8\n"), ["{d}/a.csv", "{d}/c.csv"],
+     "has one column, 'seed;acc': compare reads comma-separated files"),
+    (lambda d: (d / "c.csv").write_text("seed,acc,acc\n0,0.9,1\n1,0.8,1\n"), ["{d}/c.csv", "{d}/a.csv", "--column",
+                                                                            "acc"], "names column 'acc' twice"),
+    (lambda d: (d / "c.csv").write_text("acc\n1e308\n-1e308\n1e308\n"), ["{d}/c.csv", "{d}/a.csv"],
+     "holds scores too large to average or square in float64"),
 ])
 def test_mismatched_inputs_exit_2_with_one_line(tmp_path, capsys, make, args, message):
     (tmp_path / "a.csv").write_text("acc\n0.98\n0.97\n0.99\n")
@@ -220,6 +227,39 @@ def test_mismatched_inputs_exit_2_with_one_line(tmp_path, capsys, make, args, me
     assert main([x.format(d=tmp_path) for x in args]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
+
+
+def test_scores_without_spread_get_no_welch_test(tmp_path, capsys):
+    """Two tied samples (every run alike, as a control arm's replicas) printed a zero-width 95% CI, 'Welch p = 0'
+    and 'B is worse than A' (outside review); scipy's ttest_ind gives NaN: no test, said so."""
+    (tmp_path / "a.csv").write_text("acc\n0.98\n0.98\n0.98\n")
+    (tmp_path / "b.csv").write_text("acc\n0.97\n0.97\n0.97\n")
+    assert main([str(tmp_path / "a.csv"), str(tmp_path / "b.csv")]) == 0
+    out = capsys.readouterr().out
+    assert "95% CI and Welch p n/a (neither method's scores vary)" in out and "No test: neither method's" in out
+    assert "worse" not in out and "p = 0" not in out
+    assert np.isnan(stats.welch(np.full(3, 0.98), np.full(3, 0.97))["p"])
+
+
+def test_lower_is_better_is_refused_for_run_folders(runs, capsys):
+    """--lower-is-better on two run folders flipped the verdict on accuracy (outside review): a run's metric knows
+    its direction."""
+    a, b = runs
+    assert main([str(a), str(b), "--lower-is-better"]) == 2
+    assert "--lower-is-better is for CSV files" in capsys.readouterr().err
+    assert compare(a, b, metric="test_loss", higher_is_better=False)["higher_is_better"] is False
+
+
+def test_missing_test_labels_change_no_number(runs, tmp_path):
+    """compare read a tied accuracy's resolution from test_labels.npy; with the file gone it printed other numbers
+    without a word (outside review). The arm's own verified logits give the same test-set size."""
+    import shutil
+
+    a, b = runs
+    copy = tmp_path / "a"
+    shutil.copytree(a, copy)
+    (copy / "test_labels.npy").unlink()
+    assert compare(copy, b, arm="all")["a"]["n_test"] == compare(a, b, arm="all")["a"]["n_test"] > 0
 
 
 def test_run_folder_errors(runs, capsys):
@@ -296,6 +336,34 @@ def test_report_waits_for_no_sweep_it_refuses_a_locked_folder(runs, capsys):
         release_lock(fd)
     assert report_main([str(a)]) == 0 and "report:" in capsys.readouterr().out
 
+
+
+def test_report_names_the_folder_files_it_lacks(runs, tmp_path, capsys):
+    """Without model.json the report was rebuilt with invented method text ('BatchNorm statistics recomputed' for
+    an MLP, 'submodule ?'); without test_labels.npy its mitigations table vanished; without environment.json it
+    said 'backend None' (outside review): each is named, with the command that writes it again, and nothing is
+    written."""
+    import shutil
+
+    from nondet_jax.cli.report import main as report_main
+
+    a, _ = runs
+    for lost in (["model.json"], ["environment.json", "test_labels.npy"]):
+        copy = tmp_path / "-".join(lost)
+        shutil.copytree(a, copy)
+        before = (copy / "report.md").read_bytes()
+        for name in lost:
+            (copy / name).unlink()
+        assert report_main([str(copy)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert f"lacks {', '.join(lost)}; rerun the sweep command that made it (command.txt)" in err, err
+        assert "\n" not in err and (copy / "report.md").read_bytes() == before
+    copy = tmp_path / "no-logits"
+    shutil.copytree(a, copy)
+    (copy / "logits" / "all.npy").unlink()  # said 'missing, truncated or corrupt (sha256 mismatch)' before
+    assert report_main([str(copy)]) == 2
+    assert f"result file {copy}/logits/all.npy is missing; rerun the sweep with --recompute all" in \
+        capsys.readouterr().err
 
 @pytest.mark.parametrize("kind", ["symlink", "fifo"])
 def test_plot_never_replaces_a_link_or_a_device(tmp_path, capsys, kind):

@@ -302,6 +302,16 @@ def test_one_replica_arm_fully_diverged_next_to_a_healthy_one(in_process, tmp_pa
     _diverged_study_checks(out, capsys, {"control": 1, "init": 0})
 
 
+def test_a_replica_diverged_at_its_first_step_has_no_last_finite_loss(in_process, tmp_path, capsys, monkeypatch):
+    """It was logged with 'last finite loss nan' (outside review)."""
+    monkeypatch.setenv("NONDET_JAX_INJECT_FAULT", "init:1:0")
+    out = tmp_path / "run"
+    assert in_process.main([*FAST, "--replicas", "2", "--set", "metrics.pairwise=false", "--arms", "init",
+                            "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "replica 1 diverged at step 0 (its training loss stopped being finite; no finite loss before it)" in said
+    assert "nan" not in said.split("diverged at step 0")[1].split("\n")[0]
+
 def test_non_finite_outputs_with_finite_losses_count_as_divergence(in_process, tmp_path, capsys, monkeypatch):
     from nondet_jax.study import arm
 

@@ -48,16 +48,19 @@ def run_scores(run: str | Path, arm: str, metric: str | None = None) -> tuple[np
     where = {"source": str(run), "kind": "run", "arm": arm, "metric": metric, "task": task_of(record), "dataset": config["data"]["name"],
              "model": config["model"]["name"], "diverged_left_out": len(record["rows"]) - len(rows),
              "test_set": _test_set(run) or config["data"]["name"], "seed": config["study"]["seed"],
-             "replicas": [int(r["replica"]) for r in rows], "n_test": _n_test(run)}
+             "replicas": [int(r["replica"]) for r in rows], "n_test": _n_test(run, arm)}
     return np.array([r[metric] for r in rows], dtype=np.float64), where
 
 
-def _n_test(run: Path) -> int | None:
-    """The number of test examples of a run (the step of its test accuracy), or None."""
-    try:
-        return int(np.load(RunPaths(run).test_labels, allow_pickle=False).shape[0])
-    except (OSError, ValueError):
-        return None
+def _n_test(run: Path, arm: str) -> int | None:
+    """The number of test examples of a run (the step of its test accuracy): its test labels, else the arm's test
+    logits (verified with the arm's files; the labels may be missing until the next sweep writes them), or None."""
+    for path, axis in ((RunPaths(run).test_labels, 0), (RunPaths(run).arm_file("logits", arm), 1)):
+        try:
+            return int(np.load(path, mmap_mode="r", allow_pickle=False).shape[axis])
+        except (OSError, ValueError, IndexError):
+            continue
+    return None
 
 
 def _test_set(run: Path) -> str | None:
@@ -91,8 +94,14 @@ def csv_scores(path: str | Path, column: str | None = None) -> tuple[np.ndarray,
 
     header = rows[0] if any(number(c) is None for c in rows[0]) else [f"column{i + 1}" for i in range(len(rows[0]))]
     body = rows[1:] if header is rows[0] else rows
+    if len(header) == 1 and any(sep in header[0] for sep in ";\t|"):
+        raise UsageError(f"{path} has one column, '{header[0]}': compare reads comma-separated files; write the "
+                         "file with commas between its columns")
     if any(len(r) != len(header) for r in body):
         raise UsageError(f"{path} has rows with different numbers of fields; fix the file")
+    twice = sorted({h for h in header if header.count(h) > 1})
+    if twice and header is rows[0]:
+        raise UsageError(f"{path} names column '{twice[0]}' twice; rename one")
     holes = {i: [k for k, r in enumerate(body) if number(r[i]) is None] for i in range(len(header))}
     numeric = [i for i in holes if body and not holes[i]]
     for i, name in enumerate(header):  # a column of numbers with a hole in it: name the cell
@@ -195,8 +204,11 @@ def compare(a: str | Path, b: str | Path, arm: str = "all", arm_b: str | None = 
                     else f"{a} and {b} both name {wa['dataset']}, but their test arrays differ")
             raise UsageError(f"{what}: scores on different test sets cannot be compared; pass two runs on the same "
                              "test set")
-        if higher_is_better is None:
-            higher_is_better = RUN_METRICS[wa["task"]][wa["metric"]]
+        own = RUN_METRICS[wa["task"]][wa["metric"]]
+        if higher_is_better is not None and higher_is_better != own:
+            raise UsageError(f"{wa['metric']} is {'higher' if own else 'lower'}-is-better, which run folders know: "
+                             "--lower-is-better is for CSV files; drop it (choose the score with --metric)")
+        higher_is_better = own
     else:
         if arm != "all" or arm_b is not None or metric is not None:
             raise UsageError("--arm, --arm-b and --metric are for run folders; for CSV files choose --column")
@@ -207,6 +219,7 @@ def compare(a: str | Path, b: str | Path, arm: str = "all", arm_b: str | None = 
             raise UsageError(f"{w['source']} gives {len(x)} score(s); the comparison needs at least 2 per method")
         if not np.isfinite(x).all():
             raise UsageError(f"{w['source']} holds a non-finite score (NaN or inf); remove that seed or fix the file")
+        S.computable(x, w["source"])
     higher = True if higher_is_better is None else higher_is_better
     if paired:
         xa, xb, how = pair_up(xa, wa, xb, wb)
@@ -257,6 +270,10 @@ def verdict(r: dict) -> str:
     test is the printed interval's own (the paired t), so there the two never disagree; Welch's p and interval
     are one test too."""
     lo, hi = r["difference_ci"]
+    if not np.isfinite(r["p"]):
+        return (f"No test: neither method's scores vary (A {r['mean_a']:.6g} in every run, B {r['mean_b']:.6g}); "
+                "identical runs (a control arm) are one observation each, so compare arms that vary a source, or "
+                "pair seeds with --paired.")
     better = "better" if (r["difference"] > 0) == r["higher_is_better"] else "worse"
     test = "paired t p" if r.get("paired") else "Welch p"
     family = r.get("holm_family", 1)
@@ -329,10 +346,12 @@ def format_result(r: dict) -> str:
     return "\n".join([
         f"A: {_label(r['a'])}: n = {r['n_a']}, mean {g(r['mean_a'])}, std {g(r['std_a'])}",
         f"B: {_label(r['b'])}: n = {r['n_b']}, mean {g(r['mean_b'])}, std {g(r['std_b'])}",
-        f"difference of means B − A: {r['difference']:+.4g}  95% CI [{g(lo)}, {g(hi)}]  Welch p = {r['p']:.3g}{_holm(r)} "
-        f"(df {r['welch_df']:.1f})",
+        f"difference of means B − A: {r['difference']:+.4g}  " + (
+            f"95% CI [{g(lo)}, {g(hi)}]  Welch p = {r['p']:.3g}{_holm(r)} (df {r['welch_df']:.1f})"
+            if np.isfinite(r["p"]) else "95% CI and Welch p n/a (neither method's scores vary)"),
         f"probability of improvement P(B {op} A): {r['probability_of_improvement']:.3f}  95% CI [{plo:.3f}, {phi:.3f}]",
-        f"replicas per method for 80% power at this difference: {r['replicas_for_80pct_power'] or 'n/a'} "
+        f"replicas per method for 80% power at this difference: "
+        f"{(r['replicas_for_80pct_power'] if r['pooled_std'] > 0 else None) or 'n/a'} "
         f"(two-sample t-test, pooled run-to-run std {g(r['pooled_std'])}; a planning figure for the next study, "
         "not evidence about this one)",
         *([f"replicas per method for 80% power at a difference of {g(r['detect'])} (--detect): "

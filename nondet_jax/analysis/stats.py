@@ -683,6 +683,17 @@ def _finite_scores(x, name: str) -> np.ndarray:
     if len(bad):
         raise UsageError(f"{name} holds {len(bad)} NaN or infinite score(s) (the first at index {bad[0]}); leave "
                          "out the replicas that diverged")
+    return computable(x, name)
+
+
+def computable(x: np.ndarray, name: str) -> np.ndarray:
+    """``x`` (finite scores) when their mean and spread are finite in float64, else a one-line error: scores near
+    the float64 limit overflow the sums (std inf or NaN, an interval of NaN)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        ok = np.isfinite(x.mean()) and np.isfinite(x.var()) if x.size else True
+    if not ok:
+        raise UsageError(f"{name} holds scores too large to average or square in float64 (up to "
+                         f"{np.abs(x).max():.3g}); rescale them")
     return x
 # below 5 replicas per arm the permutation test of median deviations is not valid (at R=4 the two middle
 # deviations of each arm are equal: 6-16% false alarms at p < 0.05, benchmarks/coverage.py): n/a there
@@ -759,8 +770,10 @@ def welch(a, b, level: float = LEVEL) -> dict:
     se = np.sqrt(qa + qb)
     with np.errstate(divide="ignore", invalid="ignore"):
         df = np.where(se > 0, (qa + qb) ** 2 / (qa ** 2 / (na - 1) + qb ** 2 / (nb - 1)), na + nb - 2)
-        t = np.where(se > 0, diff / np.where(se > 0, se, 1.0), np.where(diff == 0, 0.0, np.inf))
-    half = sps.t.ppf(0.5 + level / 2, df) * se
+        t = np.where(se > 0, diff / np.where(se > 0, se, 1.0), np.nan)
+    # neither sample varies: no spread to test against (scipy's ttest_ind gives NaN too), never p = 0 with a
+    # zero-width interval (identical replicas, a control arm, are one observation, not n)
+    half = np.where(se > 0, sps.t.ppf(0.5 + level / 2, df) * se, np.nan)
     return {"difference": _out(diff), "ci": [_out(diff - half), _out(diff + half)],
             "p": _out(2 * sps.t.sf(np.abs(t), df)), "df": _out(df)}
 

@@ -153,6 +153,7 @@ def verify_arm_files(root: Path, arm: str, record: dict, identity: str = "") -> 
         paths.record_file(arm, rel, paths.arm_file("arms", arm))
     for rel, digest in listed.items():
         path = root / rel
+        missing = False
         try:
             if not path.is_file():  # a folder or FIFO where the file was: never opened (a FIFO would block)
                 os.lstat(path)  # FileNotFoundError when absent
@@ -160,15 +161,16 @@ def verify_arm_files(root: Path, arm: str, record: dict, identity: str = "") -> 
             else:
                 ok = hashlib.sha256(path.read_bytes()).hexdigest() == digest
         except FileNotFoundError:
-            ok = rel == TEST_LABELS  # rewritten from the data set by the next sweep; the report skips it
+            ok, missing = rel == TEST_LABELS, True  # the labels: rewritten from the data set by the next sweep
         except OSError:
             ok = False
         if not ok and rel == TEST_LABELS:
             raise UsageError(f"{path} is not the labels arm '{arm}' was evaluated on (sha256 mismatch); delete it "
                              "and rerun the same sweep command, which writes it again from the data set")
         if not ok:
-            raise UsageError(f"result file {path} is missing, truncated or corrupt (sha256 mismatch); rerun the sweep "
-                             f"with --recompute {arm} to train arm '{arm}' again")
+            what = "is missing" if missing else "is truncated or corrupt (sha256 mismatch)"
+            raise UsageError(f"result file {path} {what}; rerun the sweep with --recompute {arm} to train arm "
+                             f"'{arm}' again")
     try:
         current = config_digest(json.loads(RunPaths(root).config.read_text()))
     except (OSError, json.JSONDecodeError, UnicodeDecodeError, AttributeError):

@@ -185,8 +185,10 @@ def finish_arm(config: Config, data, fns, store, arm: Arm, result, reason: str, 
     diverged = divergence_records(result)
     for d in diverged:
         why = "its test outputs are not finite" if d["cause"] == "outputs" else "its training loss stopped being finite"
-        log(f"arm {arm.name}: replica {d['replica']} diverged at step {d['step']} ({why}; last finite loss "
-            f"{d['last_finite_loss']:.4g}); it is frozen there and left out of the metrics")
+        last = d["last_finite_loss"]
+        last = f"last finite loss {last:.4g}" if np.isfinite(last) else "no finite loss before it"
+        log(f"arm {arm.name}: replica {d['replica']} diverged at step {d['step']} ({why}; {last}); it is frozen "
+            "there and left out of the metrics")
     if len(used.logits):
         metrics, pair_arrays = arm_metrics(used, data, fns, config.metrics)
     else:
