@@ -27,6 +27,11 @@ def test_batch_order_perturbation_is_detected():
     run = audit_run(tiny_config(**{"model.name": "resnet8", "model.width": 0.5}), steps=2, perturb="batch_order")
     assert run["differ"] > 0 and run["max_ulp"] > 0
     assert not failed(run)  # a perturbed run is meant to differ
+    # and is said to (it printed 'declared deterministic: True' beside the differences; outside review)
+    from nondet_jax.cli.audit import format_run
+
+    last = format_run("perturbed", run).splitlines()[-1]
+    assert "as expected: the second run was perturbed (batch_order)" in last and "declared" not in last
 
 
 def test_a_declared_deterministic_run_that_differs_fails():
