@@ -245,6 +245,10 @@ def test_recompute_repairs_a_corrupt_arm_and_resume_reuses_the_folder(tmp_path, 
     assert {k: v for k, v in digests(out).items() if not k.startswith("arms/")} == \
         {k: v for k, v in good.items() if not k.startswith("arms/")}
     assert sweep.main(["--resume", str(out)]) == 0  # nothing to do: both arms reused
+    # the command that made the folder stays first, the repairs after it (a --resume replaced it; outside review)
+    made = (out / "command.txt").read_text().splitlines()
+    assert f"--arms control,init --out {out}" in made[0] and made[1:] == [
+        f"{made[1].split(' --resume')[0]} --resume {out} --recompute init", f"{made[1].split(' --resume')[0]} --resume {out}"]
 
 
 FAST = [*conftest.FAST, "--epochs", "2"]  # each test names its replicas

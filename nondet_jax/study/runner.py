@@ -79,9 +79,21 @@ def write_run_files(store, config: Config, data, fns, command: str | None, model
     store.write_json(store.paths.environment.name, env)
     store.write_json(store.paths.model.name, model)
     if command:
-        atomic_write_bytes(store.paths.command, (command + "\n").encode(), root=store.root)
+        atomic_write_bytes(store.paths.command, (made_by(store.paths.command, command) + "\n").encode(), root=store.root)
     atomic_write_bytes(store.paths.test_labels, npy_bytes(np.asarray(data.y_test)), root=store.root)
     return strategy, reason
+
+
+def made_by(path, command: str) -> str:
+    """``command.txt``'s text after ``command``: the command itself, but a ``--resume`` (which names only the folder)
+    keeps the command that started the folder first and is added after it (it replaced it)."""
+    if "--resume" not in command.split() or not path.is_file():
+        return command
+    try:
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError):
+        return command
+    return "\n".join(lines + ([command] if command not in lines else []))
 
 
 BN_LEFT = 0.05  # the share of the initial running statistics a study's BatchNorm may keep at its end
