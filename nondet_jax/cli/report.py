@@ -34,7 +34,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             raise UsageError(f"{run} is not a nondet_jax run folder (no config.json); pass the --out folder of a sweep")
         paths = RunPaths(run)
         lost = [p.name for p in (paths.model, paths.environment, paths.test_labels) if not p.exists()]
-        if lost and any(paths.root.glob("arms/*.json")):  # the report's text, figures and tables read them
+        from nondet_jax.study.prepare import holds_results
+
+        if lost and holds_results(paths):  # the report's text, figures and tables read them
             raise UsageError(f"{run} lacks {', '.join(lost)}; rerun the sweep command that made it (command.txt), "
                              f"which writes {'it' if len(lost) == 1 else 'them'} again without retraining a finished arm")
         from nondet_jax.report.markdown import write_report  # JAX and scipy: once the folder is a run folder
