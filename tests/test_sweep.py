@@ -220,6 +220,8 @@ def test_set_and_flag_giving_one_key_two_values_is_refused_and_a_bracketed_list_
     with pytest.raises(UsageError, match="--epochs 3 and --set train.epochs=1 disagree; give one"):
         config("--epochs", "3", "--set", "train.epochs=1")
     assert config("--epochs", "3", "--set", "train.epochs=3").train.epochs == 3
+    assert config("--lr", "0.05", "--set", "optim.lr=5e-2").optim.lr == 0.05  # one value, written two ways
+    assert config("--arms", "control,init", "--set", "study.arms=[control, init]").study.arms == ("control", "init")
     assert config("--set", "study.arms=[control, init]").study.arms == ("control", "init")
 
 
