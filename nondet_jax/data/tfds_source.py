@@ -190,9 +190,10 @@ def load_tfds(name: str, data_dir: str | None = None, *, image_size: int = 0, ma
         raise UsageError(f"{name}'s training split does not fit in memory; set a subset size with "
                          f"--set data.max_train_examples=50000 (say), and --set data.image_size=64 for a smoke run")
     test_split = TEST_SPLIT.get(name, "test")
-    if data_dir and not (Path(data_dir).expanduser() / tfds_name(name).split("/")[0]).is_dir():
+    folder = tfds_name(name).split("/")[0]  # TFDS keeps a set (and its configs) under <data_dir>/<name>
+    if data_dir and not (Path(data_dir).expanduser() / folder).is_dir():
         # nothing of it there: TFDS would name a file-format problem after a warning of its own
-        raise UsageError(f"dataset '{name}' is not in {data_dir} (no folder {tfds_name(name).split('/')[0]} there); "
+        raise UsageError(f"dataset '{name}' is not in {data_dir} (no folder {folder} there); "
                          f"{prepare_hint(name, data_dir)}")
     absl_log = logging.getLogger("absl")
     level = absl_log.level
