@@ -8,6 +8,7 @@ from conftest import spec_of, tiny_config
 
 from nondet_jax.analysis.arm import (
     arm_metrics,
+    bn_examples,
     compare_arms,
     interpolation_error_fn,
     lmc_pairs,
@@ -74,6 +75,22 @@ def test_batchnorm_is_recomputed_for_interpolated_weights(trained, small_digits)
     rows = interpolation_curves(err, [(take(0), take(1)), (take(1), take(1)), (take(1), take(0))], alphas, threads=2)
     assert np.array_equal(rows[0], one) and np.array_equal(rows[2], interpolation_curve(err, take(1), take(0), alphas))
     assert np.array_equal(rows[1], np.full(len(alphas), err(take(1))))
+
+
+def test_batchnorm_is_recomputed_on_examples_of_every_class(trained, small_digits):
+    """A training set stored class by class (an outside review): the LMC curve's ends are the replicas' own
+    errors, as on shuffled data; the first examples alone held one class and read errors far from them."""
+    fns, res = trained
+    order = np.argsort(small_digits.y_train, kind="stable")
+    idx = bn_examples(len(order), 100)
+    assert len(set(small_digits.y_train[order][idx].tolist())) == small_digits.num_classes
+    assert bn_examples(256, 256) == slice(None)  # a set no larger: all of it, in its order
+    ends = []
+    for data in (small_digits, small_digits._replace(x_train=small_digits.x_train[order],
+                                                      y_train=small_digits.y_train[order])):
+        m, arrays = arm_metrics(res["all"], data, fns, MetricsConfig(lmc_pairs=1, lmc_points=2, bn_examples=100))
+        ends.append(arrays["lmc_curves"][0])
+    assert np.abs(ends[1] - ends[0]).max() <= 0.05, ends
 
 
 def test_lmc_pairs_are_disjoint():

@@ -39,6 +39,20 @@ def _predictions(evaluate, recompute_batch_stats):
     return predictions
 
 
+BN_SUBSET_SEED = 0  # one fixed subset for every arm and replica pair, so their barriers are read on the same images
+
+
+def bn_examples(n: int, count: int):
+    """Which of ``n`` training examples BatchNorm statistics are recomputed on: all of them when there are at most
+    ``count`` (in their order, so the arithmetic is that of the whole set), else ``count`` drawn without
+    replacement by a fixed seed and kept in the data's order. The first ``count`` would do only for shuffled data:
+    a set stored class by class gave one class's statistics and an LMC curve whose ends missed their replicas' own
+    errors."""
+    if n <= count:
+        return slice(None)
+    return np.sort(np.random.default_rng(BN_SUBSET_SEED).choice(n, count, replace=False))
+
+
 def interpolation_error_fn(fns: TrainFns, batch_stats, x_bn, x_test, y_test):
     """Jitted test error of weights, with BatchNorm statistics recomputed on ``x_bn`` first."""
     y_test = np.asarray(y_test)
@@ -82,7 +96,7 @@ def arm_metrics(result, data, fns: TrainFns, cfg: MetricsConfig) -> tuple[dict, 
         out[name] = S.pairwise_summary(name, arrays[name], r, minority=minority, n_test=len(labels))
     pairs = lmc_pairs(r, cfg.lmc_pairs)
     if pairs:
-        x_bn = np.asarray(data.x_train[: cfg.bn_examples])
+        x_bn = np.asarray(data.x_train[bn_examples(len(data.x_train), cfg.bn_examples)])
         # on the host: slicing replicas and interpolating weights there compiles nothing (as device arrays, each
         # leaf shape's slice, add, subtract and multiply was a program of its own: 64 of a default study's 126)
         host = jax.device_get(result.state)
