@@ -269,6 +269,13 @@ def study_config(*, model=None, data_name: str | None = None, optimizer=None, ep
         flat["train.epochs"] = epochs
     if batch_size is not None:
         flat["train.batch_size"] = batch_size
+    given = {"study.arms": ("arms", arms, DEFAULT_ARMS), "study.replicas": ("replicas", replicas, 4),
+             "study.seed": ("seed", seed, 0), "study.strategy": ("strategy", strategy, "auto"),
+             "train.epochs": ("epochs", epochs, None), "train.batch_size": ("batch_size", batch_size, None)}
+    for key, (word, value, default) in given.items():  # a keyword given and a setting must not disagree
+        if key in (settings or {}) and value is not None and value != default \
+                and not cfg.same_setting(key, value, settings[key]):
+            raise UsageError(f"{word}={value!r} and settings['{key}']={settings[key]!r} disagree; give one")
     flat.update(settings or {})
     if optimizer is not None:  # the optimizer passed is the one that trains, whatever optim.* says
         cfg.refuse_optim_settings({str(k): "settings=" for k in settings or {}}, cfg.OptimConfig(name=cfg.CUSTOM))
@@ -312,7 +319,8 @@ def run_study(model=None, data=None, optimizer=None, loss: Callable | None = Non
         (floating-point targets are a regression: the model's outputs are shaped like the targets, the
         default loss is the squared error, and the report gives test MSE and MAE, the distance and
         correlation of replicas' predictions, in place of accuracy, disagreement and LMC).
-      settings: further config keys, dotted (``{"optim.lr": 0.1, "metrics.lmc_pairs": 0}``).
+      settings: further config keys, dotted (``{"optim.lr": 0.1, "metrics.lmc_pairs": 0}``); one that a keyword
+        above also gives must agree with it.
       config: a base :class:`~nondet_jax.config.Config` the above apply on top of.
       progress, log: a progress bar; where messages go (``log=lambda *a: None`` for silence).
       methods: several methods in one study, paired by seed: ``{name: overrides}``, each value a dict of

@@ -455,6 +455,16 @@ def parse_overrides(items: list[str]) -> dict[str, str]:
     return out
 
 
+def same_setting(key: str, a, b) -> bool:
+    """Whether two values of config key ``key`` are one setting (``--lr 0.05`` and ``--set optim.lr=5e-2``,
+    ``replicas=4`` and ``settings={"study.replicas": "4"}``): each read as the config reads it, or, where one alone
+    is not a valid config, as written."""
+    try:
+        return to_dict(from_flat({key: a})) == to_dict(from_flat({key: b}))
+    except UsageError:
+        return str(a) == str(b)
+
+
 def to_dict(config: Config) -> dict[str, Any]:
     """The nested plain-dict form written to ``config.json``."""
     d = dataclasses.asdict(config)

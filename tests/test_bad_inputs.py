@@ -227,6 +227,8 @@ CASES: list[tuple[str, str]] = [
     ("CLI", "--optimizer mypkg.opt:adam --lr 0.7"),
     ("API", "run_study(Linear, TWO_CLASSES, batch_size=4, optimizer=optax.sgd(0.1), settings={'optim.lr': 0.2})"),
     ("API", "run_study(Linear, TWO_CLASSES, batch_size=4, optimizer=optax.lbfgs())"),
+    # a keyword and a setting that disagree (one settings dict reused across calls): neither silently wins
+    ("API", "run_study(Linear, TWO_CLASSES, batch_size=4, settings={'train.batch_size': 8})"),
     ("API", "replicate(lambda keys: jnp.zeros(3), lambda s, b, keys: s, (jnp.ones((8, 2)),), steps=4)"),
 ]
 

@@ -212,15 +212,6 @@ def _data_bound(preset: dict, flat: dict, chosen: set) -> dict:
     return {k: v for k, v in flat.items() if k not in DATA_BOUND_KEYS or k in chosen}
 
 
-def _same_setting(key: str, a, b) -> bool:
-    """Whether two values of config key ``key`` are one setting (``--lr 0.05`` and ``--set optim.lr=5e-2``): each read
-    as the config reads it, or, where one alone is not a valid config, as written."""
-    try:
-        return cfg.to_dict(cfg.from_flat({key: a})) == cfg.to_dict(cfg.from_flat({key: b}))
-    except UsageError:
-        return str(a) == str(b)
-
-
 def config_from_args(args: argparse.Namespace) -> Config:
     """Preset (default: sources unless --config is given), then --config, then flags, then --set (a file's
     ``methods:`` and ``baseline:`` are :func:`methods_from_args`'s)."""
@@ -232,7 +223,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         value = getattr(args, flag)
         if value is None:
             continue
-        if key in overrides and not _same_setting(key, value, overrides[key]):
+        if key in overrides and not cfg.same_setting(key, value, overrides[key]):
             raise UsageError(f"--{flag.replace('_', '-')} {value} and --set {key}={overrides[key]} disagree; give one")
         flat[key] = value
     flat.update(overrides)
