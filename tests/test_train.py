@@ -163,6 +163,17 @@ def test_auto_strategy_rule():
     assert resolve_strategy("vmap", 8, "cpu") == ("vmap", "requested")
 
 
+def test_auto_strategy_does_not_shard_a_watched_study(monkeypatch):
+    """Several accelerators run sharded, whose epochs are one program: a study watching replicas between steps
+    (study.dynamics_every, the bitflip and morin presets) was refused there by default (an outside review)."""
+    import jax
+
+    monkeypatch.setattr(jax, "local_device_count", lambda: 4)
+    assert resolve_strategy("auto", 16, "gpu")[0] == "sharded"
+    assert resolve_strategy("auto", 16, "gpu", watched=True)[0] == "vmap"
+    assert resolve_strategy("auto", 8, "gpu", watched=True)[0] == "sequential"
+
+
 def test_schedules():
     def cfg(**kw):
         return from_flat({f"optim.{k}": v for k, v in kw.items()}).optim

@@ -6,11 +6,12 @@ from __future__ import annotations
 from nondet_jax.machine import measured
 
 
-def resolve_strategy(requested: str, replicas: int, backend: str | None = None) -> tuple[str, str]:
+def resolve_strategy(requested: str, replicas: int, backend: str | None = None, watched: bool = False) -> tuple[str, str]:
     """Pick the strategy for ``auto``; returns (strategy, reason), the reason naming the measurement.
 
     Rule: one replica runs ``sequential``; several accelerators run ``sharded`` (replicas over the
-    devices, vmapped on each); otherwise the backend's measured rule in ``measured.json``
+    devices, vmapped on each) unless the study is ``watched`` (``study.dynamics_every``: replicas watched between
+    steps, which ``sharded``'s one-program epochs do not allow); otherwise the backend's measured rule in ``measured.json``
     (:func:`nondet_jax.machine.measured.strategy_rule`): ``vmap`` from ``vmap_min_replicas`` replicas on,
     ``sequential`` below it or when it is null (CPU: a vmapped ResNet step cost several times the
     loop, benchmarks/replicas.py and benchmarks/peer_pytorch.py; one GPU: vmap from 16 replicas on,
@@ -26,7 +27,7 @@ def resolve_strategy(requested: str, replicas: int, backend: str | None = None) 
         import jax
 
         backend = backend or jax.default_backend()
-        if backend != "cpu" and jax.local_device_count() > 1:
+        if backend != "cpu" and jax.local_device_count() > 1 and not watched:
             return "sharded", f"auto: replicas over {jax.local_device_count()} {backend} devices, vmapped on each"
     rule = measured.strategy_rule(backend)
     if not rule:

@@ -98,7 +98,7 @@ def fit_arm(config: Config, data, fns, store, arm: Arm, progress, log=print, blo
     study = config.study
     config, fns = arm_setup(config, fns, arm)
     block = block or range(study.replicas)
-    strategy_name, reason = resolve_strategy(study.strategy, len(block))
+    strategy_name, reason = resolve_strategy(study.strategy, len(block), watched=bool(study.dynamics_every))
     strategy = make_strategy(fns, strategy_name)
     keys = arm_keys(study.seed, arm.varied, block.stop, first=block.start)
     perturb = perturbations(arm.varied)
@@ -151,7 +151,7 @@ def grow_arm(config: Config, data, fns, store, arm: Arm, progress_for, log=print
     if done > study.replicas:
         raise UsageError(f"{store.paths.parts(arm.name)} holds {done} replicas of arm '{arm.name}', more than this "
                          f"study's {study.replicas}; rerun with --recompute {arm.name} to train it again")
-    strategy_name, reason = resolve_strategy(study.strategy, study.replicas)
+    strategy_name, reason = resolve_strategy(study.strategy, study.replicas, watched=bool(study.dynamics_every))
     if done < study.replicas:
         block = range(done, study.replicas)
         result, reason = fit_arm(config, data, fns, store, arm, progress_for(len(block) * config.train.epochs),

@@ -110,7 +110,7 @@ def train_group(configs: dict[str, cfg.Config], folders: dict[str, object], part
         model = model_record(configs[n], data, f)
         check_model(RunPaths(folders[n]), model, configs[n])
         own[n] = (f, model)
-    strategy_name, why = resolve_strategy(study.strategy, k * study.replicas)
+    strategy_name, why = resolve_strategy(study.strategy, k * study.replicas, watched=bool(study.dynamics_every))
     if strategy_name not in ("sequential", "vmap"):
         strategy_name, why = "sequential", f"batched methods run sequential or vmap, not {strategy_name}"
     check_watchable(first, fns, strategy_name)

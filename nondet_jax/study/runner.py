@@ -47,7 +47,8 @@ from nondet_jax.until import check_arms
 
 def study_strategy(config: Config) -> str:
     """The strategy this study's arms run (``auto`` resolved)."""
-    return resolve_strategy(config.study.strategy, config.study.replicas)[0]
+    return resolve_strategy(config.study.strategy, config.study.replicas,
+                            watched=bool(config.study.dynamics_every))[0]
 
 
 def study_epoch_shape(config: Config, fns) -> str:
