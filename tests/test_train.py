@@ -272,3 +272,20 @@ def test_stepped_epoch_trains_what_the_scanned_epoch_trains(small_digits, strate
     assert a.steps["instruments"].keys() == b.steps["instruments"].keys()
     for k in ("Loss", "GradNorm", "Alpha", "NormTest"):
         np.testing.assert_allclose(a.steps["instruments"][k], b.steps["instruments"][k], rtol=1e-4, atol=1e-6)
+
+
+def test_training_notes_say_what_runs_otherwise_than_meant(small_digits):
+    """A batch size leaving a third of the examples out of every epoch, and a warm-up as long as training, were
+    silent (outside reviews); the default study's settings say nothing."""
+    from nondet_jax.study.runner import training_notes
+
+    def notes(**flat):
+        config = tiny_config(**flat)
+        return training_notes(config, small_digits, make_train(config, spec_of(small_digits)))
+
+    assert notes() == []  # 256 examples in batches of 64, 2 epochs after a 1-epoch warm-up
+    dropped, = notes(**{"train.batch_size": 100})
+    assert "leaves 56 of the 256 training examples (22%) out of every epoch" in dropped
+    warm, = notes(**{"optim.warmup_epochs": 2})
+    assert "optim.warmup_epochs=2 is as long as training (2 epoch(s))" in warm and "never decays" in warm
+    assert notes(**{"optim.warmup_epochs": 2, "optim.schedule": "step"}) == []  # the step schedule has no warm-up

@@ -8,6 +8,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from nondet_jax import config as cfg
 from nondet_jax.analysis.task import QUANTITIES, task_of
 from nondet_jax.config import Config
 from nondet_jax.data import data_notes
@@ -62,15 +63,14 @@ def write_run_files(store, config: Config, data, fns, command: str | None, model
     (with the strategy and why, and how the instruments form per-example gradients), ``model.json``
     (:func:`model_record`), the test labels, the command. Returns (strategy, reason)."""
     study = config.study
-    strategy, reason = resolve_strategy(study.strategy, study.replicas)
+    strategy, reason = resolve_strategy(study.strategy, study.replicas, watched=bool(study.dynamics_every))
     env = environment()
     env["strategy"] = {"requested": study.strategy, "chosen": strategy, "reason": reason}
     env["scan_unroll"] = fns.unroll
     env["epoch_shape"] = study_epoch_shape(config, fns)
     env["replica_threads"] = fns.replica_threads if strategy == "sequential" else 1
     env["processes"] = processes
-    note = batch_norm_note(config, data, fns)
-    if note:
+    for note in training_notes(config, data, fns):
         log(note)
     path = instruments_path(fns, data)
     if path is not None:
@@ -98,6 +98,28 @@ def made_by(path, command: str) -> str:
 
 
 BN_LEFT = 0.05  # the share of the initial running statistics a study's BatchNorm may keep at its end
+
+
+DROPPED_SHARE = 0.05  # the share of the training examples an epoch may leave out (full batches only) unsaid
+
+
+def training_notes(config: Config, data, fns) -> list[str]:
+    """Lines for the log about training that runs as configured but likely not as meant: BatchNorm statistics
+    that cannot converge (:func:`batch_norm_note`), a batch size that leaves a sizeable share of the examples out of
+    every epoch, a warm-up as long as training (the cosine schedule then never decays)."""
+    out = [note for note in [batch_norm_note(config, data, fns)] if note]
+    n, b = len(data.x_train), config.train.batch_size
+    left = n - fns.steps_per_epoch * b
+    if left > DROPPED_SHARE * n:
+        out.append(f"note: batch size {b} leaves {left} of the {n} training examples ({100 * left / n:.0f}%) out of "
+                   "every epoch (full batches only; each epoch's shuffle leaves out others); choose a batch size "
+                   f"that divides {n} more nearly, e.g. {n // max(1, round(n / b))}")
+    o, total = config.optim, config.train.epochs * fns.steps_per_epoch
+    if not cfg.user_optimizer(o) and o.schedule == "cosine" and round(o.warmup_epochs * fns.steps_per_epoch) >= total:
+        out.append(f"note: optim.warmup_epochs={o.warmup_epochs:g} is as long as training ({config.train.epochs} "
+                   f"epoch(s)): the learning rate rises to {o.lr:g} over all {total} steps and never decays; train "
+                   f"for more than {o.warmup_epochs:g} epochs or set a shorter warm-up (--set optim.warmup_epochs=...)")
+    return out
 
 
 def batch_norm_note(config: Config, data, fns) -> str | None:
