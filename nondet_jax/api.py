@@ -34,6 +34,7 @@ from nondet_jax.sources import StepKeys, arm_keys, check_own_sources, own_keys, 
 from nondet_jax.store.paths import RunPaths
 from nondet_jax.study import runner
 from nondet_jax.study.memory import check_program_fits, release_compiled
+from nondet_jax.train import carry_change
 from nondet_jax.until import check_arms
 from nondet_jax.until import parse as parse_until
 
@@ -277,9 +278,11 @@ def study_config(*, model=None, data_name: str | None = None, optimizer=None, ep
                 and not cfg.same_setting(key, value, settings[key]):
             raise UsageError(f"{word}={value!r} and settings['{key}']={settings[key]!r} disagree; give one")
     flat.update(settings or {})
-    if optimizer is not None:  # the optimizer passed is the one that trains, whatever optim.* says
-        cfg.refuse_optim_settings({str(k): "settings=" for k in settings or {}}, cfg.OptimConfig(name=cfg.CUSTOM))
-    return cfg.from_flat(flat, base)
+    config = cfg.from_flat(flat, base)
+    # the optimizer passed is the one that trains, whatever optim.* says; else the config's reads only its own keys
+    cfg.refuse_optim_settings({str(k): "settings=" for k in settings or {}},
+                              cfg.OptimConfig(name=cfg.CUSTOM) if optimizer is not None else config.optim)
+    return config
 
 
 def run_study(model=None, data=None, optimizer=None, loss: Callable | None = None, augment: Callable | None = None,
@@ -386,12 +389,33 @@ def api_words():
     try:
         yield
     except UsageError as e:
-        text = re.sub(r"--set ([\w.]+)=([^\s;,)]+)", lambda m: f"settings={{'{m.group(1)}': "
-                      f"{ {'true': 'True', 'false': 'False'}.get(m.group(2), m.group(2))}}}", str(e))
+        text = re.sub(r"--set ([\w.]+)=([^\s;,)]+)", lambda m: f"settings={{'{m.group(1)}': {_py(m.group(2))}}}", str(e))
         text = re.sub(r"--(until|baseline) ([\w.=+-]+)", r"\1='\2'", text).replace("--batch-methods", "batch_methods=True")
         text = re.sub(r"--(out|arms|replicas|epochs|seed|strategy|batch-size|max-replicas|until)( (?=[\d/.~]))?",
                       lambda m: m.group(1).replace("-", "_") + "=", text)
+        text = re.sub(r"--([a-z][\w-]*) ([^\s;,)]+)", lambda m: _flag_words(m.group(0), m.group(1), m.group(2)), text)
         raise UsageError(text.replace("rerun the sweep", "rerun the study")) from None
+
+
+def _py(value: str) -> str:
+    """A command line's value as Python writes it: True, 0.05, 'sgd'."""
+    if value in ("true", "false"):
+        return value.title()
+    try:
+        float(value)
+        return value
+    except ValueError:
+        return repr(value)
+
+
+def _flag_words(text: str, flag: str, value: str) -> str:
+    """``--augment off`` as a ``run_study`` caller writes it (``model='mlp'``, ``data='digits'``, else
+    ``settings={'data.augment': 'off'}``); ``text`` unchanged when the flag sets no config key."""
+    key = cfg.FLAG_KEYS.get(flag.replace("-", "_"))
+    if key is None:
+        return text
+    word = {"model.name": "model", "data.name": "data"}.get(key)
+    return f"{word}={_py(value)}" if word else f"settings={{'{key}': {_py(value)}}}"
 
 
 def _run_methods(methods, baseline, parts: dict, dataset, data_name, study: dict, settings, config, out, features,
@@ -504,16 +528,16 @@ def _traced(signature: str, fn: Callable, *args):
 def _check_carry(before, after) -> None:
     """Refuse a ``replicate`` step whose state differs from the one it got in structure, or a leaf in
     shape or dtype: ``lax.scan`` said so deep in JAX, in its own words."""
-    if jax.tree.structure(after) != jax.tree.structure(before):
-        raise UsageError(f"step(state, batch, keys) returns a state shaped {jax.tree.structure(after)} for a state "
-                         f"shaped {jax.tree.structure(before)} (from init); return the state with the same keys and "
-                         "nesting (lax.scan carries it from step to step)")
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(before), jax.tree.leaves(after)):
-        was, now = (np.shape(a), jnp.result_type(a)), (np.shape(b), jnp.result_type(b))
-        if was != now:
-            raise UsageError(f"step(state, batch, keys) turns state{jax.tree_util.keystr(path)} from {was[1]}{was[0]} "
-                             f"into {now[1]}{now[0]}; return every leaf with the shape and dtype init gave it (cast "
-                             "with .astype, keep shapes fixed: lax.scan carries the state from step to step)")
+    change = carry_change(before, after)
+    if change is None:
+        return
+    where, was, now = change
+    if not where:
+        raise UsageError(f"step(state, batch, keys) returns a state shaped {now} for a state shaped {was} (from init); "
+                         "return the state with the same keys and nesting (lax.scan carries it from step to step)")
+    raise UsageError(f"step(state, batch, keys) turns state{where} from {was} into {now}; return every leaf with the "
+                     "shape and dtype init gave it (cast with .astype, keep shapes fixed: lax.scan carries the state "
+                     "from step to step)")
 
 
 def decompose(run: "str | Path | StudyResult") -> dict:

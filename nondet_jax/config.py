@@ -159,15 +159,53 @@ def user_optimizer(o: "OptimConfig") -> bool:
     return o.name == CUSTOM or imported(o.name)
 
 
+# the command line's flags that set one config key each (--batch-size: batch_size): flag -> dotted key
+FLAG_KEYS = {
+    "arms": "study.arms",
+    "replicas": "study.replicas",
+    "seed": "study.seed",
+    "strategy": "study.strategy",
+    "epochs": "train.epochs",
+    "batch_size": "train.batch_size",
+    "model": "model.name",
+    "width": "model.width",
+    "dropout": "model.dropout",
+    "dataset": "data.name",
+    "data_dir": "data.data_dir",
+    "augment": "data.augment",
+    "optimizer": "optim.name",
+    "loss": "train.loss",
+    "features": "model.features",
+    "init_from": "model.init_from",
+    "lr": "optim.lr",
+    "instruments": "instruments.config",
+}
+
+
+# optim.* keys each of the config's optimizers or schedules reads alone: set explicitly under another, it would do
+# nothing (each key -> (the config's field it depends on, the values that read it))
+OPTIM_KEY_USERS = {"optim.momentum": ("name", ("sgd",)), "optim.nesterov": ("name", ("sgd",)),
+                   "optim.warmup_epochs": ("schedule", ("cosine", "snapshot")),
+                   "optim.step_every_epochs": ("schedule", ("step",)), "optim.step_factor": ("schedule", ("step",))}
+
+
 def refuse_optim_settings(given: dict[str, str], o: "OptimConfig") -> None:
     """Settings of the config's optimiser (``given``: each key set explicitly, with how it was set, e.g.
-    ``{"optim.lr": "--lr"}``; its ``optim.*`` ones) where the study trains with ``o``, the user's own optimiser,
-    whose learning rate and schedule are its own: refused, since they would be silently ignored."""
+    ``{"optim.lr": "--lr"}``; its ``optim.*`` ones) that ``o`` would silently ignore: any, where the study trains
+    with the user's own optimiser, whose learning rate and schedule are its own; else one that only another of
+    the config's optimizers or schedules reads (:data:`OPTIM_KEY_USERS`: ``optim.momentum`` under adamw,
+    ``optim.warmup_epochs`` under the step schedule). Refused."""
     keys = sorted(k for k in given if k.startswith("optim."))
     if keys and user_optimizer(o):
         raise UsageError(f"{keys[0]} (set by {given[keys[0]]}) does not apply: the study trains with your own "
                          "optimizer, whose learning rate and schedule are its own, so it would be ignored; build it into "
                          "your optimizer (e.g. optax.sgd(0.2)), or leave yours out to use the config's")
+    for key in keys:
+        field, users = OPTIM_KEY_USERS.get(key, (None, ()))
+        if field and getattr(o, field) not in users:
+            what = "optimizer" if field == "name" else "schedule"
+            raise UsageError(f"{key} (set by {given[key]}) does nothing under the {getattr(o, field)} {what}: only "
+                             f"{' and '.join(users)} read{'s' if len(users) == 1 else ''} it; drop it, or choose --set optim.{field}={users[0]}")
 
 
 # config keys that name one of run_study's own parts (model, optimizer, loss, augment, init_params): what differs

@@ -73,6 +73,22 @@ class Health(NamedTuple):
     last_loss: jax.Array  # float32 last finite training loss (NaN before the first step)
 
 
+
+def carry_change(before, after, dtypes: bool = True) -> tuple[str, str, str] | None:
+    """How ``after`` differs from ``before`` as a value a loop carries from step to step (``lax.scan`` and
+    ``lax.cond`` need the same structure, shapes and dtypes): None when it does not, else (where, was, now) for a
+    message: ``("", "PyTreeDef(...)", "PyTreeDef(...)")`` when the structure differs, else the first leaf that
+    differs, ``("['w']", "float32(3,)", "float16(3,)")``. ``dtypes=False``: shapes alone (an optimizer's updates,
+    which ``optax.apply_updates`` casts to the parameters' dtypes)."""
+    if jax.tree.structure(after) != jax.tree.structure(before):
+        return "", str(jax.tree.structure(before)), str(jax.tree.structure(after))
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(before), jax.tree.leaves(after)):
+        was, now = (np.shape(a), jnp.result_type(a)), (np.shape(b), jnp.result_type(b))
+        if was != now if dtypes else was[0] != now[0]:
+            return jax.tree_util.keystr(path), f"{was[1]}{was[0]}", f"{now[1]}{now[0]}"
+    return None
+
+
 def healthy() -> Health:
     return Health(jnp.int32(-1), jnp.float32(jnp.nan))
 

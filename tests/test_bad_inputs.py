@@ -227,6 +227,14 @@ CASES: list[tuple[str, str]] = [
     ("CLI", "--optimizer mypkg.opt:adam --lr 0.7"),
     ("API", "run_study(Linear, TWO_CLASSES, batch_size=4, optimizer=optax.sgd(0.1), settings={'optim.lr': 0.2})"),
     ("API", "run_study(Linear, TWO_CLASSES, batch_size=4, optimizer=optax.lbfgs())"),
+    # a setting that only another of the config's optimizers or schedules reads
+    ("CLI", "--set optim.name=adamw --set optim.momentum=0.5"),
+    ("API", "run_study(Linear, TWO_CLASSES, batch_size=4, settings={'optim.schedule': 'step', 'optim.warmup_epochs': 2})"),
+    # an optimizer of your own whose state changes dtype, or whose updates are another tree: named before training
+    ("API", "run_study(Linear, TWO_CLASSES, batch_size=4, optimizer=optax.GradientTransformation("
+            "lambda p: jnp.zeros((), jnp.int32), lambda g, s, p=None: (g, s + 0.5)))"),
+    ("API", "run_study(Linear, TWO_CLASSES, batch_size=4, optimizer=optax.GradientTransformation("
+            "lambda p: optax.EmptyState(), lambda g, s, p=None: ({'x': 1.0}, s)))"),
     # a keyword and a setting that disagree (one settings dict reused across calls): neither silently wins
     ("API", "run_study(Linear, TWO_CLASSES, batch_size=4, settings={'train.batch_size': 8})"),
     ("API", "replicate(lambda keys: jnp.zeros(3), lambda s, b, keys: s, (jnp.ones((8, 2)),), steps=4)"),

@@ -27,27 +27,7 @@ from nondet_jax.study import methods
 # arguments and the config have passed their checks: a refused argument costs the interpreter and the config,
 # not JAX's start (benchmarks/cli_startup.py).
 
-# CLI flag -> dotted config key
-FLAGS = {
-    "arms": "study.arms",
-    "replicas": "study.replicas",
-    "seed": "study.seed",
-    "strategy": "study.strategy",
-    "epochs": "train.epochs",
-    "batch_size": "train.batch_size",
-    "model": "model.name",
-    "width": "model.width",
-    "dropout": "model.dropout",
-    "dataset": "data.name",
-    "data_dir": "data.data_dir",
-    "augment": "data.augment",
-    "optimizer": "optim.name",
-    "loss": "train.loss",
-    "features": "model.features",
-    "init_from": "model.init_from",
-    "lr": "optim.lr",
-    "instruments": "instruments.config",
-}
+FLAGS = cfg.FLAG_KEYS  # CLI flag -> dotted config key
 
 
 DEFAULT_PRESET = "sources"

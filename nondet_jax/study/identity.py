@@ -120,7 +120,7 @@ def model_facts(fns, x_dtype) -> dict:
             "dropout_follows_examples": bool(model.per_example_dropout), "features": model.features}
 
 
-def _step_update(tx, grads, state, params):
+def step_update(tx, grads, state, params):
     """``tx.update`` as a study's training step calls it, (grads, state, params): an optimiser whose update needs
     more (optax.lbfgs's line search: value, grad, value_fn; contrib.reduce_on_plateau: value) is refused in one
     line here, where it is first traced, before anything is written."""
@@ -157,7 +157,7 @@ def part_identities(config, data, fns) -> dict[str, dict]:
     user_model = p.model is not None
     opt_state = jax.eval_shape(fns.tx.init, params)
     opt = hashlib.sha256((jaxpr_sha256(fns.tx.init, params)
-                          + jaxpr_sha256(lambda g, s, w: _step_update(fns.tx, g, s, w), params, opt_state, params)).encode())
+                          + jaxpr_sha256(lambda g, s, w: step_update(fns.tx, g, s, w), params, opt_state, params)).encode())
     total = config.train.epochs * fns.steps_per_epoch
     aug = "none" if fns.augment is None else jaxpr_sha256(fns.augment, key, xb)
     return {

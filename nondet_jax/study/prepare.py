@@ -33,9 +33,10 @@ from nondet_jax.study.identity import (
     model_facts,
     part_identities,
     reads_argument,
+    step_update,
 )
 from nondet_jax.study.memory import check_fits
-from nondet_jax.train import DataSpec, augmentation_settings, make_train
+from nondet_jax.train import DataSpec, augmentation_settings, carry_change, make_train
 
 
 def default_out(config: Config, identity: str = "") -> Path:
@@ -215,6 +216,36 @@ def check_loss(fns, data) -> None:
                          "them): reduce the other axes in the loss, e.g. .sum(-1)")
 
 
+def check_optimizer(fns) -> None:
+    """Refuse, before anything trains, an optimizer of your own whose init or update fails on the model's
+    parameters, whose update returns updates not shaped as the parameters, or whose state changes structure, shape
+    or dtype from step to step (the training step carries it): each failed deep in JAX, naming its internals.
+    Traced, not run."""
+    if fns.parts.optimizer is None:
+        return
+    params = _variables_shape(fns)["params"]
+    try:
+        state = jax.eval_shape(fns.tx.init, params)
+        updates, new = jax.eval_shape(lambda g, s, w: step_update(fns.tx, g, s, w), params, state, params)
+    except UsageError:
+        raise
+    except Exception as e:  # noqa: BLE001 (the user's optimizer: any error, named)
+        raise UsageError(f"your optimizer fails on the model's parameters ({_first_line(e)}); give an "
+                         "optax.GradientTransformation whose init(params) returns a pytree of arrays and whose "
+                         "update(grads, state, params) returns (updates, state)") from None
+    change = carry_change(params, updates, dtypes=False)
+    if change:
+        where, was, now = change
+        raise UsageError(f"your optimizer's update returns updates{where} {now} for parameters{where} {was}; return "
+                         "one update per parameter, shaped as it is")
+    change = carry_change(state, new)
+    if change:
+        where, was, now = change
+        raise UsageError(f"your optimizer's update turns its state{where} from {was} into {now}; keep every leaf of "
+                         "the state at the structure, shape and dtype its init gave (the training step carries it "
+                         "from step to step)")
+
+
 def parse_arms(config: Config) -> list[Arm]:
     """The study's arms, each parsed once (UsageError for unknown names)."""
     return [parse_arm(a) for a in config.study.arms]
@@ -301,6 +332,7 @@ def prepare(config: Config, parts: Parts = Parts(), data=None):
     check_init_params(fns, config.model.name, config.model.init_from or None)
     check_outputs(fns, config.model.name)  # the user's parts, each traced on its own first: a misuse is named, not found deep in JAX
     check_loss(fns, data)
+    check_optimizer(fns)
     check_augment(fns)
     check_arms_active(config, parse_arms(config), fns)
     check_fits(config, spec, len(data.x_test), fns=fns)  # before anything is allocated or written
