@@ -35,7 +35,7 @@ LOCK = ".lock"
 # checkpoint interval and cadence only decide how much a crash costs, the replica threads how fast the sequential
 # strategy trains (bitwise the same results), and the power ratios are read by the report.
 RESULT_NEUTRAL = {("study", "arms"), ("train", "checkpoint_every"), ("train", "checkpoint_seconds"),
-                  ("train", "replica_threads"), ("metrics", "power_ratios")}
+                  ("train", "replica_threads"), ("metrics", "power_ratios"), ("metrics", "decomposition")}
 
 
 # Keys added after run folders existed, with the value that means what a folder without them meant: at that
