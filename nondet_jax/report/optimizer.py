@@ -46,15 +46,16 @@ def _schedule_values(fn, steps: list[int]) -> dict[str, float] | None:
     return {str(s): float(v) for s, v in zip(steps, values)}
 
 
-def describe_optimizer(tx, total_steps: int) -> list[dict]:
+def describe_optimizer(tx, total_steps: int, _seen: set[int] | None = None) -> list[dict]:
     """The optax transformations of ``tx`` in the order they apply, each with its scalar settings
     and the values of its schedules at :func:`schedule_steps`, read from the functions' closures:
     ``[{"transform": "trace", "decay": 0.9, "nesterov": False}, {"transform": "scale_by_schedule",
-    "step_size_fn": {"0": -0.0, ...}}]``. A transformation that keeps its settings elsewhere shows
-    its name only."""
+    "step_size_fn": {"0": -0.0, ...}}]``; a wrapper's transformation nested (``{"transform": "masked", "inner":
+    [{"transform": "scale", ...}], "mask": "bias_bn_mask"}``). A transformation that keeps its settings elsewhere
+    shows its name only."""
     steps = schedule_steps(total_steps)
     out: list[dict] = []
-    seen: set[int] = set()
+    seen: set[int] = set() if _seen is None else _seen  # shared with a wrapper's nested description
 
     def closure(fn) -> dict:
         code = getattr(fn, "__code__", None)
@@ -88,9 +89,11 @@ def describe_optimizer(tx, total_steps: int) -> list[dict]:
                         values = _schedule_values(v, steps)
                         if values is not None:
                             entry[k] = values
+                elif hasattr(value, "update") and hasattr(value, "init"):  # a wrapper's transformation (masked's)
+                    entry[name] = describe_optimizer(value, total_steps, seen)
                 elif callable(value) and not hasattr(value, "update"):
                     inner = getattr(value, "__name__", "")
-                    if name in ("inner_factory",):
+                    if name in ("inner_factory", "mask"):
                         entry[name] = inner
                     else:
                         values = _schedule_values(value, steps)
@@ -98,7 +101,9 @@ def describe_optimizer(tx, total_steps: int) -> list[dict]:
                             entry[name] = values
             out.append(entry)
             return
-        for value in cells.values():
+        # the update's own closure first: it holds the transformations in the order they apply (the init's, walked
+        # first, reached a masked transformation's inner one before the transformations applied before it)
+        for value in [*closure(fn).values(), *closure(init).values()]:
             for item in value if isinstance(value, (tuple, list)) else (value,):
                 if callable(item) or hasattr(item, "update"):
                     visit(item, depth + 1)
@@ -120,6 +125,8 @@ def format_optimizer(transforms: list[dict]) -> str:
     def value(v):
         if isinstance(v, dict):
             return "{" + ", ".join(f"step {s}: {x:.4g}" for s, x in v.items()) + "}"
+        if isinstance(v, list):  # a wrapped transformation
+            return format_optimizer(v)
         return f"{v:.6g}" if isinstance(v, float) else str(v)
 
     return " + ".join(t["transform"] + "(" + ", ".join(f"{k}={value(v)}" for k, v in t.items() if k != "transform")
