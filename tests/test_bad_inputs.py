@@ -40,6 +40,7 @@ CASES: list[tuple[str, str]] = [
     ("CLI", "--epochs two"),
     ("CLI", "--strategy fast"),
     ("CLI", "--preset nosuch"),
+    ("CLI", "--preset ../presets/sources"),  # a path is not a preset's name
     ("CLI", "--width 0"),
     ("CLI", "--set train.epoch=3"),
     ("CLI", "--set optim.lr"),

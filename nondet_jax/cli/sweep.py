@@ -41,11 +41,10 @@ def preset_names() -> list[str]:
 
 def preset_path(name: str) -> Path:
     """The preset file ``nondet_jax/presets/<name>.yaml``; UsageError naming the presets when absent."""
-    path = resources.files("nondet_jax") / "presets" / f"{name}.yaml"
-    if not path.is_file():
-        raise UsageError(f"unknown preset '{name}'; choose one of: {', '.join(preset_names())}")
-    return Path(str(path))
-
+    if name not in preset_names():  # a name, not a path ('../presets/sources' found a file and ran it)
+        hint = "; a file of your own is --config FILE" if "/" in name or name.endswith(".yaml") else ""
+        raise UsageError(f"unknown preset '{name}'; choose one of: {', '.join(preset_names())}{hint}")
+    return Path(str(resources.files("nondet_jax") / "presets" / f"{name}.yaml"))
 
 
 def build_parser(prog: str = "python -m nondet_jax.sweep") -> argparse.ArgumentParser:
