@@ -225,6 +225,20 @@ def test_the_report_of_methods_names_the_unfinished_ones_in_the_terminal_too(met
     assert "Not finished yet: lr2" in (out / "report.md").read_text()
 
 
+def test_the_report_of_methods_refuses_a_method_folder_linked_outside(methods_run, tmp_path):
+    """methods/lr2 a symbolic link to a folder elsewhere: the report rebuilt lr2's report, figures and lock there
+    (an outside review); it refuses, one line, and the folder outside is not touched."""
+    from nondet_jax.cli.report import main as report
+
+    out, outside = tmp_path / "study", tmp_path / "elsewhere"
+    shutil.copytree(methods_run[0], out)
+    shutil.move(out / "methods" / "lr2", outside)
+    (out / "methods" / "lr2").symlink_to(outside, target_is_directory=True)
+    before = {p: p.stat().st_mtime_ns for p in outside.rglob("*")}
+    assert report([str(out)]) == 2
+    assert {p: p.stat().st_mtime_ns for p in outside.rglob("*")} == before
+
+
 def test_a_methods_arm_record_gone_is_named_with_the_fix(methods_run, tmp_path):
     """A method's arm record removed by hand: the report names the method and arm it lacks (it said only that the
     methods share no varied arm, and to train an arm such as all)."""

@@ -66,10 +66,12 @@ def _methods(run: Path, args, prog: str) -> int:
     from nondet_jax.analysis.methods import finished
     from nondet_jax.report.markdown import write_report
     from nondet_jax.report.methods import write_methods_report
+    from nondet_jax.store.io import check_no_links
     from nondet_jax.store.run import release_lock, take_lock
 
     if args.tensorboard:
         raise UsageError(f"--tensorboard exports one run folder; pass a method's folder {run}/methods/NAME")
+    check_no_links(run)  # a method's folder a link to one outside: its report was written there
     for name in finished(run):
         folder = RunPaths(run).method(name)
         fd = take_lock(folder, "wait for it to finish, then rebuild the report")
