@@ -386,6 +386,28 @@ def test_a_fifo_in_a_run_folder_is_refused_not_read(template, tmp_path, name):
     assert f"{run / name} is a FIFO, which a run folder never holds" in err
 
 
+@pytest.mark.parametrize("ratios", [5, "abc", float("nan"), [-1.0], [0.6, 1.5]])
+def test_report_only_keys_edited_in_config_json_are_checked(template, tmp_path, capsys, ratios):
+    """metrics.power_ratios is report-only, so no arm record's digest covers it: 5 or 'abc' ended the report in a
+    traceback and NaN or -1 were printed into arms.csv (outside review). Checked as the command line checks it;
+    a valid edit is the documented way to change it. command.txt in another encoding is shown, not a crash."""
+    from nondet_jax.cli.report import main as report
+
+    run = tmp_path / "run"
+    shutil.copytree(template, run)
+    config = json.loads((run / "config.json").read_text())
+    config["metrics"]["power_ratios"] = ratios
+    (run / "config.json").write_text(json.dumps(config))
+    (run / "command.txt").write_bytes(b"python -m nondet_jax.sweep --out r\xe9sultats\n")
+    before = state(run)
+    code, err = report([str(run)]), capsys.readouterr().err.strip()
+    if ratios == [0.6, 1.5]:
+        assert code == 0 and "r\ufffdsultats" in (run / "report.md").read_text()
+        return
+    assert code == 2 and len(err.splitlines()) == 1 and "holds a value the report cannot use" in err, err
+    assert "metrics.power_ratios" in err and state(run) == before
+
+
 # --- defect 5: --init-from PATH.npz without @R --------------------------------------------------------------
 
 def test_init_from_a_params_file_without_a_replica(tmp_path):

@@ -313,7 +313,7 @@ def write_report(run: str | Path, command: str | None = None) -> dict:
     figures = make_figures(run, summary, records)
     model = _model_json(paths)
     if command is None and paths.command.is_file():
-        command = paths.command.read_text().strip()
+        command = paths.command.read_text(errors="replace").strip()  # the bytes a shell or editor left: shown
     md = [f"# Variability study: {summary['model']} on {summary['dataset']}", ""]
     if command:
         md += ["Made by:", "", "```", command, "```", ""]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from nondet_jax import config as cfg
 from nondet_jax.analysis.arm import compare_arms
 from nondet_jax.analysis.decomposition import decompose
 from nondet_jax.analysis.mitigations import mitigation_metrics, snapshot_ensemble
@@ -19,7 +20,7 @@ from nondet_jax.errors import UsageError
 from nondet_jax.sources import split_variant
 from nondet_jax.store.io import _finite, atomic_write_bytes, check_no_links
 from nondet_jax.store.paths import RunPaths, arm_name
-from nondet_jax.store.run import read_arm_record, verify_arm_files
+from nondet_jax.store.run import RESULT_NEUTRAL, read_arm_record, verify_arm_files
 
 
 def _fmt(x, digits=4) -> str:
@@ -51,12 +52,29 @@ def load_records(run: Path) -> tuple[dict, dict[str, dict]]:
     except (OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
         raise UsageError(f"{cfg_path} is unreadable or corrupt ({type(e).__name__}); rerun the sweep into a new "
                          "--out") from None
+    _check_report_keys(config, cfg_path)
     arms = [arm_name(a, f"{cfg_path} study.arms") for a in arms]  # before any file is named after one
     records = {a: verify_arm_files(run, a, read_arm_record(run, a)) for a in arms
                if paths.arm_file("arms", a).exists()}
     if not records:
         raise UsageError(f"{run} has no finished arms yet; run the sweep to completion first")
     return config, records
+
+
+REPORT_KEYS = tuple(sorted(k for s, k in RESULT_NEUTRAL if s == "metrics"))  # metrics.* keys the report alone reads
+
+
+def _check_report_keys(config: dict, cfg_path: Path) -> None:
+    """The keys only the report reads (:data:`nondet_jax.store.run.RESULT_NEUTRAL`'s ``metrics.*``: no arm record's
+    digest covers them) checked as the command line checks them: a power ratio of 5 or 'abc' ended the report in
+    a traceback, NaN was printed."""
+    metrics = config.get("metrics", {})
+    given = {f"metrics.{k}": metrics[k] for k in REPORT_KEYS if isinstance(metrics, dict) and k in metrics}
+    try:
+        cfg.validate(cfg.from_flat(given))
+    except UsageError as e:
+        raise UsageError(f"{cfg_path} holds a value the report cannot use ({e}); rerun the sweep on the same --out "
+                         "with the setting you want (finished arms are reused, only the report is rebuilt)") from None
 
 
 def build_summary(run: Path) -> tuple[dict, dict[str, dict]]:
