@@ -85,6 +85,7 @@ CASES: list[tuple[str, str]] = [
     ("run folder", "--out <run>  (logits/init.npy truncated)"),
     ("run folder", "--out <run>  (arms/init.json corrupted)"),
     ("run folder", "--out <run>  (an arm's checkpoint corrupted mid-training)"),
+    ("run folder", "--out <run>  (an arm's checkpoint manifests, sha256, replaced by a file)"),
     ("report", "python -m nondet_jax.report <tmp>/empty"),
     ("run folder", "--dataset <tmp>/good.npz --batch-size 8 --out <tmp>/npzrun  (good.npz rewritten with other arrays since)"),
     ("run folder", "--out <tmp>/ckpt_run --epochs 2 --arms init  (its checkpoint copied from a study with --lr 0.5)"),
@@ -473,6 +474,13 @@ def run_case(where: str, text: str, ctx: Context, capsys) -> tuple[str, int, boo
         (folder / "arms" / "init.json").write_text('{"arm": "init", "files": ')
     if note.startswith("an arm's checkpoint"):
         folder = _folder_with_corrupt_checkpoint(ctx)
+        args = [*FAST.split(), "--epochs", "2", "--arms", "init", "--out", str(folder)]
+    if note.startswith("an arm's checkpoint manifests"):  # every step looked unfinished and was deleted
+        import shutil
+
+        folder = _folder_with_checkpoint(ctx, "ckpt_sha_run", [])
+        shutil.rmtree(folder / "checkpoints" / "init" / "sha256")
+        (folder / "checkpoints" / "init" / "sha256").write_text("")
         args = [*FAST.split(), "--epochs", "2", "--arms", "init", "--out", str(folder)]
     if note.startswith("its checkpoint copied"):
         import shutil

@@ -74,10 +74,20 @@ def verify_step(root: Path, epoch: int) -> None:
         raise CorruptCheckpoint(f"checkpoint {folder} is corrupt ({bad[0]} does not match its sha256 manifest)")
 
 
+def check_folders(root: Path) -> None:
+    """Refuse an arm's checkpoint folder whose ``orbax`` or ``sha256`` is there but not a folder: with a file for
+    ``sha256`` every step looked unfinished and was deleted before anything was refused (an outside review)."""
+    for name in ("orbax", "sha256"):
+        path = Path(root) / name
+        if (path.exists() or path.is_symlink()) and (path.is_symlink() or not path.is_dir()):
+            raise CorruptCheckpoint(f"checkpoint folder {root} holds {name} as something other than a folder")
+
+
 def verify_latest(root: Path, expect: dict | None = None) -> None:
     """Check the newest step of an arm's checkpoint folder that has a manifest (no orbax needed) and,
     given ``expect``, that its JSON meta holds those values (e.g. the study's identity): a checkpoint
     of another study is refused before anything in the folder is written."""
+    check_folders(root)
     steps = sorted(int(p.stem) for p in (Path(root) / "sha256").glob("*.json") if p.stem.isdigit()
                    and (Path(root) / "orbax" / p.stem).is_dir())
     if not steps:
@@ -246,6 +256,7 @@ class ArmCheckpoints:
     def steps(self) -> list[int]:
         """Epochs with a complete checkpoint (step folder and manifest), oldest first; step
         folders left without a manifest by an interrupted save are deleted."""
+        check_folders(self.root)
         if not (self.root / "orbax").is_dir():
             return []
         out = []
