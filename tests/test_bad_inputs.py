@@ -172,6 +172,7 @@ CASES: list[tuple[str, str]] = [
     ("CLI", "--set train.eval_batch_size=0"),
     ("CLI", "--coordinator node0:12345 --num-processes 0 --process-id 0"),
     ("CLI", "--arms control,data_order --init-from <tmp>/trunc.npz  (a truncated zip)"),
+    ("CLI", "--arms control,data_order --init-from <tmp>/claims.npz  (a header claiming 10^12 weights)"),
     ("CLI", "--dataset <tmp>/array.npz  (a .npy file named .npz)"),
     ("CLI", "--dataset <tmp>/unseen.npz  (a test label no training example has)"),
     ("run folder", "--out <run>  (config.json's study.arms given the path <tmp>/outside, a record planted for it)"),
@@ -397,6 +398,11 @@ def run_case(where: str, text: str, ctx: Context, capsys) -> tuple[str, int, boo
         data = buf.getvalue()
         flag = "--init-from" if "--init-from" in args else "--dataset"
         Path(args[args.index(flag) + 1]).write_bytes(data[:len(data) // 2] if note.startswith("a truncated") else data)
+    elif note.startswith("a header claiming"):  # np.load raised MemoryError, a traceback
+        import numpy as np
+
+        _write_claiming_npz(Path(args[args.index("--init-from") + 1]),
+                            {"params/dense1/kernel": np.zeros((2, 2), np.float32)}, {"params/dense1/kernel": (10**6, 10**6)})
     elif "--dataset" in args and Path(args[args.index("--dataset") + 1]).name != "missing.npz" and \
             args[args.index("--dataset") + 1].endswith(".npz"):
         import numpy as np

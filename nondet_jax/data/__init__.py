@@ -172,10 +172,12 @@ def check_dataset(data: Dataset) -> Dataset:
     return data
 
 
-def check_npz_sizes(path: str) -> None:
+def check_npz_sizes(path: str, name: str | None = None) -> None:
     """Read a ``.npz`` file's array headers (not its data) and refuse, before anything is loaded, an
     array whose header claims more data than its member holds (a corrupt or crafted header) or arrays
-    that would not fit in the memory this process can have (a few MB compressed can expand to GBs)."""
+    that would not fit in the memory this process can have (a few MB compressed can expand to GBs).
+    ``name``: the file as messages call it (default ``--dataset PATH``; a parameters file says so)."""
+    name = name or f"--dataset {path}"
     try:
         z = zipfile.ZipFile(path)
     except (OSError, zipfile.BadZipFile):
@@ -193,18 +195,19 @@ def check_npz_sizes(path: str) -> None:
                     shape, _, dtype = read(f, max_header_size=10_000)
                     header = f.tell()
             except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
-                raise UsageError(f"--dataset {path}: the header of {info.filename} cannot be read ({e}); pass a file "
+                raise UsageError(f"{name}: the header of {info.filename} cannot be read ({e}); pass a file "
                                  "written by np.savez") from None
             nbytes = int(np.prod(shape, dtype=object)) * dtype.itemsize
             if not dtype.hasobject and nbytes > info.file_size - header:
-                raise UsageError(f"--dataset {path}: {info.filename} claims shape {shape} ({human(nbytes)}) but holds "
+                raise UsageError(f"{name}: {info.filename} claims shape {shape} ({human(nbytes)}) but holds "
                                  f"{human(info.file_size - header)} of data; the file is truncated or corrupt: write it "
                                  "again with np.savez")
             total += nbytes
     available, where = host_available()
     if available is not None and total > available:
-        raise UsageError(f"--dataset {path} expands to {human(total)} of arrays but {where} has {human(available)} "
-                         "available; use a subset of the data or a machine with more memory")
+        raise UsageError(f"{name} expands to {human(total)} of arrays but {where} has {human(available)} available; "
+                         + ("use a subset of the data or " if name.startswith("--dataset") else "use ")
+                         + "a machine with more memory")
 
 
 def _whole_number_targets(y, most: int = 100) -> int:

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from nondet_jax.data import check_npz_sizes
 from nondet_jax.errors import UsageError
 
 
@@ -84,6 +85,7 @@ def load_collection(path: Path, collection: str, replica: int | None = None) -> 
     """One collection (``params``, ``batch_stats``) of a ``.npz`` of ``'/'``-joined keys as a tree ({} when it
     holds none); keys without a collection prefix count as ``params`` when no key has the prefix. With
     ``replica``: that index of every array's leading axis (a run folder's weights file)."""
+    check_npz_sizes(str(path), f"parameters file {path}")  # a header claiming terabytes: MemoryError in np.load
     try:
         z = np.load(path, allow_pickle=False)
         if not isinstance(z, np.lib.npyio.NpzFile):  # one array (a .npy named .npz): no names, no context manager
