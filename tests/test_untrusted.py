@@ -408,6 +408,30 @@ def test_report_only_keys_edited_in_config_json_are_checked(template, tmp_path, 
     assert "metrics.power_ratios" in err and state(run) == before
 
 
+@pytest.mark.parametrize("edit", ["model strings", "environment empty"])
+def test_a_hand_edited_model_or_environment_record(template, tmp_path, capsys, edit):
+    """model.json's values edited to strings crashed a resume (AttributeError in the shapes' comparison): refused
+    as corrupt in one line, nothing written. environment.json emptied to {} was read as an older version's
+    record and a retraining of every arm advised: it says nothing, so the arms' own checks stand and they are
+    reused (outside review)."""
+    from nondet_jax.cli import sweep
+
+    run = tmp_path / "run"
+    shutil.copytree(template, run)
+    name = "model.json" if edit == "model strings" else "environment.json"
+    record = json.loads((run / name).read_text())
+    (run / name).write_text(json.dumps({k: "zzz" for k in record} if edit == "model strings" else {}))
+    before = state(run)
+    logits = (run / "logits" / "init.npy").read_bytes()
+    code, err = sweep.main(["--resume", str(run), "--no-progress"]), capsys.readouterr().err.strip()
+    if edit == "model strings":
+        assert code == 2 and err.endswith("model.json is unreadable or corrupt; choose another --out"), err
+        assert state(run) == before
+    else:
+        assert code == 0, err
+        assert (run / "logits" / "init.npy").read_bytes() == logits and "backend" in (run / name).read_text()
+
+
 # --- defect 5: --init-from PATH.npz without @R --------------------------------------------------------------
 
 def test_init_from_a_params_file_without_a_replica(tmp_path):

@@ -361,6 +361,10 @@ def stored_model(paths) -> dict | None:
         old = json.loads(paths.model.read_text())
         if not isinstance(old, dict):
             raise ValueError("not a record")
+        # the parts a resume compares, in the form model_record writes them (edited to strings: a traceback)
+        for key, kind in (("param_shapes", dict), ("identity", dict), ("fingerprint", str), ("identity_sha256", str)):
+            if key in old and not isinstance(old[key], kind):
+                raise ValueError(f"{key} is not a {kind.__name__}")
     except (OSError, ValueError):
         raise UsageError(f"{paths.model} is unreadable or corrupt; choose another --out") from None
     return old
@@ -382,9 +386,10 @@ def check_epoch_shape(paths, shape: str, recompute=()) -> None:
         return
     try:
         env = json.loads(paths.environment.read_text())
-        old = env.get("epoch_shape", "scan") if isinstance(env, dict) else None
-        why = "train.epoch_shape when they ran" if isinstance(env, dict) and "epoch_shape" in env else \
-            "an older nondet_jax"
+        if not isinstance(env, dict) or "backend" not in env:  # not a record any version wrote ({} by hand): it
+            return  # says nothing of how the arms ran (read as an older version's, a costly retraining was advised)
+        old = env.get("epoch_shape", "scan")
+        why = "train.epoch_shape when they ran" if "epoch_shape" in env else "an older nondet_jax"
     except (OSError, ValueError):
         return  # unreadable: the arms' own records and checks stand
     if isinstance(old, str) and old != shape:
