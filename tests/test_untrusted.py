@@ -432,6 +432,29 @@ def test_a_hand_edited_model_or_environment_record(template, tmp_path, capsys, e
         assert (run / "logits" / "init.npy").read_bytes() == logits and "backend" in (run / name).read_text()
 
 
+@pytest.mark.parametrize("planted", ["tta/init.npz", "dynamics/init.npz", "instruments/init.npz",
+                                     "instruments/init.csv", "instruments.csv"])
+def test_files_no_record_lists_are_never_read(template, tmp_path, capsys, planted):
+    """A tta/<arm>.npz planted in a study without test-time augmentation put a Mitigations row of invented
+    numbers in the report; planted dynamics or instruments files of another form ended it in a traceback
+    (outside review). The report reads an arm's files only where its record lists them (checked by digest)."""
+    import numpy as np
+
+    from nondet_jax.cli.report import main as report
+
+    run = tmp_path / "run"
+    shutil.copytree(template, run)
+    (run / planted).parent.mkdir(exist_ok=True)
+    if planted.endswith(".csv"):
+        (run / planted).write_text("arm,replica,step,quantity,value\ninit,0,0,Loss,1e9\n")
+    else:
+        np.savez(run / planted, flip=np.full((2, 360, 10), 50.0, np.float32), step=np.zeros(3), weight_distance=7)
+    assert report([str(run)]) == 0, capsys.readouterr().err
+    text = (run / "report.md").read_text()
+    assert "tta:flip" not in text and "Mitigations" not in text and "1e+09" not in text and "Instruments" not in text
+    assert not (run / "instruments.csv").exists()
+
+
 # --- defect 5: --init-from PATH.npz without @R --------------------------------------------------------------
 
 def test_init_from_a_params_file_without_a_replica(tmp_path):

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import numpy as np
 
 from nondet_jax.errors import UsageError
-from nondet_jax.machine.memory import host_available, human
+from nondet_jax.machine.memory import check_npz_sizes
 
 DATASETS = ("digits", "cifar10", "mnist", "fashion_mnist", "imagenette", "imagenet2012")
 # Variable-size photographs: resized (shorter side) and centre-cropped to data.image_size on loading.
@@ -170,44 +170,6 @@ def check_dataset(data: Dataset) -> Dataset:
     if data.task == "classification" and not all(np.issubdtype(arrays[k].dtype, np.integer) for k in ("y_train", "y_test")):
         data = data._replace(y_train=arrays["y_train"].astype(np.int32), y_test=arrays["y_test"].astype(np.int32))
     return data
-
-
-def check_npz_sizes(path: str, name: str | None = None) -> None:
-    """Read a ``.npz`` file's array headers (not its data) and refuse, before anything is loaded, an
-    array whose header claims more data than its member holds (a corrupt or crafted header) or arrays
-    that would not fit in the memory this process can have (a few MB compressed can expand to GBs).
-    ``name``: the file as messages call it (default ``--dataset PATH``; a parameters file says so)."""
-    name = name or f"--dataset {path}"
-    try:
-        z = zipfile.ZipFile(path)
-    except (OSError, zipfile.BadZipFile):
-        return  # np.load says what is wrong
-    total = 0
-    with z:
-        for info in z.infolist():
-            if not info.filename.endswith(".npy"):
-                continue
-            try:
-                with z.open(info) as f:
-                    version = np.lib.format.read_magic(f)
-                    read = np.lib.format.read_array_header_2_0 if version >= (2, 0) else \
-                        np.lib.format.read_array_header_1_0
-                    shape, _, dtype = read(f, max_header_size=10_000)
-                    header = f.tell()
-            except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
-                raise UsageError(f"{name}: the header of {info.filename} cannot be read ({e}); pass a file "
-                                 "written by np.savez") from None
-            nbytes = int(np.prod(shape, dtype=object)) * dtype.itemsize
-            if not dtype.hasobject and nbytes > info.file_size - header:
-                raise UsageError(f"{name}: {info.filename} claims shape {shape} ({human(nbytes)}) but holds "
-                                 f"{human(info.file_size - header)} of data; the file is truncated or corrupt: write it "
-                                 "again with np.savez")
-            total += nbytes
-    available, where = host_available()
-    if available is not None and total > available:
-        raise UsageError(f"{name} expands to {human(total)} of arrays but {where} has {human(available)} available; "
-                         + ("use a subset of the data or " if name.startswith("--dataset") else "use ")
-                         + "a machine with more memory")
 
 
 def _whole_number_targets(y, most: int = 100) -> int:

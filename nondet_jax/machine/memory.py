@@ -97,3 +97,47 @@ def human(n: float) -> str:
             return f"{n:.3g} {unit}"
         n /= 1000
     return f"{n:.3g} PB"  # pragma: no cover
+
+
+def check_npz_sizes(path: str, name: str | None = None) -> None:
+    """Read a ``.npz`` file's array headers (not its data) and refuse, before anything is loaded, an
+    array whose header claims more data than its member holds (a corrupt or crafted header) or arrays
+    that would not fit in the memory this process can have (a few MB compressed can expand to GBs).
+    ``name``: the file as messages call it (default ``--dataset PATH``; a parameters file says so)."""
+    import zipfile
+
+    import numpy as np
+
+    from nondet_jax.errors import UsageError
+
+    name = name or f"--dataset {path}"
+    try:
+        z = zipfile.ZipFile(path)
+    except (OSError, zipfile.BadZipFile):
+        return  # np.load says what is wrong
+    total = 0
+    with z:
+        for info in z.infolist():
+            if not info.filename.endswith(".npy"):
+                continue
+            try:
+                with z.open(info) as f:
+                    version = np.lib.format.read_magic(f)
+                    read = np.lib.format.read_array_header_2_0 if version >= (2, 0) else \
+                        np.lib.format.read_array_header_1_0
+                    shape, _, dtype = read(f, max_header_size=10_000)
+                    header = f.tell()
+            except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+                raise UsageError(f"{name}: the header of {info.filename} cannot be read ({e}); pass a file "
+                                 "written by np.savez") from None
+            nbytes = int(np.prod(shape, dtype=object)) * dtype.itemsize
+            if not dtype.hasobject and nbytes > info.file_size - header:
+                raise UsageError(f"{name}: {info.filename} claims shape {shape} ({human(nbytes)}) but holds "
+                                 f"{human(info.file_size - header)} of data; the file is truncated or corrupt: write it "
+                                 "again with np.savez")
+            total += nbytes
+    available, where = host_available()
+    if available is not None and total > available:
+        raise UsageError(f"{name} expands to {human(total)} of arrays but {where} has {human(available)} available; "
+                         + ("use a subset of the data or " if name.startswith("--dataset") else "use ")
+                         + "a machine with more memory")

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from nondet_jax.data import check_npz_sizes
 from nondet_jax.errors import UsageError
+from nondet_jax.machine.memory import check_npz_sizes
 
 
 class Given:

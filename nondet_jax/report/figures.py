@@ -21,11 +21,11 @@ LINESTYLES = ("-", "--", ":", "-.")  # arms with equal curves (init and all, say
 MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*", "<", ">")  # hollow, one per arm: overlapping curves show both
 
 
-def _stored(run: Path, arms: list[str], folder: str, key: str):
-    """(index, arm, arrays) for each arm whose ``folder/<arm>.npz`` holds ``key``."""
-    for i, arm in enumerate(arms):
-        path = RunPaths(run).arm_file(folder, arm, ".npz")
-        if path.exists():
+def _stored(c: "_Context", folder: str, key: str):
+    """(index, arm, arrays) for each arm whose ``folder/<arm>.npz``, listed by its record, holds ``key``."""
+    for i, arm in enumerate(c.arms):
+        path = RunPaths(c.run).listed_file(folder, arm, c.records.get(arm, {}), ".npz")
+        if path is not None:
             with np.load(path) as f:
                 if key in f.files:
                     yield i, arm, {k: f[k] for k in f.files}
@@ -209,7 +209,7 @@ def _divergence(c: _Context):
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
     plotted = False
-    for i, a, h in _stored(c.run, c.arms, "history", "weight_distance"):
+    for i, a, h in _stored(c, "history", "weight_distance"):
         wd = h["weight_distance"]
         if wd.shape[1] == 0:
             continue
@@ -271,7 +271,7 @@ def _test_curves(c: _Context):
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    curves = list(_stored(c.run, c.arms, "history", "test_epochs"))
+    curves = list(_stored(c, "history", "test_epochs"))
     if not curves:
         return None
     name = "test_accuracy" if "test_accuracy" in curves[0][2] else "test_mse"
@@ -299,7 +299,7 @@ def _dynamics(c: _Context):
     """Divergence dynamics of replicas 0 and 1, every k steps."""
     import matplotlib.pyplot as plt
 
-    traces = list(_stored(c.run, c.arms, "dynamics", "weight_distance"))
+    traces = list(_stored(c, "dynamics", "weight_distance"))
     if not traces:
         return None
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
@@ -323,7 +323,7 @@ def _lmc(c: _Context):
     """LMC error curves; arms whose barrier is tiny next to the largest get a zoomed panel of their own."""
     import matplotlib.pyplot as plt
 
-    lmc = [(i, a, p["lmc_alphas"], p["lmc_curves"].mean(0) * 100) for i, a, p in _stored(c.run, c.arms, "pairs", "lmc_curves")]
+    lmc = [(i, a, p["lmc_alphas"], p["lmc_curves"].mean(0) * 100) for i, a, p in _stored(c, "pairs", "lmc_curves")]
     if not lmc:
         return None
     barrier = {a: float(np.max(v - np.interp(al, [al[0], al[-1]], [v[0], v[-1]]))) for _, a, al, v in lmc}
@@ -349,9 +349,9 @@ def _lmc(c: _Context):
 
 def _instrument_dashboards(c: _Context):
     """Cockpit-style dashboards of the arms trained with instruments."""
-    for arm in c.records:
-        path = RunPaths(c.run).arm_file("instruments", arm)
-        if path.exists():
+    for arm, rec in c.records.items():
+        path = RunPaths(c.run).listed_file("instruments", arm, rec)
+        if path is not None:
             from nondet_jax.instruments.dashboard import dashboard
 
             with np.load(path, allow_pickle=False) as f:

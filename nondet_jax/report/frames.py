@@ -162,9 +162,9 @@ def instruments(run: Path, summary: dict, records: dict[str, dict]) -> list[dict
             return [_typed_instrument({k: row[k] for k in COLUMNS["instruments"]}, paths.instruments_csv, run)
                     for row in csv.DictReader(f)]
     out = []
-    for arm in records:
-        path = paths.arm_file("instruments", arm, ".csv")
-        if path.is_file():
+    for arm, rec in records.items():
+        path = paths.listed_file("instruments", arm, rec, ".csv")
+        if path is not None:
             with path.open(newline="") as f:
                 out += [_typed_instrument({"arm": row["arm"], "replica": row["replica"], "step": row["step"],
                                            "quantity": row["quantity"] + (f"/{row['layer']}" if row.get("layer") else ""),

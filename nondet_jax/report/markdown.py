@@ -27,7 +27,7 @@ from nondet_jax.report.summary import (
     format_table,
     unfinished_line,
 )
-from nondet_jax.store.io import atomic_write_bytes, atomic_write_json, strict_json
+from nondet_jax.store.io import atomic_write_bytes, atomic_write_json, guarded, strict_json
 from nondet_jax.store.paths import TABLES, RunPaths
 from nondet_jax.store.run import check_layout
 
@@ -283,13 +283,15 @@ def _trained_md(model: dict) -> list[str]:
 def _write_instruments_csv(paths: RunPaths, records: dict) -> None:
     """``instruments.csv``: every arm's instruments in one long table (arm, replica, step, quantity, value)."""
     rows = []
-    for arm in records:
-        path = paths.arm_file("instruments", arm)
-        if path.is_file():
+    for arm, rec in records.items():
+        path = paths.listed_file("instruments", arm, rec)
+        if path is not None:
             with np.load(path, allow_pickle=False) as f:
                 rows += long_rows(arm, {k: f[k] for k in f.files})
     if rows:
         _write_csv(paths.instruments_csv, rows, root=paths.root)
+    elif paths.instruments_csv.is_file():  # no arm lists instruments: one left (or planted) there would be read
+        guarded("unlink", paths.root, paths.instruments_csv)
 
 
 def write_report(run: str | Path, command: str | None = None) -> dict:

@@ -153,8 +153,9 @@ def mitigation_results(run: Path, records: dict[str, dict]) -> dict[str, dict]:
         if not keep:
             continue
         variants = {"single": _load(paths.arm_file("logits", arm))[keep]}
-        if paths.arm_file("tta", arm).exists():
-            with np.load(paths.arm_file("tta", arm), allow_pickle=False) as f:
+        tta = paths.listed_file("tta", arm, rec)
+        if tta is not None:
+            with np.load(tta, allow_pickle=False) as f:
                 variants.update({f"tta:{name}": f[name][keep] for name in f.files})
         for other, k in snaps.items():
             variants[f"snapshot{k}"] = snapshot_ensemble(_load(paths.arm_file("snapshots", other))[keep])

@@ -23,6 +23,7 @@ from nondet_jax.analysis.metrics import accuracy, cross_entropy, regression_erro
 from nondet_jax.errors import UsageError
 from nondet_jax.store.io import guarded
 from nondet_jax.store.paths import RunPaths
+from nondet_jax.store.run import read_arm_record
 
 FOLDER = "tensorboard"
 
@@ -52,8 +53,8 @@ def arm_scalars(run: Path, arm: str) -> list[dict[str, list[tuple[int, float]]]]
         acc, nll = regression_errors(logits, labels)  # test MSE, MAE
     else:
         acc, nll = accuracy(logits, labels), cross_entropy(logits, labels)
-    inst_path = paths.arm_file("instruments", arm)
-    inst = _load(inst_path) if inst_path.exists() else {}
+    inst_path = paths.listed_file("instruments", arm, read_arm_record(run, arm))  # a planted file: never read
+    inst = _load(inst_path) if inst_path is not None else {}
     epochs = hist["train_loss"].shape[1]
     out = []
     for r in range(len(logits)):

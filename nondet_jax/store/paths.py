@@ -138,6 +138,14 @@ class RunPaths:
         """An arm's file of ``kind`` (``arms``, ``logits``, ``pairs``, ``tta``, ...; see :data:`ARM_EXT`)."""
         return self.root / self.rel(kind, arm, ext)
 
+    def listed_file(self, kind: str, arm: str, record: dict, ext: str | None = None) -> Path | None:
+        """An arm's file of ``kind`` if its ``record`` lists it (the files a record lists are checked against their
+        sha256 before a report reads them), else None: a file planted beside the arm's own (a ``tta/<arm>.npz``
+        in a study without test-time augmentation) is never read, never a row of invented numbers."""
+        rel = self.rel(kind, arm, ext)
+        files = record.get("files") if isinstance(record, dict) else None
+        return self.root / rel if isinstance(files, dict) and rel in files else None
+
     def checkpoints(self, arm: str) -> Path:
         return self.root / "checkpoints" / arm_name(arm)
 
