@@ -206,6 +206,20 @@ def test_optimizer_description_reads_settings_and_schedules():
     assert line.endswith(" + masked(inner=scale(step_size=0.1), mask=bias_bn_mask)")
 
 
+def test_config_digests_of_earlier_folders_do_not_move():
+    """Every arm record holds its config's digest: a key left out of it (or added to the config without
+    ADDED_KEYS) makes every earlier folder's records look edited. metrics.decomposition was left out once, and
+    the reviewers' folders of an hour before were refused ('config.json does not hold the config arm ... was
+    trained with'). The digests of the default config and of the decomposition preset's, as every version since
+    the config's last change wrote them."""
+    from nondet_jax.config import Config, from_flat, to_dict
+    from nondet_jax.store.run import config_digest
+
+    assert config_digest(to_dict(Config())) == "f04d2d4ec4e9510599b0b2b950c5358979dddf10418e18d2ffd60f6866c5153f"
+    assert config_digest(to_dict(from_flat({"metrics.decomposition": True}))) == \
+        "b98d3959c2fd1854c52dee7ee8688ee864415b03cdd188b2259064c4376a183e"
+
+
 def test_a_folder_from_before_a_key_was_added_is_the_same_study():
     """train.epoch_shape arrived after run folders existed: a stored config without it is the same study as one
     with its default, and keeps its digest; another value is another study."""
