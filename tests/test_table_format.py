@@ -14,6 +14,17 @@ def test_values_below_the_resolution_print_in_scientific_notation():
 def test_bitwise_identical_arms_and_missing_intervals():
     assert _std_cell({"std": 0.0, "std_ci": [0.0, 0.0]}, {"replicas_bitwise_identical": True}) == "bitwise identical"
     assert _std_cell({"std": 0.01, "std_ci": [None, None]}, {}) == "1.00 n/a"
+    # one replica is identical to itself: nothing was compared (it read "bitwise identical": an outside review)
+    one = {"replicas": 1, "replicas_used": 1, "replicas_bitwise_identical": True}
+    assert _std_cell({"std": float("nan"), "std_ci": [None, None]}, one) == "n/a (1 replica)"
+
+
+def test_long_arm_names_keep_the_table_in_line():
+    from nondet_jax.report.summary import format_table
+
+    arm = {"replicas": 2, "replicas_used": 2, "metrics": {}}
+    lines = format_table({"arms": {"init": arm, "init@snapshot3": arm}, "vs_all": {}}).splitlines()
+    assert lines[2].index(" 0 ") == lines[3].index(" 0 ")  # the R column one under the other
 
 
 def test_small_p_values_are_not_printed_as_zero():

@@ -12,7 +12,7 @@ import numpy as np
 from nondet_jax.analysis.stats import METHODS
 from nondet_jax.analysis.task import QUANTITIES, task_of
 from nondet_jax.report.summary import _healthy
-from nondet_jax.store.io import atomic_write_bytes
+from nondet_jax.store.io import atomic_write_bytes, read_arrays
 from nondet_jax.store.paths import RunPaths
 
 LINESTYLES = ("-", "--", ":", "-.")  # arms with equal curves (init and all, say) stay visible
@@ -26,9 +26,9 @@ def _stored(c: "_Context", folder: str, key: str):
     for i, arm in enumerate(c.arms):
         path = RunPaths(c.run).listed_file(folder, arm, c.records.get(arm, {}), ".npz")
         if path is not None:
-            with np.load(path) as f:
-                if key in f.files:
-                    yield i, arm, {k: f[k] for k in f.files}
+            arrays = read_arrays(path)
+            if key in arrays:
+                yield i, arm, arrays
 
 
 def _has_batch_norm(run: Path) -> bool:
@@ -253,7 +253,7 @@ def _decomposition(c: _Context):
             if hi > top:
                 ax.annotate(f"CI up to {hi:.3g}", (0, top), xytext=(6, -12), textcoords="offset points", fontsize=8)
         ax.set_ylim(0, top * 1.02)
-        ax.axhline(1.0, color="C3", ls="--", lw=1, label="Var(all)")
+        ax.axhline(1.0, color="k", ls="--", lw=1, label="Var(all)")  # C3 is an arm's colour (augmentation's)
         ax.set_xticks([])
         ax.set_xlim(-0.8, 0.8)
         ax.set_xlabel("one-source arms, stacked")
@@ -261,8 +261,8 @@ def _decomposition(c: _Context):
         ax.set_title(f"{labels.get(name, name)}: sum {d['sum']:.2f}, non-additivity {d['non_additivity']:+.2f}",
                      fontsize=9)
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.suptitle("Variance decomposition: each source alone, as a share of all sources together; 95% CI of the "
-                 f"sum: {interval_name('decomposition')}", fontsize=9)
+    fig.suptitle("Variance decomposition: each source alone, as a share of all sources together\n95% CI of the "
+                 f"sum: {interval_name('decomposition')}", fontsize=9, wrap=True)  # one line overran the figure
     return "decomposition", fig
 
 
@@ -354,8 +354,7 @@ def _instrument_dashboards(c: _Context):
         if path is not None:
             from nondet_jax.instruments.dashboard import dashboard
 
-            with np.load(path, allow_pickle=False) as f:
-                values = {k: f[k] for k in f.files}
+            values = read_arrays(path)
             yield f"instruments_{arm}", dashboard(values, title=f"arm {arm}: instruments")
 
 

@@ -21,6 +21,7 @@ import numpy as np
 from nondet_jax.analysis.metrics import pair_indices
 from nondet_jax.analysis.task import PAIRWISE, QUANTITIES, task_of
 from nondet_jax.errors import UsageError
+from nondet_jax.store.io import read_arrays
 from nondet_jax.store.paths import RunPaths
 
 # The unit of each per-replica score in the tables (stored as fractions and nats; accuracy-like in %).
@@ -69,13 +70,13 @@ def curves(run: Path, summary: dict, records: dict[str, dict]) -> list[dict]:
         path = RunPaths(run).arm_file("history", arm)
         if not path.exists():
             continue
-        with np.load(path, allow_pickle=False) as h:
-            series = []
-            for name in h.files:
-                if name.startswith("train_") and h[name].ndim == 2:
-                    series.append((name, np.arange(1, h[name].shape[1] + 1), h[name]))
-                elif name.startswith("test_") and name != "test_epochs" and "test_epochs" in h.files:
-                    series.append((name, h["test_epochs"], h[name]))
+        h = read_arrays(path)
+        series = []
+        for name in h:
+            if name.startswith("train_") and h[name].ndim == 2:
+                series.append((name, np.arange(1, h[name].shape[1] + 1), h[name]))
+            elif name.startswith("test_") and name != "test_epochs" and "test_epochs" in h:
+                series.append((name, h["test_epochs"], h[name]))
         for name, epochs, values in series:
             unit, k = score_unit(name, task)
             for r in range(values.shape[0]):
@@ -125,8 +126,7 @@ def pairs(run: Path, summary: dict, records: dict[str, dict]) -> list[dict]:
         path = RunPaths(run).arm_file("pairs", arm)
         if not path.exists():
             continue
-        with np.load(path, allow_pickle=False) as f:
-            arrays = {k: f[k] for k in f.files}
+        arrays = read_arrays(path)
         for metric, suffix in units.items():
             if metric not in arrays:
                 continue

@@ -27,7 +27,7 @@ from nondet_jax.report.summary import (
     format_table,
     unfinished_line,
 )
-from nondet_jax.store.io import atomic_write_bytes, atomic_write_json, guarded, strict_json
+from nondet_jax.store.io import atomic_write_bytes, atomic_write_json, guarded, read_arrays, strict_json
 from nondet_jax.store.paths import TABLES, RunPaths
 from nondet_jax.store.run import check_layout
 
@@ -286,8 +286,7 @@ def _write_instruments_csv(paths: RunPaths, records: dict) -> None:
     for arm, rec in records.items():
         path = paths.listed_file("instruments", arm, rec)
         if path is not None:
-            with np.load(path, allow_pickle=False) as f:
-                rows += long_rows(arm, {k: f[k] for k in f.files})
+            rows += long_rows(arm, read_arrays(path))
     if rows:
         _write_csv(paths.instruments_csv, rows, root=paths.root)
     elif paths.instruments_csv.is_file():  # no arm lists instruments: one left (or planted) there would be read
@@ -319,7 +318,7 @@ def write_report(run: str | Path, command: str | None = None) -> dict:
     md = [f"# Variability study: {summary['model']} on {summary['dataset']}", ""]
     if command:
         md += ["Made by:", "", "```", command, "```", ""]
-    md += [f"{len(summary['arms'])} arms, {summary['epochs']} epochs, seed {summary['seed']}, backend "
+    md += [f"{len(summary['arms'])} arms, {summary['epochs']} epoch{'s' if summary['epochs'] != 1 else ''}, seed {summary['seed']}, backend "
            f"{summary['backend']} ({summary['device_kind']}). Every number below is read from this folder's "
            "stored results (`python -m nondet_jax.report` rebuilds this page).", "",
            *([f"**{unfinished_line(summary)}**", ""] if unfinished_line(summary) else []),

@@ -130,7 +130,7 @@ def write_methods_report(root: str | Path, command: str | None = None, log=print
     if command:
         md += ["Made by:", "", "```", command, "```", ""]
     md += [f"{len(names)} methods ({', '.join(f'`{n}`' for n in names)}), baseline `{baseline}`; seed "
-           f"{summary['seed']}, {summary['epochs']} epochs. Replica r of every method trained under the same keys "
+           f"{summary['seed']}, {summary['epochs']} epoch{'s' if summary['epochs'] != 1 else ''}. Replica r of every method trained under the same keys "
            "for every randomness source, so the methods are compared seed by seed (paired by construction). "
            "Every number below is read from the method folders `methods/<name>/` (each an ordinary run folder with "
            "its own report); `python -m nondet_jax report` rebuilds this page.", ""]

@@ -18,7 +18,7 @@ from nondet_jax.analysis.stats import METHODS, POWER_RATIOS, TESTS, format_ci
 from nondet_jax.analysis.task import PAIRWISE, QUANTITIES, task_of
 from nondet_jax.errors import UsageError
 from nondet_jax.sources import split_variant
-from nondet_jax.store.io import _finite, atomic_write_bytes, check_no_links
+from nondet_jax.store.io import _finite, atomic_write_bytes, check_no_links, read_arrays
 from nondet_jax.store.paths import RunPaths, arm_name
 from nondet_jax.store.run import RESULT_NEUTRAL, read_arm_record, verify_arm_files
 
@@ -58,7 +58,29 @@ def load_records(run: Path) -> tuple[dict, dict[str, dict]]:
                if paths.arm_file("arms", a).exists()}
     if not records:
         raise UsageError(f"{run} has no finished arms yet; run the sweep to completion first")
+    for arm, rec in records.items():
+        _check_scores(paths.arm_file("arms", arm), arm, rec)
     return config, records
+
+
+def _number(v) -> bool:
+    return v is None or isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _check_scores(path: Path, arm: str, record: dict) -> None:
+    """An arm record (its digest anyone can recompute) holds its task's two scores as statistics of numbers,
+    the scores every table and figure reads: a record without them, or with text in them, ended the report in a
+    KeyError or TypeError after it had rewritten summary.json and arms.csv (an outside review)."""
+    task = task_of(record)
+    fix = f"rerun with --recompute {arm} to train arm '{arm}' again"
+    if task not in QUANTITIES:
+        raise UsageError(f"result file {path} names task {task!r}, not one of {', '.join(QUANTITIES)}; {fix}")
+    for q in QUANTITIES[task]:
+        stats = record["metrics"].get(q.name)
+        if not isinstance(stats, dict) or not all(_number(stats.get(k)) for k in ("mean", "std")) or \
+                not all(_number(row.get(q.row)) for row in record["rows"]):
+            raise UsageError(f"result file {path} does not hold its {q.name} as numbers (its statistics or a replica's "
+                             f"{q.row}); {fix}")
 
 
 REPORT_KEYS = tuple(sorted(k for s, k in RESULT_NEUTRAL if s == "metrics"))  # metrics.* keys the report alone reads
@@ -122,15 +144,6 @@ def _healthy(record: dict) -> set[int]:
     return {row["replica"] for row in record["rows"] if row.get("diverged_at_step", -1) < 0}
 
 
-def _load(path: Path) -> np.ndarray:
-    """A stored array (never unpickled); UsageError naming the file when it is not a plain .npy array."""
-    try:
-        return np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
-        raise UsageError(f"{path} is not a readable array file ({str(e).splitlines()[0][:80]}); rerun the sweep on "
-                         "the same --out to write it again") from None
-
-
 def mitigation_results(run: Path, records: dict[str, dict]) -> dict[str, dict]:
     """Per plain arm with a mitigation stored: its variants' metrics (nondet_jax.analysis.mitigations).
 
@@ -142,7 +155,7 @@ def mitigation_results(run: Path, records: dict[str, dict]) -> dict[str, dict]:
     paths = RunPaths(run)
     if not paths.test_labels.exists() or task_of(next(iter(records.values()), {})) != "classification":
         return {}  # the variants are scored by accuracy and cross-entropy
-    labels = _load(paths.test_labels)
+    labels = read_arrays(paths.test_labels)
     out = {}
     for arm, rec in records.items():
         if split_variant(arm)[1]:
@@ -152,14 +165,13 @@ def mitigation_results(run: Path, records: dict[str, dict]) -> dict[str, dict]:
         keep = sorted(_healthy(rec).intersection(*(_healthy(records[o]) for o in snaps)))
         if not keep:
             continue
-        variants = {"single": _load(paths.arm_file("logits", arm))[keep]}
+        variants = {"single": read_arrays(paths.arm_file("logits", arm))[keep]}
         tta = paths.listed_file("tta", arm, rec)
         if tta is not None:
-            with np.load(tta, allow_pickle=False) as f:
-                variants.update({f"tta:{name}": f[name][keep] for name in f.files})
+            variants.update({f"tta:{name}": a[keep] for name, a in read_arrays(tta).items()})
         for other, k in snaps.items():
-            variants[f"snapshot{k}"] = snapshot_ensemble(_load(paths.arm_file("snapshots", other))[keep])
-            variants[f"snapshot{k} last"] = _load(paths.arm_file("logits", other))[keep]
+            variants[f"snapshot{k}"] = snapshot_ensemble(read_arrays(paths.arm_file("snapshots", other))[keep])
+            variants[f"snapshot{k} last"] = read_arrays(paths.arm_file("logits", other))[keep]
         if len(variants) > 1:
             out[arm] = mitigation_metrics(variants, labels)
     return out
@@ -231,6 +243,8 @@ def _write_csv(path: Path, rows: list[dict], root: Path | None = None) -> None:
 def _std_cell(st: dict, a: dict, scale: float = 100.0, digits: int = 2) -> str:
     """``std [low, high]`` of an arm's score, or "bitwise identical" when its replicas are (the spread is
     exactly zero by construction, not estimated)."""
+    if a.get("replicas_used", a.get("replicas", 2)) < 2:  # one replica: no spread, and nothing compared to
+        return "n/a (1 replica)"
     if a.get("replicas_bitwise_identical"):
         return "bitwise identical"
     ci = st.get("std_ci") or [None, None]
@@ -304,13 +318,14 @@ def format_table(summary: dict) -> str:
     columns = _regression_columns if task_of(summary) == "regression" else _classification_columns
     head = legend = ""
     rows = []
+    w = max([13, *(len(arm) + 1 for arm in summary["arms"])])  # init@snapshot3 pushed its row out of line
     for arm, a in summary["arms"].items():
         head, row, legend = columns(arm, a, summary)
         if not a["metrics"]:
-            rows.append(f"{arm:<13}{0:>3} {'n/a':>10}  every replica diverged, nothing left to measure (see below)")
+            rows.append(f"{arm:<{w}}{0:>3} {'n/a':>10}  every replica diverged, nothing left to measure (see below)")
         else:
-            rows.append(f"{arm:<13}{a.get('replicas_used', a['replicas']):>3} {row}")
-    head = f"{'arm':<13}{'R':>3} {head}"
+            rows.append(f"{arm:<{w}}{a.get('replicas_used', a['replicas']):>3} {row}")
+    head = f"{'arm':<{w}}{'R':>3} {head}"
     lines = [head, "-" * len(head), *rows, legend]
     diverged = {arm: a["diverged"] for arm, a in summary["arms"].items() if a.get("diverged")}
     if diverged:

@@ -21,7 +21,7 @@ import numpy as np
 
 from nondet_jax.analysis.metrics import accuracy, cross_entropy, regression_errors
 from nondet_jax.errors import UsageError
-from nondet_jax.store.io import guarded
+from nondet_jax.store.io import guarded, read_arrays
 from nondet_jax.store.paths import RunPaths
 from nondet_jax.store.run import read_arm_record
 
@@ -37,24 +37,19 @@ def writer_class():
     return SummaryWriter
 
 
-def _load(path: Path) -> dict[str, np.ndarray]:
-    with np.load(path, allow_pickle=False) as f:
-        return {k: f[k] for k in f.files}
-
-
 def arm_scalars(run: Path, arm: str) -> list[dict[str, list[tuple[int, float]]]]:
     """Per replica, tag -> [(step, value), ...] from the arm's stored history, logits and instruments."""
     paths = RunPaths(run)  # the store owns the run folder's layout
-    hist = _load(paths.arm_file("history", arm))
-    logits = np.load(paths.arm_file("logits", arm), allow_pickle=False)
-    labels = np.load(paths.test_labels, allow_pickle=False)
+    hist = read_arrays(paths.arm_file("history", arm))
+    logits = read_arrays(paths.arm_file("logits", arm))
+    labels = read_arrays(paths.test_labels)
     regression = np.issubdtype(labels.dtype, np.floating)  # a regression's targets (classes are integers)
     if regression:
         acc, nll = regression_errors(logits, labels)  # test MSE, MAE
     else:
         acc, nll = accuracy(logits, labels), cross_entropy(logits, labels)
     inst_path = paths.listed_file("instruments", arm, read_arm_record(run, arm))  # a planted file: never read
-    inst = _load(inst_path) if inst_path is not None else {}
+    inst = read_arrays(inst_path) if inst_path is not None else {}
     epochs = hist["train_loss"].shape[1]
     out = []
     for r in range(len(logits)):

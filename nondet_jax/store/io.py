@@ -229,3 +229,52 @@ def strict_json(obj):
     if isinstance(obj, (np.floating, np.integer)):
         obj = obj.item()
     return _finite(obj)
+
+
+def read_arrays(path: Path):
+    """A run folder's stored arrays, read whole and checked, never unpickled: a ``.npy`` file's array, or a
+    ``.npz`` file's ``{name: array}``. UsageError naming the file when it is no such file or holds an array that is
+    not numbers (a file resealed by hand with an object array ended a report in a traceback after it had written
+    its other outputs)."""
+    import zipfile
+
+    try:
+        with open(path, "rb") as f:
+            loaded = np.load(f, allow_pickle=False)
+            arrays = {k: loaded[k] for k in loaded.files} if isinstance(loaded, np.lib.npyio.NpzFile) else loaded
+        bad = [k for k, a in (arrays.items() if isinstance(arrays, dict) else [("", arrays)]) if a.dtype.kind not in "biuf"]
+        if bad:
+            raise ValueError(f"{bad[0] or 'its array'} holds {arrays[bad[0]].dtype if bad[0] else arrays.dtype} values, not numbers")
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise UsageError(f"{path} is not a readable array file ({(str(e).splitlines() or [type(e).__name__])[0][:80]}); "
+                         "rerun the sweep on the same --out to write it again") from None
+    return arrays
+
+
+def not_numbers(data: bytes, name: str) -> str | None:
+    """The first array of a stored ``.npy`` or ``.npz`` file (its bytes, ``name`` telling which) that does not hold
+    numbers, read from the headers alone, as words ("train_loss holds <U1 values"); None when every one does, or
+    when ``name`` is no array file. A file resealed by hand with text in it passed its digest and ended a report in
+    a traceback after its other outputs were written."""
+    import zipfile
+
+    def kind(f) -> np.dtype:
+        version = np.lib.format.read_magic(f)
+        read = np.lib.format.read_array_header_2_0 if version >= (2, 0) else np.lib.format.read_array_header_1_0
+        return read(f, max_header_size=10_000)[2]
+
+    try:
+        if name.endswith(".npy"):
+            dtypes = {"its array": kind(io.BytesIO(data))}
+        elif name.endswith(".npz"):
+            with zipfile.ZipFile(io.BytesIO(data)) as z:
+                dtypes = {}
+                for info in z.infolist():
+                    with z.open(info) as f:
+                        dtypes[info.filename.removesuffix(".npy")] = kind(f)
+        else:
+            return None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        return f"its headers cannot be read ({(str(e).splitlines() or [type(e).__name__])[0][:60]})"
+    return next((f"{k} holds {d} values, not numbers" for k, d in dtypes.items() if d.kind not in "biuf"), None)
+

@@ -23,6 +23,7 @@ from nondet_jax.store.io import (
     check_path_name,
     check_writable_file,
     guarded,
+    not_numbers,
     npy_bytes,
     npz_bytes,
 )
@@ -126,13 +127,21 @@ def read_arm_record(root: Path, arm: str) -> dict:
 
 
 def _well_formed(record: dict) -> bool:
-    """An arm record's parts in the form the report reads: rows one table per replica, each metric a table of
-    statistics or one number, each diverged replica a table with its replica and step, files named by text."""
+    """An arm record's parts in the form the report reads: rows one table per replica of numbers (its arm and
+    strategy named by text), the varied sources text, replicas a count, each metric a table of statistics or one
+    number, each diverged replica a table with its replica and step, files named by text."""
     def count(v):
         return isinstance(v, int) and not isinstance(v, bool)
 
-    diverged = record.get("diverged", [])
-    return (all(isinstance(r, dict) and count(r.get("replica")) for r in record["rows"])
+    def cell(k, v):  # a row's scores are numbers (NaN where a replica diverged); its names are text
+        return isinstance(v, str) if k in ("arm", "strategy") else \
+            v is None or isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    diverged, varied = record.get("diverged", []), record.get("varied", [])
+    return (all(isinstance(r, dict) and count(r.get("replica")) and all(cell(k, v) for k, v in r.items())
+                for r in record["rows"])
+            and isinstance(varied, list) and all(isinstance(v, str) for v in varied)
+            and count(record.get("replicas", 0))
             and all(isinstance(k, str) and (v is None or isinstance(v, (dict, int, float)) and not isinstance(v, bool))
                     for k, v in record["metrics"].items())
             and isinstance(diverged, list)
@@ -161,7 +170,12 @@ def verify_arm_files(root: Path, arm: str, record: dict, identity: str = "") -> 
                 os.lstat(path)  # FileNotFoundError when absent
                 ok = False
             else:
-                ok = hashlib.sha256(path.read_bytes()).hexdigest() == digest
+                data = path.read_bytes()
+                ok = hashlib.sha256(data).hexdigest() == digest
+                bad = not_numbers(data, rel) if ok else None
+                if bad:  # its digest recomputed by hand (anyone can): the form is checked too, before any write
+                    raise UsageError(f"result file {path} is not in its form ({bad}); rerun the sweep with "
+                                     f"--recompute {arm} to train arm '{arm}' again")
         except FileNotFoundError:
             ok, missing = rel == TEST_LABELS, True  # the labels: rewritten from the data set by the next sweep
         except OSError:

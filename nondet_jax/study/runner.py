@@ -216,7 +216,7 @@ def run(config: Config, out: str | Path | None = None, progress: bool | None = N
     try:
         strategy = open_study(store, config, data, fns, command, model, procs, log)
         log(f"nondet_jax: {len(arms)} arms x {study.replicas} replicas of {config.model.name} on {data.name} "
-            f"({len(data.x_train)} train / {len(data.x_test)} test), {config.train.epochs} epochs, strategy "
+            f"({len(data.x_train)} train / {len(data.x_test)} test), {config.train.epochs} epoch{'s' if config.train.epochs != 1 else ''}, strategy "
             f"{strategy} on {backend}{f' over {procs.count} processes' if procs.count > 1 else ''} -> {out}")
         if hardware_arms and backend not in NONDETERMINISTIC_BACKENDS:
             log(f"note: {backend} reductions are deterministic, so arm(s) {', '.join(hardware_arms)} check that "
