@@ -238,6 +238,9 @@ CASES: list[tuple[str, str]] = [
             "lambda p: jnp.zeros((), jnp.int32), lambda g, s, p=None: (g, s + 0.5)))"),
     ("API", "run_study(Linear, TWO_CLASSES, batch_size=4, optimizer=optax.GradientTransformation("
             "lambda p: optax.EmptyState(), lambda g, s, p=None: ({'x': 1.0}, s)))"),
+    # a fix that names the real problem: a model factory's other required argument, weights wrapped in 'params'
+    ("API", "run_study(lambda num_classes, hidden: Linear(num_classes), TWO_CLASSES, batch_size=4)"),
+    ("API", "run_study(Linear, TWO_CLASSES, batch_size=4, init_params={'params': {'Dense_0': {'bias': jnp.zeros(2)}}})"),
     # a keyword and a setting that disagree (one settings dict reused across calls): neither silently wins
     ("API", "run_study(Linear, TWO_CLASSES, batch_size=4, settings={'train.batch_size': 8})"),
     ("API", "replicate(lambda keys: jnp.zeros(3), lambda s, b, keys: s, (jnp.ones((8, 2)),), steps=4)"),

@@ -156,8 +156,10 @@ def model_fns(model, num_classes: int, catalogue_kwargs: dict | None = None, fea
         try:
             model = model(num_classes=num_classes, **(catalogue_kwargs or {}))
         except TypeError as e:
+            fix = ("give it a num_classes argument" if "num_classes" in str(e) or "unexpected keyword" in str(e) else
+                   "give its other arguments defaults, or pass functools.partial(Model, name=value)")  # a required field
             raise UsageError(f"model {label_of(model)} could not be built with num_classes={num_classes} ({e}); "
-                             "give it a num_classes argument, or pass a module instance") from None
+                             f"{fix}, or pass a module instance") from None
         if not isinstance(model, nn.Module):
             raise UsageError(f"model factory returned {type(model).__name__}, not a Flax module; return a "
                              "flax.linen.Module or flax.nnx.Module")
@@ -376,14 +378,25 @@ def nnx_model_fns(factory, num_classes: int, features: str | None = None) -> Mod
             nnx.replace_by_pure_dict(s_shape, v["batch_stats"])
         return {"params": p_shape, "batch_stats": s_shape}
 
+    def call(m, x):  # a stream the study does not give, said as for a Linen module (NNX: an AttributeError)
+        try:
+            return m(x)
+        except AttributeError as e:
+            stream = re.findall(r"No RngStream named '([^']+)'", str(e))
+            if not stream:
+                raise
+            raise UsageError(f"model {label_of(factory)} draws random numbers from the rng stream '{stream[0]}', which a "
+                             "study does not give: it gives 'dropout' (the dropout source, its own key per replica "
+                             "where an arm varies it); draw with rngs.dropout()") from None
+
     def train_apply(v, x, dropout):
         m = merged(as_state(v), dropout, True)
-        logits = m(x)
+        logits = call(m, x)
         _, stats = nnx.split(m, nnx.BatchStat, ...)[:2]
         return logits, nnx.to_pure_dict(stats)
 
     def evaluate(v, x):
-        logits = merged(as_state(v), jax.random.key(0), False)(x)
+        logits = call(merged(as_state(v), jax.random.key(0), False), x)
         return logits, logits
 
     def recompute_batch_stats(v, x):

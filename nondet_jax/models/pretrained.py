@@ -134,6 +134,9 @@ def check(given: dict, params_shape, source: str | None = None) -> None:
     drop = "write a .npz without that array" if source else "drop it from init_params"
     for name, a in have.items():
         if name not in want:
+            if not source and name.startswith("params/") and name.removeprefix("params/") in want:
+                raise UsageError(f"init_params holds the whole variables ('{name}'), not the parameters; pass "
+                                 "variables['params'] (load_replica returns every collection)")
             close = sorted(want)[:6]
             raise UsageError(f"{where} holds '{name}', which the model has no parameter of (it has "
                              f"{', '.join(close)}{', ...' if len(want) > 6 else ''}); {drop} or rename it")

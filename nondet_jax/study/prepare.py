@@ -128,6 +128,9 @@ def _variables_shape(fns, name: str | None = None):
     except UsageError:
         raise
     except Exception as e:  # noqa: BLE001 (the model's init on this data: any error, named)
+        if isinstance(e, KeyError) and e.args == ("params",):  # not a shape problem: nothing to train
+            raise UsageError(f"model {_model_name(fns, name)} has no parameters (its init returns no 'params'); a "
+                             "study trains parameters: give it at least one layer with weights") from None
         raise UsageError(f"model {_model_name(fns, name)}'s init fails on data of shape {_data_shape(fns.spec)} (called "
                          f"on one example, shape {x1.shape}: {_first_line(e)}); make the model take inputs of this "
                          "shape, or reshape the data (images are (N, H, W, C))") from None
