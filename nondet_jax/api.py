@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import inspect
-import json
 import re
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -32,6 +31,7 @@ from nondet_jax.report.frames import FRAMES
 from nondet_jax.report.summary import arm_rows
 from nondet_jax.sources import StepKeys, arm_keys, check_own_sources, own_keys, parse_arm, switches
 from nondet_jax.store.paths import RunPaths
+from nondet_jax.store.run import read_arm_record
 from nondet_jax.study import runner
 from nondet_jax.study.memory import check_program_fits, release_compiled
 from nondet_jax.train import carry_change
@@ -68,8 +68,8 @@ class StudyResult:
                                   list(summary["arms"]))
 
     def _record(self, arm: str) -> dict:
-
-        return json.loads(self._paths.arm_file("arms", arm).read_text())
+        """The arm's record, checked to be unedited (:func:`~nondet_jax.store.run.read_arm_record`)."""
+        return read_arm_record(self.out, arm)
 
     def __repr__(self) -> str:
         return f"StudyResult(out={str(self.out)!r}, arms={list(self.summary['arms'])})"

@@ -104,3 +104,19 @@ def test_compare_arms_against_all():
     out = compare_arms(recs)
     assert set(out) == {"init"} and out["init"]["accuracy"]["ratio"] < 1
     assert compare_arms({"init": recs["init"]}) == {}
+
+
+def test_snapshot_variants_are_not_in_the_sources_family():
+    """arm@snapshotK is a mitigation, compared with its own arm in the mitigations table: it was given a ratio to
+    'all' and counted in the findings' Holm family and the ranking of sources (an outside review)."""
+    rng = np.random.default_rng(0)
+
+    def record(varied):
+        rows = [{"replica": r, "test_accuracy": float(a), "test_loss": float(b), "diverged_at_step": -1}
+                for r, (a, b) in enumerate(rng.normal(0.9, 0.01, (6, 2)))]
+        return {"rows": rows, "varied": varied, "metrics": {}}
+
+    out = compare_arms({"all": record(["init", "data_order"]), "init": record(["init"]),
+                        "data_order": record(["data_order"]), "init@snapshot3": record(["init"])})
+    assert sorted(out) == ["data_order", "init"]
+    assert out["init"]["accuracy"]["family_level"] == 1 - 0.05 / 2  # two sources, not three
