@@ -17,6 +17,7 @@ from nondet_jax.analysis import metrics as M
 from nondet_jax.analysis import stats as S
 from nondet_jax.analysis.task import PAIRWISE, QUANTITIES, task_of
 from nondet_jax.config import MetricsConfig
+from nondet_jax.sources import split_variant
 from nondet_jax.train import TrainFns, TrainState
 
 CLASSIFICATION_PAIRS = [p for p in PAIRWISE["classification"] if p != "lmc_barrier"]
@@ -139,8 +140,8 @@ def compare_arms(records: dict[str, dict], reference: str = "all", ratios=S.POWE
     cells = []  # (arm, quantity, its rows, x, y, resolution)
     for arm, rec in records.items():
         rows = healthy(rec["rows"])
-        if arm == reference or len(ref) < 2 or len(rows) < 2:
-            continue
+        if arm == reference or split_variant(arm)[1] or len(ref) < 2 or len(rows) < 2:
+            continue  # a snapshot ensemble (arm@snapshotK) is a mitigation, compared with its own arm, not a source
         for q in quantities:
             res = (rec.get("metrics") or {}).get(q.name, {}).get("resolution")
             cells.append((arm, q, rows, np.array([row[q.row] for row in rows]), np.array([row[q.row] for row in ref]), res))
