@@ -395,3 +395,72 @@ def test_csv_with_a_byte_order_mark_and_a_fifo(tmp_path, capsys):
     os.mkfifo(tmp_path / "f.csv")
     assert main([str(tmp_path / "f.csv"), str(tmp_path / "b.csv")]) == 2
     assert "is not a regular file" in capsys.readouterr().err
+
+
+def _copy(run, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
+    return copy
+
+
+def _refused(capsys, *args) -> str:
+    """compare's one-line refusal (exit 2) of ``args``; a read that blocks (a FIFO) fails the test after 60 s."""
+    import signal
+
+    def hung(*_):
+        raise TimeoutError("compare hung")
+
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(60)
+    try:
+        status = main([str(a) for a in args])
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("edit", ["accuracy", "list"])
+def test_compare_reads_an_arm_record_as_report_does(runs, tmp_path, capsys, edit):
+    """compare never checked an arm record's own checksum: test accuracies edited to 0.99 in arms/all.json made
+    report and --resume refuse, while compare printed a difference from the edited numbers; a record that is a list
+    crashed it with AttributeError (outside review)."""
+    a, b = runs
+    copy = _copy(a, tmp_path)
+    path = copy / "arms" / "all.json"
+    record = json.loads(path.read_text())
+    if edit == "accuracy":
+        for row in record["rows"]:
+            row["test_accuracy"] = 0.99
+    path.write_text(json.dumps(record if edit == "accuracy" else []))
+    said = "was changed after it was written" if edit == "accuracy" else "is not an arm record"
+    with pytest.raises(UsageError, match=f"result file {path} {said}.*rerun with --recompute all"):
+        compare(copy, b, arm="all")
+    assert said in _refused(capsys, copy, b, "--arm", "all")
+
+
+@pytest.mark.parametrize("name", ["config.json", "arms/all.json", "logits/all.npy", "model.json"])
+def test_compare_follows_no_link_out_of_a_run_folder(runs, tmp_path, capsys, name):
+    """A symbolic link to a file outside the folder, which report and --resume refuse, was followed by compare."""
+    a, b = runs
+    copy = _copy(a, tmp_path)
+    outside = tmp_path / "outside"
+    outside.write_bytes((copy / name).read_bytes())  # the very bytes: only the link is wrong
+    (copy / name).unlink()
+    (copy / name).symlink_to(outside)
+    assert f"{copy / name} is a symbolic link, which nondet_jax never follows" in _refused(capsys, copy, b)
+
+
+@pytest.mark.parametrize("name", ["model.json", "arms/all.json"])
+def test_compare_never_waits_on_a_fifo_in_a_run_folder(runs, tmp_path, capsys, name):
+    """compare hung forever on a FIFO where model.json or an arm record was."""
+    a, b = runs
+    copy = _copy(a, tmp_path)
+    (copy / name).unlink()
+    os.mkfifo(copy / name)
+    assert f"{copy / name} is a FIFO, which a run folder never holds" in _refused(capsys, copy, b)
+

@@ -11,8 +11,9 @@ import numpy as np
 from nondet_jax.analysis import stats as S
 from nondet_jax.analysis.task import RUN_METRICS, run_metric, task_of
 from nondet_jax.errors import UsageError
+from nondet_jax.store.io import check_no_links
 from nondet_jax.store.paths import RunPaths
-from nondet_jax.store.run import verify_arm_files
+from nondet_jax.store.run import read_arm_record, verify_arm_files
 
 INDEX_COLUMNS = ("seed", "replica", "run", "index")
 MISSING = ("", "NA", "N/A", "NAN", "NULL", "NONE")  # what spreadsheets write for a missing score
@@ -28,20 +29,17 @@ def run_scores(run: str | Path, arm: str, metric: str | None = None) -> tuple[np
     """Per-replica ``metric`` of ``arm`` in a run folder (default: the task's test score, test accuracy or a
     regression's test MSE; replicas that diverged left out), and where it came from."""
     run = Path(run)
-    if not RunPaths(run).config.is_file():
+    config_path = RunPaths(run).config
+    if not (config_path.exists() or config_path.is_symlink()):
         raise UsageError(f"{run} is not a nondet_jax run folder (no config.json); pass the --out folder of a sweep "
                          "or a CSV file of per-seed scores")
+    check_no_links(run)  # as report: a link would read files outside the folder, a FIFO block the read forever
     record_path = RunPaths(run).arm_file("arms", arm)  # read only: no lock, nothing written
     if not record_path.exists():
         finished = sorted(p.stem for p in (run / "arms").glob("*.json")) if (run / "arms").is_dir() else []
         raise UsageError(f"arm '{arm}' has no finished results in {run} (finished: {', '.join(finished) or 'none'}); "
                          "pick one with --arm")
-    try:
-        record = json.loads(record_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        raise UsageError(f"result file {record_path} is unreadable or corrupt; rerun its study with --recompute {arm} "
-                         "or pick another --arm") from None
-    record = verify_arm_files(run, arm, record)
+    record = verify_arm_files(run, arm, read_arm_record(run, arm))  # its own sha256 and form, then its files
     metric = run_metric(task_of(record), metric)
     rows = [r for r in record["rows"] if r.get("diverged_at_step", -1) < 0]
     config = json.loads(RunPaths(run).config.read_text())
