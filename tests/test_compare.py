@@ -464,3 +464,20 @@ def test_compare_never_waits_on_a_fifo_in_a_run_folder(runs, tmp_path, capsys, n
     os.mkfifo(copy / name)
     assert f"{copy / name} is a FIFO, which a run folder never holds" in _refused(capsys, copy, b)
 
+
+@pytest.mark.parametrize("damage", ["{ not json", "[]", '{"identity": {"data": {"test_sha256": 7}}}', None])
+def test_a_damaged_model_json_is_named_not_called_another_test_set(runs, tmp_path, capsys, damage):
+    """With model.json damaged (or gone), compare said the two runs' test arrays differ: its test split is unknown,
+    and model.json is what to repair (the sweep writes it again on --resume)."""
+    a, b = runs
+    copy = _copy(a, tmp_path)
+    if damage is None:
+        (copy / "model.json").unlink()
+        said = f"{copy} has no model.json, which records the test split its scores are on; rerun the sweep with " \
+               f"--resume {copy}"
+    else:
+        (copy / "model.json").write_text(damage)
+        said = f"{copy / 'model.json'} is unreadable or corrupt, so the test set {copy} was scored on is unknown; " \
+               f"delete it and rerun the sweep with --resume {copy}"
+    err = _refused(capsys, copy, b)
+    assert said in err and "test arrays differ" not in err

@@ -62,12 +62,22 @@ def _n_test(run: Path, arm: str) -> int | None:
 
 
 def _test_set(run: Path) -> str | None:
-    """The sha256 of a run's test split (``model.json``), or None for a folder without one."""
-    try:
-        ident = json.loads(RunPaths(run).model.read_text()).get("identity", {})
-        return ident.get("data", {}).get("test_sha256")
-    except (OSError, ValueError, AttributeError):
+    """The sha256 of a run's test split (``model.json``), or None for a folder without one (or a ``model.json``
+    from before it was recorded); UsageError for a ``model.json`` that is unreadable or not a record: its test
+    split unknown, the runs' test arrays were said to differ."""
+    path = RunPaths(run).model
+    if not path.exists():
         return None
+    try:
+        ident = json.loads(path.read_text()).get("identity", {})
+        sha = ident.get("data", {}).get("test_sha256")
+        if not isinstance(sha, (str, type(None))):
+            raise TypeError("not a digest")
+        return sha
+    except (OSError, ValueError, AttributeError, TypeError):
+        raise UsageError(f"{path} is unreadable or corrupt, so the test set {run} was scored on is unknown; delete it "
+                         f"and rerun the sweep with --resume {run}, which writes it again (finished arms are kept)"
+                         ) from None
 
 
 def csv_scores(path: str | Path, column: str | None = None) -> tuple[np.ndarray, dict]:
@@ -198,6 +208,11 @@ def compare(a: str | Path, b: str | Path, arm: str = "all", arm_b: str | None = 
             raise UsageError(f"{a} is a {wa['task']} and {b} a {wb['task']}: their scores cannot be compared; pass two "
                              "runs of the same task")
         if wa["test_set"] != wb["test_set"]:
+            lacking = [p for p in (a, b) if not RunPaths(p).model.exists()] if wa["dataset"] == wb["dataset"] else []
+            if lacking:  # its test split unknown: the arrays may well be the same
+                raise UsageError(f"{lacking[0]} has no model.json, which records the test split its scores are on; "
+                                 f"rerun the sweep with --resume {lacking[0]}, which writes it (finished arms are "
+                                 "kept), then compare again")
             what = (f"{a} was tested on {wa['dataset']} and {b} on {wb['dataset']}" if wa["dataset"] != wb["dataset"]
                     else f"{a} and {b} both name {wa['dataset']}, but their test arrays differ")
             raise UsageError(f"{what}: scores on different test sets cannot be compared; pass two runs on the same "
