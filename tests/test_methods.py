@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import shutil
 
 import numpy as np
@@ -258,3 +259,96 @@ def test_a_methods_arm_record_gone_is_named_with_the_fix(methods_run, tmp_path):
         with pytest.raises(UsageError, match=r"method lr2 lacks arm all \(its arms/<arm>.json is gone\); rerun the "
                                              "study's command to train it again"):
             compare_methods(out, b="lr2")
+
+
+def _refused(capsys, *args) -> str:
+    """compare's one-line refusal (exit 2); a read that blocks (a FIFO) fails the test after 60 s."""
+    import signal
+
+    from nondet_jax.cli.compare import main
+
+    def hung(*_):
+        raise TimeoutError("compare hung")
+
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(60)
+    try:
+        status = main([str(a) for a in args])
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("edit", ["accuracy", "list"])
+def test_a_methods_arm_record_is_read_as_report_reads_it(methods_run, tmp_path, capsys, edit):
+    """lr2's test accuracies edited in its arms/all.json changed the paired difference and Holm p that compare
+    printed and MethodsResult loaded, without a word; a record that is a list crashed both with AttributeError
+    (outside review). Both now refuse as report does."""
+    from nondet_jax.analysis.methods import compare_methods
+    from nondet_jax.api import MethodsResult
+    from nondet_jax.errors import UsageError
+
+    out = tmp_path / "study"
+    shutil.copytree(methods_run[0], out)
+    path = out / "methods" / "lr2" / "arms" / "all.json"
+    record = json.loads(path.read_text())
+    for row in record["rows"]:
+        row["test_accuracy"] = 0.99
+    path.write_text(json.dumps(record if edit == "accuracy" else []))
+    said = "was changed after it was written" if edit == "accuracy" else "is not an arm record"
+    for read in (compare_methods, MethodsResult):
+        with pytest.raises(UsageError, match=f"result file {path} {said}"):
+            read(out)
+    err = _refused(capsys, out)
+    assert f"{path} {said}" in err and f"rerun with --resume {out / 'methods' / 'lr2'} --recompute all" in err
+
+
+@pytest.mark.parametrize("edit", ["arms a list", "task regression", "varied emptied", "a list", "not JSON"])
+def test_a_damaged_method_summary_is_refused_with_the_report_that_rebuilds_it(methods_run, tmp_path, capsys, edit):
+    """A method's summary.json has no checksum of its own: damaged, it crashed compare and MethodsResult with
+    AttributeError, or sent them after another task's metric ("unknown --metric 'test_mse'" with no --metric
+    given). It is checked against the method's arm records and refused, naming the report command that rebuilds it."""
+    from nondet_jax.analysis.methods import compare_methods
+    from nondet_jax.api import MethodsResult
+    from nondet_jax.errors import UsageError
+
+    out = tmp_path / "study"
+    shutil.copytree(methods_run[0], out)
+    folder = out / "methods" / "lr2"
+    summary = json.loads((folder / "summary.json").read_text())
+    if edit == "arms a list":
+        summary["arms"] = list(summary["arms"].values())
+    elif edit == "task regression":
+        summary["task"] = "regression"
+    elif edit == "varied emptied":
+        summary["arms"]["all"]["varied"] = []
+    elif edit == "a list":
+        summary = [summary]
+    (folder / "summary.json").write_text("{ not json" if edit == "not JSON" else json.dumps(summary))
+    fix = f"rebuild it with python -m nondet_jax report {folder}"
+    for read in (compare_methods, MethodsResult):
+        with pytest.raises(UsageError, match=f"^{folder / 'summary.json'} .*; {fix}$"):
+            read(out)
+    err = _refused(capsys, out)
+    assert f"{folder / 'summary.json'} " in err and err.endswith(fix) and "--metric" not in err
+    from nondet_jax.cli.report import main as report
+
+    assert report([str(folder)]) == 0  # the fix it names
+    assert len(compare_methods(out)) == 2
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link"])
+def test_compare_of_methods_never_waits_on_a_fifo_nor_follows_a_link(methods_run, tmp_path, capsys, kind):
+    out = tmp_path / "study"
+    shutil.copytree(methods_run[0], out)
+    path = out / "methods" / "lr2" / "model.json"
+    outside = tmp_path / "outside.json"
+    outside.write_bytes(path.read_bytes())
+    path.unlink()
+    os.mkfifo(path) if kind == "fifo" else path.symlink_to(outside)
+    said = "is a FIFO, which a run folder never holds" if kind == "fifo" else "is a symbolic link, which nondet_jax never"
+    assert f"{path} {said}" in _refused(capsys, out)
+

@@ -13,15 +13,18 @@ from pathlib import Path
 
 from nondet_jax.analysis import stats as S
 from nondet_jax.analysis.compare import compare
-from nondet_jax.analysis.task import run_metric, task_of
+from nondet_jax.analysis.task import QUANTITIES, run_metric, task_of
 from nondet_jax.errors import UsageError
-from nondet_jax.store.paths import RunPaths, method_name
+from nondet_jax.store.io import check_no_links
+from nondet_jax.store.paths import RunPaths, arm_name, method_name
 from nondet_jax.until import check_state
 
 
 def read_record(root: str | Path) -> dict:
     """``methods.json`` of a multi-method study, its names checked; UsageError where there is none."""
     path = RunPaths(root).methods_json
+    if path.exists() or path.is_symlink():  # as report: a link would read files outside the folder, a FIFO block
+        check_no_links(root)                # the read forever (the methods' folders too: they are read next)
     try:
         record = json.loads(path.read_text())
         names, baseline = list(record["methods"]), record["baseline"]
@@ -51,13 +54,39 @@ def finished(root: str | Path, record: dict | None = None) -> dict[str, dict]:
     for name in record["methods"]:
         path = RunPaths(RunPaths(root).method(name)).summary
         if path.is_file():
-            try:
-                out[name] = json.loads(path.read_text())
-            except (OSError, ValueError):
-                raise UsageError(f"{path} is unreadable or corrupt; rebuild it with python -m nondet_jax report "
-                                 f"{RunPaths(root).method(name)}") from None
+            out[name] = read_summary(RunPaths(root).method(name))
             _check_settings(root, record, name)
     return out
+
+
+def read_summary(folder: Path) -> dict:
+    """A finished method's ``summary.json`` (no checksum of its own: the report rebuilds it), checked to be a
+    summary whose arms are its folder's arm records, each read through
+    :func:`~nondet_jax.store.run.read_arm_record` (its own sha256 and form), and whose tables the report reads;
+    UsageError naming the file and the report command that rebuilds it otherwise (an edited summary crashed the
+    comparison, or made it look for another task's metric)."""
+    from nondet_jax.report.summary import arm_rows
+    from nondet_jax.store.io import strict_json
+    from nondet_jax.store.run import read_arm_record
+
+    path = RunPaths(folder).summary
+    fix = f"rebuild it with python -m nondet_jax report {folder}"
+    try:
+        summary = json.loads(path.read_text())
+        if not isinstance(summary, dict) or not isinstance(summary.get("arms"), dict) or not summary["arms"] \
+                or task_of(summary) not in QUANTITIES:
+            raise ValueError("not a summary")
+        arm_rows(summary)  # every table the report reads, in its form
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise UsageError(f"{path} is unreadable or not a study's summary; {fix}") from None
+    for arm, entry in summary["arms"].items():
+        if not RunPaths(folder).arm_file("arms", arm_name(arm, f"{path} arms")).is_file():
+            continue  # a record gone: compare_methods names the method and arm it lacks
+        record = read_arm_record(folder, arm)
+        if strict_json({k: v for k, v in record.items() if k != "rows"}) != entry or task_of(record) != task_of(summary):
+            raise UsageError(f"{path} does not match {RunPaths(folder).arm_file('arms', arm)} (the summary was edited "
+                             f"or is stale); {fix}")
+    return summary
 
 
 def _check_settings(root, record: dict, name: str) -> None:
