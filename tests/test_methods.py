@@ -352,3 +352,19 @@ def test_compare_of_methods_never_waits_on_a_fifo_nor_follows_a_link(methods_run
     said = "is a FIFO, which a run folder never holds" if kind == "fifo" else "is a symbolic link, which nondet_jax never"
     assert f"{path} {said}" in _refused(capsys, out)
 
+
+def test_a_study_result_reads_arm_records_checked(methods_run, tmp_path):
+    """StudyResult (each MethodsResult.methods[name]) read arm records as plain JSON: a record edited after the
+    result was loaded went into its long tables and load_replica unchecked."""
+    from nondet_jax.api import MethodsResult
+    from nondet_jax.errors import UsageError
+
+    out = tmp_path / "study"
+    shutil.copytree(methods_run[0], out)
+    result = MethodsResult(out)
+    path = out / "methods" / "lr2" / "arms" / "all.json"
+    record = json.loads(path.read_text())
+    record["rows"][0]["test_accuracy"] = 0.99
+    path.write_text(json.dumps(record))
+    with pytest.raises(UsageError, match=f"result file {path} was changed after it was written"):
+        result.methods["lr2"].to_frame("replicas")
