@@ -244,6 +244,12 @@ CASES: list[tuple[str, str]] = [
     # a keyword and a setting that disagree (one settings dict reused across calls): neither silently wins
     ("API", "run_study(Linear, TWO_CLASSES, batch_size=4, settings={'train.batch_size': 8})"),
     ("API", "replicate(lambda keys: jnp.zeros(3), lambda s, b, keys: s, (jnp.ones((8, 2)),), steps=4)"),
+    # compare reads a run folder as report does
+    ("compare", "python -m nondet_jax compare <run> <run> --arm init  (arms/init.json edited: a test accuracy changed)"),
+    ("compare", "python -m nondet_jax compare <run> <run> --arm init  (arms/init.json a list)"),
+    ("compare", "python -m nondet_jax compare <run> <run> --arm init  (model.json a FIFO)"),
+    ("compare", "python -m nondet_jax compare <run> <run> --arm init  (logits/init.npy a symbolic link to a copy outside)"),
+    ("compare", "python -m nondet_jax compare <run> <run> --arm init  (model.json not JSON)"),
 ]
 
 class Linear:  # a user's model without dropout (built lazily: flax is imported by the cases that use it)
@@ -573,8 +579,14 @@ def _untrusted_setup(note: str, args: list[str], folder: Path | None, tmp: Path,
         config = json.loads((folder / "config.json").read_text())
         config["optim"]["name"] = "planted_mod:tx"
         (folder / "config.json").write_text(json.dumps(config, indent=2))
+    if note.startswith("model.json not JSON"):
+        (folder / "model.json").write_text("{ not json")
+    if note.startswith("logits/init.npy a symbolic link to a copy outside"):
+        shutil.copy(folder / "logits" / "init.npy", outside / "init.npy")
+        (folder / "logits" / "init.npy").unlink()
+        (folder / "logits" / "init.npy").symlink_to(outside / "init.npy")
     for name, what in (("replicas.csv", "a folder"), ("summary.json", "a FIFO"), ("arms", "a file"),
-                       (".lock", "a folder"), ("figures/accuracy.png", "a folder")):
+                       (".lock", "a folder"), ("figures/accuracy.png", "a folder"), ("model.json", "a FIFO")):
         if note == f"{name} {what}":
             shutil.rmtree(folder / name) if (folder / name).is_dir() else (folder / name).unlink()
             (folder / name).mkdir() if what == "a folder" else os.mkfifo(folder / name) if what == "a FIFO" else \
