@@ -306,7 +306,8 @@ def test_a_methods_arm_record_is_read_as_report_reads_it(methods_run, tmp_path, 
     assert f"{path} {said}" in err and f"rerun with --resume {out / 'methods' / 'lr2'} --recompute all" in err
 
 
-@pytest.mark.parametrize("edit", ["arms a list", "task regression", "varied emptied", "a list", "not JSON"])
+@pytest.mark.parametrize("edit", ["arms a list", "task regression", "task a list", "varied emptied", "vs_all damaged",
+                                  "arm ../x", "a list", "not JSON"])
 def test_a_damaged_method_summary_is_refused_with_the_report_that_rebuilds_it(methods_run, tmp_path, capsys, edit):
     """A method's summary.json has no checksum of its own: damaged, it crashed compare and MethodsResult with
     AttributeError, or sent them after another task's metric ("unknown --metric 'test_mse'" with no --metric
@@ -323,6 +324,12 @@ def test_a_damaged_method_summary_is_refused_with_the_report_that_rebuilds_it(me
         summary["arms"] = list(summary["arms"].values())
     elif edit == "task regression":
         summary["task"] = "regression"
+    elif edit == "task a list":
+        summary["task"] = ["classification"]
+    elif edit == "vs_all damaged":
+        summary["vs_all"] = {arm: 3 for arm in summary["arms"]}
+    elif edit == "arm ../x":
+        summary["arms"]["../x"] = summary["arms"]["all"]
     elif edit == "varied emptied":
         summary["arms"]["all"]["varied"] = []
     elif edit == "a list":

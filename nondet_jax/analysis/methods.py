@@ -65,7 +65,6 @@ def read_summary(folder: Path) -> dict:
     :func:`~nondet_jax.store.run.read_arm_record` (its own sha256 and form), and whose tables the report reads;
     UsageError naming the file and the report command that rebuilds it otherwise (an edited summary crashed the
     comparison, or made it look for another task's metric)."""
-    from nondet_jax.report.summary import arm_rows
     from nondet_jax.store.io import strict_json
     from nondet_jax.store.run import read_arm_record
 
@@ -74,19 +73,29 @@ def read_summary(folder: Path) -> dict:
     try:
         summary = json.loads(path.read_text())
         if not isinstance(summary, dict) or not isinstance(summary.get("arms"), dict) or not summary["arms"] \
-                or task_of(summary) not in QUANTITIES:
+                or task_of(summary) not in QUANTITIES or not _tables_in_form(summary):
             raise ValueError("not a summary")
-        arm_rows(summary)  # every table the report reads, in its form
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        for arm in summary["arms"]:  # before any file is named after one
+            arm_name(arm)
+    except (OSError, ValueError, TypeError, AttributeError, UsageError):
         raise UsageError(f"{path} is unreadable or not a study's summary; {fix}") from None
     for arm, entry in summary["arms"].items():
-        if not RunPaths(folder).arm_file("arms", arm_name(arm, f"{path} arms")).is_file():
+        if not RunPaths(folder).arm_file("arms", arm).is_file():
             continue  # a record gone: compare_methods names the method and arm it lacks
         record = read_arm_record(folder, arm)
         if strict_json({k: v for k, v in record.items() if k != "rows"}) != entry or task_of(record) != task_of(summary):
             raise UsageError(f"{path} does not match {RunPaths(folder).arm_file('arms', arm)} (the summary was edited "
                              f"or is stale); {fix}")
     return summary
+
+
+def _tables_in_form(summary: dict) -> bool:
+    """A summary's tables beside its arms in the form the report's tables read them: ``vs_all`` a table per arm of
+    a table per score (``replicas_for_ratio`` a table), ``decomposition`` a table."""
+    vs_all = summary.get("vs_all")
+    return isinstance(vs_all, dict) and isinstance(summary.get("decomposition") or {}, dict) and all(
+        isinstance(v, dict) and all(isinstance(c, dict) and isinstance(c.get("replicas_for_ratio", {}), dict)
+                                    for c in v.values()) for v in vs_all.values())
 
 
 def _check_settings(root, record: dict, name: str) -> None:
