@@ -228,7 +228,7 @@ def test_a_resealed_record_in_another_form_is_refused(template, tmp_path, capsys
 
 
 
-@pytest.mark.parametrize("edit", ["no accuracy", "mean as text", "object history"])
+@pytest.mark.parametrize("edit", ["no accuracy", "mean as text", "object history", "row without accuracy"])
 def test_a_resealed_record_without_its_scores_is_refused_before_the_report_writes(template, tmp_path, capsys, edit):
     """A record resealed without its task's scores as numbers, or a history file resealed with an object array,
     ended the report in a KeyError, TypeError or ValueError after summary.json, arms.csv or a figure had been
@@ -246,6 +246,8 @@ def test_a_resealed_record_without_its_scores_is_refused_before_the_report_write
         del record["metrics"]["accuracy"]
     elif edit == "mean as text":
         record["metrics"]["cross_entropy"]["mean"] = "x"
+    elif edit == "row without accuracy":  # compare read it too: a KeyError
+        del record["rows"][0]["test_accuracy"]
     else:
         history = run / "history" / "init.npz"
         arrays = dict(np.load(history))
@@ -258,6 +260,11 @@ def test_a_resealed_record_without_its_scores_is_refused_before_the_report_write
     err = one_line(capsys)
     assert ("does not hold its" if edit != "object history" else "holds <U1 values, not numbers") in err, err
     assert state(run) == before
+    if edit == "row without accuracy":
+        from nondet_jax.analysis.compare import run_scores
+
+        with pytest.raises(UsageError, match="holds a replica without its test_accuracy as a number"):
+            run_scores(run, "init")
 
 
 # --- defect 2: --resume imported code the folder names through keys other than model.name ----------------------

@@ -42,6 +42,9 @@ def run_scores(run: str | Path, arm: str, metric: str | None = None) -> tuple[np
     record = verify_arm_files(run, arm, read_arm_record(run, arm))  # its own sha256 and form, then its files
     metric = run_metric(task_of(record), metric)
     rows = [r for r in record["rows"] if r.get("diverged_at_step", -1) < 0]
+    if not all(isinstance(r.get(metric), (int, float)) and not isinstance(r.get(metric), bool) for r in rows):
+        raise UsageError(f"result file {record_path} holds a replica without its {metric} as a number (edited, its "  # resealed
+                         f"checksum recomputed); rerun the sweep with --recompute {arm} to train arm '{arm}' again")
     config = json.loads(RunPaths(run).config.read_text())
     where = {"source": str(run), "kind": "run", "arm": arm, "metric": metric, "task": task_of(record), "dataset": config["data"]["name"],
              "model": config["model"]["name"], "diverged_left_out": len(record["rows"]) - len(rows),

@@ -78,7 +78,7 @@ def _check_scores(path: Path, arm: str, record: dict) -> None:
     for q in QUANTITIES[task]:
         stats = record["metrics"].get(q.name)
         if not isinstance(stats, dict) or not all(_number(stats.get(k)) for k in ("mean", "std")) or \
-                not all(_number(row.get(q.row)) for row in record["rows"]):
+                not all(q.row in row and _number(row[q.row]) for row in record["rows"]):
             raise UsageError(f"result file {path} does not hold its {q.name} as numbers (its statistics or a replica's "
                              f"{q.row}); {fix}")
 
