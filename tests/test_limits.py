@@ -125,11 +125,12 @@ def test_replicate_refuses_a_state_that_cannot_fit_before_running():
 
 def test_npz_larger_than_memory_is_refused_from_its_headers(tmp_path, monkeypatch):
     from nondet_jax import data
+    from nondet_jax.machine import memory
 
     x = np.zeros((100, 8, 8, 1), np.float32)
     np.savez_compressed(tmp_path / "d.npz", x_train=x, y_train=np.arange(100) % 2, x_test=x[:10],
                         y_test=np.arange(10) % 2)
-    monkeypatch.setattr(data, "host_available", lambda: (10_000, "the memory limit of cgroup /job (1e-05 GB)"))
+    monkeypatch.setattr(memory, "host_available", lambda: (10_000, "the memory limit of cgroup /job (1e-05 GB)"))
     with pytest.raises(UsageError, match=r"expands to 29 KB of arrays but the memory limit of cgroup /job"):
         data.load_npz(str(tmp_path / "d.npz"))
 

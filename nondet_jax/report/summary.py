@@ -75,9 +75,10 @@ def _check_scores(path: Path, arm: str, record: dict) -> None:
     fix = f"rerun with --recompute {arm} to train arm '{arm}' again"
     if task not in QUANTITIES:
         raise UsageError(f"result file {path} names task {task!r}, not one of {', '.join(QUANTITIES)}; {fix}")
+    trained = any(row.get("diverged_at_step", -1) < 0 for row in record["rows"])  # else no statistics: all diverged
     for q in QUANTITIES[task]:
         stats = record["metrics"].get(q.name)
-        if not isinstance(stats, dict) or not all(_number(stats.get(k)) for k in ("mean", "std")) or \
+        if trained and (not isinstance(stats, dict) or not all(_number(stats.get(k)) for k in ("mean", "std"))) or \
                 not all(q.row in row and _number(row[q.row]) for row in record["rows"]):
             raise UsageError(f"result file {path} does not hold its {q.name} as numbers (its statistics or a replica's "
                              f"{q.row}); {fix}")
