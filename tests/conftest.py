@@ -90,3 +90,26 @@ def tree_equal(a, b) -> bool:
 
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     return len(la) == len(lb) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
+
+
+def compare_refused(capsys, *args) -> str:
+    """``python -m nondet_jax compare ARGS``'s one-line refusal (exit 2), run in this process; a read that blocks (a
+    FIFO in a run folder) fails the test after 60 s instead of hanging the suite."""
+    import signal
+
+    from nondet_jax.cli.compare import main
+
+    def hung(*_):
+        raise TimeoutError("compare hung")
+
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(60)
+    try:
+        status = main([str(a) for a in args])
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and "\n" not in err and "Traceback" not in err, err
+    return err
+

@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 import pytest
-from conftest import FAST, sweep_cli
+from conftest import FAST, compare_refused, sweep_cli
 
 from nondet_jax.analysis import stats
 from nondet_jax.analysis.compare import compare, compare_many, verdict
@@ -405,25 +405,6 @@ def _copy(run, tmp_path):
     return copy
 
 
-def _refused(capsys, *args) -> str:
-    """compare's one-line refusal (exit 2) of ``args``; a read that blocks (a FIFO) fails the test after 60 s."""
-    import signal
-
-    def hung(*_):
-        raise TimeoutError("compare hung")
-
-    old = signal.signal(signal.SIGALRM, hung)
-    signal.alarm(60)
-    try:
-        status = main([str(a) for a in args])
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-    err = capsys.readouterr().err.strip()
-    assert status == 2 and "\n" not in err and "Traceback" not in err, err
-    return err
-
-
 @pytest.mark.parametrize("edit", ["accuracy", "list"])
 def test_compare_reads_an_arm_record_as_report_does(runs, tmp_path, capsys, edit):
     """compare never checked an arm record's own checksum: test accuracies edited to 0.99 in arms/all.json made
@@ -440,7 +421,7 @@ def test_compare_reads_an_arm_record_as_report_does(runs, tmp_path, capsys, edit
     said = "was changed after it was written" if edit == "accuracy" else "is not an arm record"
     with pytest.raises(UsageError, match=f"result file {path} {said}.*rerun with --recompute all"):
         compare(copy, b, arm="all")
-    assert said in _refused(capsys, copy, b, "--arm", "all")
+    assert said in compare_refused(capsys, copy, b, "--arm", "all")
 
 
 @pytest.mark.parametrize("name", ["config.json", "arms/all.json", "logits/all.npy", "model.json"])
@@ -452,7 +433,7 @@ def test_compare_follows_no_link_out_of_a_run_folder(runs, tmp_path, capsys, nam
     outside.write_bytes((copy / name).read_bytes())  # the very bytes: only the link is wrong
     (copy / name).unlink()
     (copy / name).symlink_to(outside)
-    assert f"{copy / name} is a symbolic link, which nondet_jax never follows" in _refused(capsys, copy, b)
+    assert f"{copy / name} is a symbolic link, which nondet_jax never follows" in compare_refused(capsys, copy, b)
 
 
 @pytest.mark.parametrize("name", ["model.json", "arms/all.json"])
@@ -462,7 +443,7 @@ def test_compare_never_waits_on_a_fifo_in_a_run_folder(runs, tmp_path, capsys, n
     copy = _copy(a, tmp_path)
     (copy / name).unlink()
     os.mkfifo(copy / name)
-    assert f"{copy / name} is a FIFO, which a run folder never holds" in _refused(capsys, copy, b)
+    assert f"{copy / name} is a FIFO, which a run folder never holds" in compare_refused(capsys, copy, b)
 
 
 @pytest.mark.parametrize("damage", ["{ not json", "[]", '{"identity": {"data": {"test_sha256": 7}}}', None])
@@ -479,5 +460,5 @@ def test_a_damaged_model_json_is_named_not_called_another_test_set(runs, tmp_pat
         (copy / "model.json").write_text(damage)
         said = f"{copy / 'model.json'} is unreadable or corrupt, so the test set {copy} was scored on is unknown; " \
                f"delete it and rerun the sweep with --resume {copy}"
-    err = _refused(capsys, copy, b)
+    err = compare_refused(capsys, copy, b)
     assert said in err and "test arrays differ" not in err

@@ -9,7 +9,7 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import FAST, sweep_cli
+from conftest import FAST, compare_refused, sweep_cli
 
 from nondet_jax.analysis import stats as S
 
@@ -261,27 +261,6 @@ def test_a_methods_arm_record_gone_is_named_with_the_fix(methods_run, tmp_path):
             compare_methods(out, b="lr2")
 
 
-def _refused(capsys, *args) -> str:
-    """compare's one-line refusal (exit 2); a read that blocks (a FIFO) fails the test after 60 s."""
-    import signal
-
-    from nondet_jax.cli.compare import main
-
-    def hung(*_):
-        raise TimeoutError("compare hung")
-
-    old = signal.signal(signal.SIGALRM, hung)
-    signal.alarm(60)
-    try:
-        status = main([str(a) for a in args])
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-    err = capsys.readouterr().err.strip()
-    assert status == 2 and "\n" not in err and "Traceback" not in err, err
-    return err
-
-
 @pytest.mark.parametrize("edit", ["accuracy", "list"])
 def test_a_methods_arm_record_is_read_as_report_reads_it(methods_run, tmp_path, capsys, edit):
     """lr2's test accuracies edited in its arms/all.json changed the paired difference and Holm p that compare
@@ -302,7 +281,7 @@ def test_a_methods_arm_record_is_read_as_report_reads_it(methods_run, tmp_path, 
     for read in (compare_methods, MethodsResult):
         with pytest.raises(UsageError, match=f"result file {path} {said}"):
             read(out)
-    err = _refused(capsys, out)
+    err = compare_refused(capsys, out)
     assert f"{path} {said}" in err and f"rerun with --resume {out / 'methods' / 'lr2'} --recompute all" in err
 
 
@@ -339,7 +318,7 @@ def test_a_damaged_method_summary_is_refused_with_the_report_that_rebuilds_it(me
     for read in (compare_methods, MethodsResult):
         with pytest.raises(UsageError, match=f"^{folder / 'summary.json'} .*; {fix}$"):
             read(out)
-    err = _refused(capsys, out)
+    err = compare_refused(capsys, out)
     assert f"{folder / 'summary.json'} " in err and err.endswith(fix) and "--metric" not in err
     from nondet_jax.cli.report import main as report
 
@@ -357,7 +336,7 @@ def test_compare_of_methods_never_waits_on_a_fifo_nor_follows_a_link(methods_run
     path.unlink()
     os.mkfifo(path) if kind == "fifo" else path.symlink_to(outside)
     said = "is a FIFO, which a run folder never holds" if kind == "fifo" else "is a symbolic link, which nondet_jax never"
-    assert f"{path} {said}" in _refused(capsys, out)
+    assert f"{path} {said}" in compare_refused(capsys, out)
 
 
 def test_a_study_result_reads_arm_records_checked(methods_run, tmp_path):
