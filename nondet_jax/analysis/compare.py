@@ -19,8 +19,6 @@ INDEX_COLUMNS = ("seed", "replica", "run", "index")
 MISSING = ("", "NA", "N/A", "NAN", "NULL", "NONE")  # what spreadsheets write for a missing score
 
 
-
-
 def _is_run(path: Path) -> bool:
     return path.is_dir()
 
@@ -43,7 +41,8 @@ def run_scores(run: str | Path, arm: str, metric: str | None = None) -> tuple[np
     metric = run_metric(task_of(record), metric)
     rows = [r for r in record["rows"] if r.get("diverged_at_step", -1) < 0]
     if not all(isinstance(r.get(metric), (int, float)) and not isinstance(r.get(metric), bool) for r in rows):
-        raise UsageError(f"result file {record_path} holds a replica without its {metric} as a number (edited, its "  # resealed
+        # a record resealed by hand (anyone can recompute its checksum): a KeyError below
+        raise UsageError(f"result file {record_path} holds a replica without its {metric} as a number (edited, its "
                          f"checksum recomputed); rerun the sweep with --recompute {arm} to train arm '{arm}' again")
     config = json.loads(RunPaths(run).config.read_text())
     where = {"source": str(run), "kind": "run", "arm": arm, "metric": metric, "task": task_of(record), "dataset": config["data"]["name"],
