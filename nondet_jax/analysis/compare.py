@@ -11,7 +11,7 @@ import numpy as np
 from nondet_jax.analysis import stats as S
 from nondet_jax.analysis.task import RUN_METRICS, run_metric, task_of
 from nondet_jax.errors import UsageError
-from nondet_jax.store.io import check_no_links
+from nondet_jax.store.io import check_no_links, real_number
 from nondet_jax.store.paths import RunPaths
 from nondet_jax.store.run import read_arm_record, verify_arm_files
 
@@ -40,7 +40,7 @@ def run_scores(run: str | Path, arm: str, metric: str | None = None) -> tuple[np
     record = verify_arm_files(run, arm, read_arm_record(run, arm))  # its own sha256 and form, then its files
     metric = run_metric(task_of(record), metric)
     rows = [r for r in record["rows"] if r.get("diverged_at_step", -1) < 0]
-    if not all(isinstance(r.get(metric), (int, float)) and not isinstance(r.get(metric), bool) for r in rows):
+    if not all(real_number(r.get(metric)) for r in rows):
         # a record resealed by hand (anyone can recompute its checksum): a KeyError below
         raise UsageError(f"result file {record_path} holds a replica without its {metric} as a number (edited, its "
                          f"checksum recomputed); rerun the sweep with --recompute {arm} to train arm '{arm}' again")

@@ -15,8 +15,9 @@ from nondet_jax.analysis import stats as S
 from nondet_jax.analysis.compare import compare
 from nondet_jax.analysis.task import QUANTITIES, run_metric, task_of
 from nondet_jax.errors import UsageError
-from nondet_jax.store.io import check_no_links
+from nondet_jax.store.io import check_no_links, strict_json
 from nondet_jax.store.paths import RunPaths, arm_name, method_name
+from nondet_jax.store.run import read_arm_record
 from nondet_jax.until import check_state
 
 
@@ -65,9 +66,6 @@ def read_summary(folder: Path) -> dict:
     :func:`~nondet_jax.store.run.read_arm_record` (its own sha256 and form), and whose tables the report reads;
     UsageError naming the file and the report command that rebuilds it otherwise (an edited summary crashed the
     comparison, or made it look for another task's metric)."""
-    from nondet_jax.store.io import strict_json
-    from nondet_jax.store.run import read_arm_record
-
     path = RunPaths(folder).summary
     fix = f"rebuild it with python -m nondet_jax report {folder}"
     try:

@@ -99,6 +99,17 @@ def human(n: float) -> str:
     return f"{n:.3g} PB"  # pragma: no cover
 
 
+def npy_header(f) -> tuple:
+    """(shape, dtype) from the header of a ``.npy`` array at ``f``'s position (its data not read); ``f`` left at the
+    data's start. ValueError or EOFError when there is no such header."""
+    import numpy as np
+
+    version = np.lib.format.read_magic(f)
+    read = np.lib.format.read_array_header_2_0 if version >= (2, 0) else np.lib.format.read_array_header_1_0
+    shape, _, dtype = read(f, max_header_size=10_000)
+    return shape, dtype
+
+
 def check_npz_sizes(path: str, name: str | None = None) -> None:
     """Read a ``.npz`` file's array headers (not its data) and refuse, before anything is loaded, an
     array whose header claims more data than its member holds (a corrupt or crafted header) or arrays
@@ -122,10 +133,7 @@ def check_npz_sizes(path: str, name: str | None = None) -> None:
                 continue
             try:
                 with z.open(info) as f:
-                    version = np.lib.format.read_magic(f)
-                    read = np.lib.format.read_array_header_2_0 if version >= (2, 0) else \
-                        np.lib.format.read_array_header_1_0
-                    shape, _, dtype = read(f, max_header_size=10_000)
+                    shape, dtype = npy_header(f)
                     header = f.tell()
             except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
                 raise UsageError(f"{name}: the header of {info.filename} cannot be read ({e}); pass a file "

@@ -37,3 +37,12 @@ def resolve_strategy(requested: str, replicas: int, backend: str | None = None, 
         below = "never beat" if least is None else f"did not beat below {least} replicas"
         return "sequential", f"auto: on {backend} vmap {below} a loop ({rule['source']})"
     return "vmap", f"auto: on {backend} vmap beat a loop from {least} replicas on ({rule['source']})"
+
+
+def resolve_study(study, replicas: int | None = None) -> tuple[str, str]:
+    """:func:`resolve_strategy` for a study's settings (a :class:`nondet_jax.config.StudyConfig`): its strategy, its
+    replicas (or ``replicas`` trained at once: a block, several methods' together) and whether it watches replicas
+    between steps (``study.dynamics_every``)."""
+    return resolve_strategy(study.strategy, study.replicas if replicas is None else replicas,
+                            watched=bool(study.dynamics_every))
+

@@ -18,7 +18,7 @@ from nondet_jax.analysis.stats import METHODS, POWER_RATIOS, TESTS, format_ci
 from nondet_jax.analysis.task import PAIRWISE, QUANTITIES, task_of
 from nondet_jax.errors import UsageError
 from nondet_jax.sources import split_variant
-from nondet_jax.store.io import _finite, atomic_write_bytes, check_no_links, read_arrays
+from nondet_jax.store.io import _finite, atomic_write_bytes, check_no_links, read_arrays, real_number
 from nondet_jax.store.paths import RunPaths, arm_name
 from nondet_jax.store.run import RESULT_NEUTRAL, read_arm_record, verify_arm_files
 
@@ -63,10 +63,6 @@ def load_records(run: Path) -> tuple[dict, dict[str, dict]]:
     return config, records
 
 
-def _number(v) -> bool:
-    return v is None or isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 def _check_scores(path: Path, arm: str, record: dict) -> None:
     """An arm record (its digest anyone can recompute) holds its task's two scores as statistics of numbers,
     the scores every table and figure reads: a record without them, or with text in them, ended the report in a
@@ -75,11 +71,12 @@ def _check_scores(path: Path, arm: str, record: dict) -> None:
     fix = f"rerun with --recompute {arm} to train arm '{arm}' again"
     if task not in QUANTITIES:
         raise UsageError(f"result file {path} names task {task!r}, not one of {', '.join(QUANTITIES)}; {fix}")
+    number = lambda v: v is None or real_number(v)  # noqa: E731 (a statistic may be n/a)
     trained = any(row.get("diverged_at_step", -1) < 0 for row in record["rows"])  # else no statistics: all diverged
     for q in QUANTITIES[task]:
         stats = record["metrics"].get(q.name)
-        if trained and (not isinstance(stats, dict) or not all(_number(stats.get(k)) for k in ("mean", "std"))) or \
-                not all(q.row in row and _number(row[q.row]) for row in record["rows"]):
+        if trained and (not isinstance(stats, dict) or not all(number(stats.get(k)) for k in ("mean", "std"))) or \
+                not all(q.row in row and number(row[q.row]) for row in record["rows"]):
             raise UsageError(f"result file {path} does not hold its {q.name} as numbers (its statistics or a replica's "
                              f"{q.row}); {fix}")
 

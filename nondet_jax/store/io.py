@@ -258,23 +258,26 @@ def not_numbers(data: bytes, name: str) -> str | None:
     a traceback after its other outputs were written."""
     import zipfile
 
-    def kind(f) -> np.dtype:
-        version = np.lib.format.read_magic(f)
-        read = np.lib.format.read_array_header_2_0 if version >= (2, 0) else np.lib.format.read_array_header_1_0
-        return read(f, max_header_size=10_000)[2]
+    from nondet_jax.machine.memory import npy_header
 
     try:
         if name.endswith(".npy"):
-            dtypes = {"its array": kind(io.BytesIO(data))}
+            dtypes = {"its array": npy_header(io.BytesIO(data))[1]}
         elif name.endswith(".npz"):
             with zipfile.ZipFile(io.BytesIO(data)) as z:
                 dtypes = {}
                 for info in z.infolist():
                     with z.open(info) as f:
-                        dtypes[info.filename.removesuffix(".npy")] = kind(f)
+                        dtypes[info.filename.removesuffix(".npy")] = npy_header(f)[1]
         else:
             return None
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
         return f"its headers cannot be read ({(str(e).splitlines() or [type(e).__name__])[0][:60]})"
     return next((f"{k} holds {d} values, not numbers" for k, d in dtypes.items() if d.kind not in "biuf"), None)
+
+
+def real_number(v) -> bool:
+    """A JSON value that is a number (an int or a float, NaN included), not a bool or text: what a record's scores
+    must be."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 

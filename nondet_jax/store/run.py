@@ -26,6 +26,7 @@ from nondet_jax.store.io import (
     not_numbers,
     npy_bytes,
     npz_bytes,
+    real_number,
 )
 from nondet_jax.store.paths import ARM_EXT, TABLES, TEST_LABELS, RunPaths, arm_name, record_files
 
@@ -134,8 +135,7 @@ def _well_formed(record: dict) -> bool:
         return isinstance(v, int) and not isinstance(v, bool)
 
     def cell(k, v):  # a row's scores are numbers (NaN where a replica diverged); its names are text
-        return isinstance(v, str) if k in ("arm", "strategy") else \
-            v is None or isinstance(v, (int, float)) and not isinstance(v, bool)
+        return isinstance(v, str) if k in ("arm", "strategy") else v is None or real_number(v)
 
     diverged, varied = record.get("diverged", []), record.get("varied", [])
     return (all(isinstance(r, dict) and count(r.get("replica")) and all(cell(k, v) for k, v in r.items())

@@ -30,7 +30,7 @@ from nondet_jax.machine import xla_flags
 from nondet_jax.machine.determinism import provenance
 from nondet_jax.replicas.choice import make_strategy, strategy_epoch_shape
 from nondet_jax.replicas.loop import EpochState, _take, train_replicas
-from nondet_jax.replicas.rule import resolve_strategy
+from nondet_jax.replicas.rule import resolve_study
 from nondet_jax.replicas.watch import pair_trace, pair_watcher
 from nondet_jax.sources import Arm, arm_keys, perturbations
 from nondet_jax.store.checkpoint import (
@@ -98,7 +98,7 @@ def fit_arm(config: Config, data, fns, store, arm: Arm, progress, log=print, blo
     study = config.study
     config, fns = arm_setup(config, fns, arm)
     block = block or range(study.replicas)
-    strategy_name, reason = resolve_strategy(study.strategy, len(block), watched=bool(study.dynamics_every))
+    strategy_name, reason = resolve_study(study, len(block))
     strategy = make_strategy(fns, strategy_name)
     keys = arm_keys(study.seed, arm.varied, block.stop, first=block.start)
     perturb = perturbations(arm.varied)
@@ -151,7 +151,7 @@ def grow_arm(config: Config, data, fns, store, arm: Arm, progress_for, log=print
     if done > study.replicas:
         raise UsageError(f"{store.paths.parts(arm.name)} holds {done} replicas of arm '{arm.name}', more than this "
                          f"study's {study.replicas}; rerun with --recompute {arm.name} to train it again")
-    strategy_name, reason = resolve_strategy(study.strategy, study.replicas, watched=bool(study.dynamics_every))
+    strategy_name, reason = resolve_study(study)
     if done < study.replicas:
         block = range(done, study.replicas)
         result, reason = fit_arm(config, data, fns, store, arm, progress_for(len(block) * config.train.epochs),

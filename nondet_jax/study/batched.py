@@ -25,7 +25,7 @@ from nondet_jax import config as cfg
 from nondet_jax.models.parts import Parts
 from nondet_jax.replicas.choice import make_strategy
 from nondet_jax.replicas.loop import EpochState, _distances, train_replicas
-from nondet_jax.replicas.rule import resolve_strategy
+from nondet_jax.replicas.rule import resolve_study
 from nondet_jax.replicas.watch import pair_watcher
 from nondet_jax.sources import arm_keys, perturbations
 from nondet_jax.store.paths import RunPaths
@@ -110,7 +110,7 @@ def train_group(configs: dict[str, cfg.Config], folders: dict[str, object], part
         model = model_record(configs[n], data, f)
         check_model(RunPaths(folders[n]), model, configs[n])
         own[n] = (f, model)
-    strategy_name, why = resolve_strategy(study.strategy, k * study.replicas, watched=bool(study.dynamics_every))
+    strategy_name, why = resolve_study(study, k * study.replicas)
     if strategy_name not in ("sequential", "vmap"):
         strategy_name, why = "sequential", f"batched methods run sequential or vmap, not {strategy_name}"
     check_watchable(first, fns, strategy_name)

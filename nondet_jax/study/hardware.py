@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from nondet_jax.errors import UsageError
-from nondet_jax.replicas.rule import resolve_strategy
+from nondet_jax.replicas.rule import resolve_study
 from nondet_jax.sources import parse_arm
 from nondet_jax.store.io import atomic_write_json, guarded
 from nondet_jax.store.paths import RunPaths
@@ -60,7 +60,7 @@ def train_arm_per_process(config, data, fns, store, arm, flags, log=print) -> di
     processes = [json.loads(paths.part(arm.name, r, ".json").read_text()) for r in range(study.replicas)]
     merged = merge_blocks(config, data, arm_setup(config, fns, arm)[1], store, arm,
                           [range(r, r + 1) for r in range(study.replicas)],
-                          resolve_strategy(study.strategy, study.replicas, watched=bool(study.dynamics_every))[0], flags=xla_flags)
+                          resolve_study(study)[0], flags=xla_flags)
     store.write_json(RunPaths.rel("environments", arm.name, ".processes.json"),
                      {"mode": "one process per replica", "parent_pid": os.getpid(), "processes": processes})
     record = finish_arm(config, data, fns, store, arm, merged, "one fresh process per replica", log)

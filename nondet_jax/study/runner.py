@@ -20,7 +20,7 @@ from nondet_jax.machine.determinism import (
 )
 from nondet_jax.models.parts import Parts
 from nondet_jax.replicas.choice import strategy_epoch_shape
-from nondet_jax.replicas.rule import resolve_strategy
+from nondet_jax.replicas.rule import resolve_study
 from nondet_jax.report.markdown import write_report
 from nondet_jax.report.summary import format_table
 from nondet_jax.sources import Arm
@@ -48,8 +48,7 @@ from nondet_jax.until import check_arms
 
 def study_strategy(config: Config) -> str:
     """The strategy this study's arms run (``auto`` resolved)."""
-    return resolve_strategy(config.study.strategy, config.study.replicas,
-                            watched=bool(config.study.dynamics_every))[0]
+    return resolve_study(config.study)[0]
 
 
 def study_epoch_shape(config: Config, fns) -> str:
@@ -63,7 +62,7 @@ def write_run_files(store, config: Config, data, fns, command: str | None, model
     (with the strategy and why, and how the instruments form per-example gradients), ``model.json``
     (:func:`model_record`), the test labels, the command. Returns (strategy, reason)."""
     study = config.study
-    strategy, reason = resolve_strategy(study.strategy, study.replicas, watched=bool(study.dynamics_every))
+    strategy, reason = resolve_study(study)
     env = environment()
     env["strategy"] = {"requested": study.strategy, "chosen": strategy, "reason": reason}
     env["scan_unroll"] = fns.unroll
