@@ -27,11 +27,18 @@ class Until(NamedTuple):
 
     @property
     def spec(self) -> str:
-        return self.rule + ("" if self.value is None else f"={self.value:g}")
+        return self.rule + ("" if self.value is None else f"={number(self.value)}")
 
     def looks(self) -> list[int]:
         """The replicas per method at each look the design may take."""
         return looks(self.first, self.max_replicas, self.round)
+
+
+def number(value: float) -> str:
+    """``value`` as a design's spec and answers write it: ``:g`` (0.01, 1) where that reads back as ``value``, else
+    every digit it needs (0.0123456789): a spec must parse back to its own design (:func:`check_state`)."""
+    return next((f"{value:.{digits}g}" for digits in range(6, 18) if float(f"{value:.{digits}g}") == value),
+                repr(value))
 
 
 def looks(first: int, max_replicas: int, step: int = ROUND) -> list[int]:
@@ -96,7 +103,7 @@ def _follows(rule: str, value, c: dict) -> bool:
         return decision[:-len(" is better")] == winner if "higher_is_better" in c else \
             decision[:-len(" is better")] in (c["method_a"], c["method_b"])
     if decision.startswith("within ±"):
-        return value is not None and decision == f"within ±{value:g}" and -value < lo and hi < value
+        return value is not None and decision == f"within ±{number(value)}" and -value < lo and hi < value
     return True
 
 

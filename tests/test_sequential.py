@@ -451,3 +451,19 @@ def test_a_look_says_what_futile_means_and_which_method_a_narrow_interval_favour
     tied = sequential.assess(Until("decided", None, 8, 16), [_comparison(a, a + np.array([1.0, -1.0] * 4) * 1e-4)])
     assert tied["comparisons"][0]["decision"] == "futile"
     assert "futile (given up: too unlikely to be decided by the last look" in sequential.look_lines(tied)[0]
+
+
+@pytest.mark.parametrize("spec", ["width=0.0123456789", "decided=1234567", "decided=0.1234567"])
+def test_a_design_given_to_every_digit_is_the_one_its_record_reads_back(spec):
+    """A spec is written with every digit its number needs: ``:g`` kept six, so --until width=0.0123456789 wrote a
+    design whose spec read back as another and the study was refused as "a damaged record" before its first look."""
+    from nondet_jax.until import check_state
+
+    design = parse(spec, 12, 4)
+    assert parse(design.spec, 12, 4) == design and design.spec == spec
+    a = np.random.default_rng(6).normal(0.9, 0.01, 4)
+    look = sequential.assess(design._replace(rule="decided"), [_comparison(a, a + 1e-4 * np.arange(4))], replicas=4)
+    state = {"design": sequential.design_record(design._replace(rule="decided")), "looks": [look]}
+    assert look["comparisons"][0]["decision"] == f"within ±{spec.partition('=')[2]}"
+    assert check_state(json.loads(json.dumps(state)), "methods.json") == json.loads(json.dumps(state))
+    assert parse("decided=0.02", 12, 4).spec == "decided=0.02" and parse("width=1", 12, 4).spec == "width=1"

@@ -33,7 +33,7 @@ import numpy as np
 from scipy import stats as sps
 
 from nondet_jax.analysis import stats as S
-from nondet_jax.until import Until
+from nondet_jax.until import Until, number
 
 ALPHA = 0.05  # the whole design's error over every comparison and look: decided where there is no difference
 # (``decided``), any repeated interval missing the truth (``width``)
@@ -209,7 +209,7 @@ def assess(until: Until, comparisons: list[dict], earlier: dict[tuple, dict] | N
             if better is not None:
                 decision = f"{better} is better"
             elif until.value is not None and -until.value < lo and hi < until.value:
-                decision = f"within ±{until.value:g}"
+                decision = f"within ±{number(until.value)}"
             elif n >= until.max_replicas:
                 decision = "not decided"
             elif conditional_power(_t_stat(r["difference"], r["std_difference"], r["n_pairs"]), r["n_pairs"],

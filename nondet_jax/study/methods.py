@@ -22,6 +22,7 @@ from nondet_jax import config as cfg
 from nondet_jax.errors import UsageError
 from nondet_jax.store.io import atomic_write_json, check_no_links, check_path_name, guarded
 from nondet_jax.store.paths import RunPaths, method_name
+from nondet_jax.until import number
 
 # run_study's own parts a method may replace (the others are config keys, dotted).
 PART_KEYS = ("model", "optimizer", "loss", "augment", "init_params")
@@ -332,8 +333,8 @@ def run_looks(out: Path, methods: list[Method], until, replicas: int, run_one, l
         compared = compare_methods(out)
         if replicas == until.first and until.rule == "decided" and (until.value or 0) >= 1 and \
                 any("accuracy" in str(r["a"].get("metric")) for r in compared):
-            log(f"note: --until decided={until.value:g} on accuracy, a fraction: every difference lies within ±1, so a "
-                f"comparison not decided is 'within ±{until.value:g}' as soon as its interval fits inside ±1; D is in "
+            log(f"note: --until {until.spec} on accuracy, a fraction: every difference lies within ±1, so a "
+                f"comparison not decided is 'within ±{number(until.value)}' as soon as its interval fits inside ±1; D is in "
                 "the score's units (0.02 is two points)")
         look = sequential.assess(until, compared, earlier, replicas)
         record = json.loads(paths.methods_json.read_text())
