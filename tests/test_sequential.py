@@ -467,3 +467,28 @@ def test_a_design_given_to_every_digit_is_the_one_its_record_reads_back(spec):
     assert look["comparisons"][0]["decision"] == f"within ±{spec.partition('=')[2]}"
     assert check_state(json.loads(json.dumps(state)), "methods.json") == json.loads(json.dumps(state))
     assert parse("decided=0.02", 12, 4).spec == "decided=0.02" and parse("width=1", 12, 4).spec == "width=1"
+
+
+def test_a_rerun_under_other_settings_is_refused_before_methods_json_says_them(tmp_path):
+    """A study of methods rerun with another setting (--epochs 2 on a sequential study of 1 epoch) is refused by
+    its first method's folder; methods.json had already been rewritten with the refused config, so the report and
+    compare then refused the folder ("methods.json says method 'base' trained under settings its folder did not")."""
+    from nondet_jax.study import methods as M
+
+    base = cfg.from_flat({**MLP, "study.replicas": 4})
+    planned, baseline = M.plan(base, {"base": {}, "lr2": {"optim.lr": 0.2}}, "base", api=True)
+    design = Until("decided", None, 4, 12)
+    M.write_methods(tmp_path, base, planned, baseline, design)
+    for m in planned:  # each method's folder as its study writes it: its own settings, the look's replicas
+        (tmp_path / "methods" / m.name).mkdir(parents=True)
+        own = cfg.to_dict(cfg.from_flat({**m.settings, "study.replicas": 8}, base))
+        (tmp_path / "methods" / m.name / "config.json").write_text(json.dumps(own))
+    M.write_methods(tmp_path, base, planned, baseline, design)  # the same settings: written
+    before = (tmp_path / "methods.json").read_bytes()
+    with pytest.raises(UsageError, match=r"methods/base was started with a different config \(train.epochs 1 vs 2\)"):
+        M.write_methods(tmp_path, cfg.from_flat({"train.epochs": 2}, base), planned, baseline, design)
+    assert (tmp_path / "methods.json").read_bytes() == before
+    only_new = M.plan(base, {"base2": {}, "wd": {"optim.weight_decay": 0.01}}, "base2", api=True)
+    with pytest.raises(UsageError, match=r"methods/base was started"):  # methods of earlier runs are kept: checked too
+        M.write_methods(tmp_path, cfg.from_flat({"train.epochs": 2}, base), *only_new)
+    assert (tmp_path / "methods.json").read_bytes() == before

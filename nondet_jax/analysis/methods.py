@@ -96,20 +96,28 @@ def _tables_in_form(summary: dict) -> bool:
                                     for c in v.values()) for v in vs_all.values())
 
 
-def _check_settings(root, record: dict, name: str) -> None:
-    """A finished method's settings in ``methods.json`` against the configuration its folder trained under (a run
-    folder is untrusted input: an edited record put settings in the report that no replica trained with)."""
+def settings_changes(root, record: dict, name: str) -> list[str]:
+    """What differs between the configuration ``record`` (``methods.json``'s: the study's config and the method's
+    settings) gives method ``name`` and the one its folder trained under (none where it holds no config), the
+    replicas aside; the keys a method's own parts set are its folder's."""
     from nondet_jax import config as cfg
     from nondet_jax.store.run import config_changes
 
-    entry, where = record["methods"][name], RunPaths(root).methods_json
+    entry = record["methods"][name]
+    said = cfg.to_dict(cfg.from_flat(entry.get("settings", {}), cfg.from_dict(record["config"])))
+    skip = cfg.PART_KEYS if entry.get("parts") else set()  # a method's own parts set these in its folder
+    return [d for d in config_changes(RunPaths(root).method(name), said) if d.split(" ")[0] not in skip]
+
+
+def _check_settings(root, record: dict, name: str) -> None:
+    """A finished method's settings in ``methods.json`` against the configuration its folder trained under (a run
+    folder is untrusted input: an edited record put settings in the report that no replica trained with)."""
+    where = RunPaths(root).methods_json
     try:
-        said = cfg.to_dict(cfg.from_flat(entry.get("settings", {}), cfg.from_dict(record["config"])))
+        diff = settings_changes(root, record, name)
     except (KeyError, TypeError, AttributeError, UsageError):
         raise UsageError(f"{where} is unreadable or not a methods record (method '{name}''s settings or the study's "
                          "config); restore it, or start a new study with another --out") from None
-    skip = cfg.PART_KEYS if entry.get("parts") else set()  # a method's own parts set these in its folder
-    diff = [d for d in config_changes(RunPaths(root).method(name), said) if d.split(" ")[0] not in skip]
     if diff:
         raise UsageError(f"{where} says method '{name}' trained under settings its folder did not ({'; '.join(diff[:2])}, "
                          f"trained vs recorded); restore {where.name}, or start a new study with another --out")

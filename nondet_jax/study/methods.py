@@ -155,9 +155,12 @@ def check_folder(root: Path) -> None:
 def write_methods(root: Path, base: cfg.Config, methods: list[Method], baseline: str, until=None) -> dict:
     """``methods.json``: the methods of earlier runs of this folder kept (in their order), this run's
     added or updated, its baseline; a sequential study's design (``until``) from the start, with no look yet,
-    so a study interrupted before its first look resumes as the sequential study it is."""
-    from nondet_jax.analysis.methods import read_record
+    so a study interrupted before its first look resumes as the sequential study it is. A method's folder trained
+    under other settings than the record would now give it is refused before anything is written (the record
+    said the refused settings, and the report then refused the folder as edited)."""
+    from nondet_jax.analysis.methods import read_record, settings_changes
     from nondet_jax.analysis.sequential import design_record
+    from nondet_jax.store.run import different_config
 
     old = read_record(root) if RunPaths(root).methods_json.exists() else {"methods": {}}
     state = old.get("until") or (None if until is None else {"design": design_record(until), "looks": []})
@@ -170,6 +173,13 @@ def write_methods(root: Path, base: cfg.Config, methods: list[Method], baseline:
         if isinstance(before, dict) and "identity_sha256" in before and all(before.get(k) == v for k, v in entry.items()):
             entry["identity_sha256"] = before["identity_sha256"]  # the same method: its trained identity stands
         record["methods"][m.name] = entry
+    for name in record["methods"]:
+        try:
+            diff = settings_changes(root, record, name)
+        except (KeyError, TypeError, AttributeError, UsageError):
+            diff = []  # a damaged entry or folder config: refused where it is read
+        if diff:
+            raise different_config(RunPaths(root).method(name), diff)
     atomic_write_json(RunPaths(root).methods_json, record, root=root)
     return record
 
