@@ -338,7 +338,7 @@ def run_study(model=None, data=None, optimizer=None, loss: Callable | None = Non
         ``optim.weight_decay`` (no part of their own) together, the hyper-parameters per replica in one
         program per arm (:mod:`nondet_jax.study.batched`); equal to each trained alone up to float rounding.
       until, max_replicas: a sequential study of methods (:mod:`nondet_jax.analysis.sequential`): ``replicas``
-        per method first, then 4 more at each look up to ``max_replicas`` (default 4x ``replicas``), until
+        per method first, then 4 more at each look up to ``max_replicas`` (default 4x ``replicas``, at most 1024), until
         every method's difference from the baseline is decided (``"decided"``: its interval at the look's level excludes
         0; ``"decided=D"``: or lies inside ±D) or every interval is at most X wide (``"width=X"``), in the
         score's units. The looks are in ``methods.json``; a rerun resumes at the last one.

@@ -48,9 +48,15 @@ def looks(first: int, max_replicas: int, step: int = ROUND) -> list[int]:
 
 def parse(spec: str, max_replicas: int | None, replicas: int, where: str = "--until") -> Until:
     """``decided``, ``decided=D`` or ``width=X`` with the most replicas per method (``--max-replicas``;
-    default 4x ``replicas``), checked: one-line UsageErrors naming the fix."""
+    default 4x ``replicas``, at most :data:`MAX_REPLICAS`), checked: one-line UsageErrors naming the fix, in the
+    words of ``where`` (``--until``: the command line's; ``until=``: ``run_study``'s)."""
     rule, eq, value = str(spec).strip().partition("=")
-    option = "--max-replicas" if where == "--until" else "max_replicas="
+    cli = where == "--until"
+
+    def give(name: str, n: int) -> str:  # an option with its value, as the caller writes it
+        return f"--{name.replace('_', '-')} {n}" if cli else f"{name}={n}"
+
+    option = "--max-replicas" if cli else "max_replicas="
     if rule not in ("decided", "width") or (rule == "width" and not eq):
         raise UsageError(f"{where} {spec!r}: write decided (stop once each method differs from the baseline), "
                          "decided=D (or once any difference is within ±D) or width=X (once each interval is at most "
@@ -66,15 +72,18 @@ def parse(spec: str, max_replicas: int | None, replicas: int, where: str = "--un
                              "difference in the score's units: 0.01 is one point of accuracy)")
     if replicas < 3:
         raise UsageError(f"a sequential study starts from at least 3 replicas per method (its first look), got "
-                         f"{replicas}; use --replicas 4 or more")
-    max_replicas = 4 * replicas if max_replicas is None else max_replicas
+                         f"{replicas}; use {give('replicas', 3)} or more")
+    if replicas >= MAX_REPLICAS:
+        raise UsageError(f"a sequential study plans for at most {MAX_REPLICAS} replicas per method, and its first look "
+                         f"alone would train {replicas}; start from fewer, e.g. {give('replicas', MAX_REPLICAS // 4)}")
+    max_replicas = min(4 * replicas, MAX_REPLICAS) if max_replicas is None else max_replicas
     if isinstance(max_replicas, bool) or not isinstance(max_replicas, int) or max_replicas <= replicas:
         raise UsageError(f"{option} {max_replicas!r} must be an integer above the first look's {replicas} replicas "
-                         f"(--replicas); e.g. {option.rstrip('=')}{' ' if where == '--until' else '='}{4 * replicas}")
+                         f"({'--replicas' if cli else 'replicas='}); e.g. "
+                         f"{give('max_replicas', min(4 * replicas, MAX_REPLICAS))}")
     if max_replicas > MAX_REPLICAS:
         raise UsageError(f"{option} {max_replicas} is more than the {MAX_REPLICAS} replicas per method a sequential "
-                         f"study plans for; use {option.rstrip('=')}{' ' if where == '--until' else '='}{MAX_REPLICAS} "
-                         "or fewer")
+                         f"study plans for; use {give('max_replicas', MAX_REPLICAS)} or fewer")
     return Until(rule, number, replicas, max_replicas)
 
 

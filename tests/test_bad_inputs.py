@@ -250,6 +250,8 @@ CASES: list[tuple[str, str]] = [
     ("compare", "python -m nondet_jax compare <run> <run> --arm init  (model.json a FIFO)"),
     ("compare", "python -m nondet_jax compare <run> <run> --arm init  (logits/init.npy a symbolic link to a copy outside)"),
     ("compare", "python -m nondet_jax compare <run> <run> --arm init  (model.json not JSON)"),
+    # a sequential study's first look beyond the most replicas it plans for (it named the default --max-replicas)
+    ("CLI", "--method base: --method lr2:optim.lr=0.2 --replicas 2000 --until decided"),
 ]
 
 class Linear:  # a user's model without dropout (built lazily: flax is imported by the cases that use it)

@@ -27,7 +27,8 @@ MLP = {"model.name": "mlp", "train.epochs": 1, "train.batch_size": 256, "study.a
     ("sure", None, 4, "write decided"), ("width", None, 4, "write decided"), ("width=-1", None, 4, "positive number"),
     ("decided=nan", None, 4, "positive number"), ("decided", 4, 4, "above the first look's 4"),
     ("decided", None, 2, "at least 3 replicas"), ("decided", 8.5, 4, "must be an integer"),
-    ("decided", 5000, 8, "more than the 1024 replicas per method")])
+    ("decided", 5000, 8, "more than the 1024 replicas per method"), ("decided", None, 2, "use --replicas 3 or more"),
+    ("decided", None, 2000, r"first look alone would train 2000; start from fewer, e\.g\. --replicas 256$")])
 def test_a_bad_design_is_one_line_naming_the_fix(spec, max_replicas, replicas, words):
     with pytest.raises(UsageError, match=words):
         parse(spec, max_replicas, replicas)
@@ -37,6 +38,13 @@ def test_a_design_looks_every_round_up_to_its_most_replicas():
     assert parse("decided", None, 4) == Until("decided", None, 4, 16)
     assert parse("width=0.01", 14, 8).looks() == [8, 12, 14]
     assert parse("decided=0.02", 12, 4).spec == "decided=0.02"
+    # the default is 4x the first look, at most the 1024 planned for (it was refused, naming a --max-replicas 1200 the
+    # command never gave)
+    assert parse("decided", None, 300) == Until("decided", None, 300, 1024)
+    for spec, most, replicas, words in [("decided", None, 2, "use replicas=3 or more"),
+                                        ("decided", 4, 4, r"4 replicas \(replicas=\); e\.g\. max_replicas=16$")]:
+        with pytest.raises(UsageError, match=words):  # run_study's words, not the command line's
+            parse(spec, most, replicas, where="until=")
 
 
 def test_the_look_levels_keep_the_designs_error_at_5_percent():

@@ -110,7 +110,7 @@ def build_parser(prog: str = "python -m nondet_jax.sweep") -> argparse.ArgumentP
                         "decided=D: or lies inside ±D) or every interval is at most X wide (width=X), in the score's "
                         "units; a difference that is not there is decided in at most 5%% of studies (calibrated by simulation)")
     p.add_argument("--max-replicas", type=int, metavar="N",
-                   help="with --until: the most replicas per method (default: 4x --replicas)")
+                   help="with --until: the most replicas per method (default: 4x --replicas, at most 1024)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the study in RUN_DIR with the config stored there "
                    "(finished arms are kept, an arm in training continues from its last checkpoint)")
     p.add_argument("--recompute", metavar="ARMS", help="comma list of arms whose results (and checkpoints) are "
