@@ -88,11 +88,17 @@ def parse(spec: str, max_replicas: int | None, replicas: int, where: str = "--un
 
 
 def check_arms(arms) -> None:
-    """Refuse arms a sequential study cannot grow: a ``hardware`` arm trains in processes of its own."""
+    """Refuse arms a sequential study cannot grow or compare, before its first look trains: a ``hardware`` arm
+    trains in processes of its own; arms that vary nothing (``control``) give every replica one run, so no look
+    would have a comparison to read."""
     hardware = [a for a in arms if "hardware" in parse_arm(a).varied]
     if hardware:
         raise UsageError(f"arm '{hardware[0]}' trains in processes of its own, which a sequential study (--until) "
                          "cannot grow look by look; drop it, or study it with a fixed --replicas")
+    if not any(parse_arm(a).varied for a in arms):
+        said = f"arms {', '.join(arms)} vary" if len(arms) > 1 else f"arm {', '.join(arms)} varies"
+        raise UsageError(f"{said} nothing between replicas (control's replicas are one run), so a sequential study "
+                         "(--until) would have no difference to compare; add an arm whose replicas vary, such as all")
 
 
 def _follows(rule: str, value, c: dict) -> bool:

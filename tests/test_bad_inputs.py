@@ -252,6 +252,8 @@ CASES: list[tuple[str, str]] = [
     ("compare", "python -m nondet_jax compare <run> <run> --arm init  (model.json not JSON)"),
     # a sequential study's first look beyond the most replicas it plans for (it named the default --max-replicas)
     ("CLI", "--method base: --method lr2:optim.lr=0.2 --replicas 2000 --until decided"),
+    # refused before the first look trained every method (compare_methods then found no arm to compare)
+    ("CLI", "--method base: --method lr2:optim.lr=0.2 --replicas 4 --until decided --arms control"),
 ]
 
 class Linear:  # a user's model without dropout (built lazily: flax is imported by the cases that use it)
