@@ -227,6 +227,10 @@ def test_a_sequential_study_of_methods_stops_once_answered_and_resumes(tmp_path,
     record = json.loads(finished)
     record["until"]["looks"] = looks[:1]
     (out / "methods.json").write_text(json.dumps(record, indent=2) + "\n")
+    from nondet_jax.report.methods import write_methods_report
+    write_methods_report(out, log=lambda *a, **k: None)  # its report says it has not stopped (it said it had)
+    assert "This sequential study has not stopped yet (rerun its command to go on): its answers so far" in \
+        (out / "report.md").read_text() and "stopped sequentially" not in (out / "report.md").read_text()
     resumed = sweep_cli(*study, "--until", "decided", "--max-replicas", "12")
     assert resumed.returncode == 0, resumed.stderr  # was refused: "a different config (study.replicas 8 vs 4)"
     assert json.loads((out / "methods.json").read_text())["until"]["looks"] == looks
@@ -399,6 +403,11 @@ def test_a_study_stopped_before_its_first_look_resumes_and_keeps_its_baseline(tm
     record["until"]["looks"] = [look]
     (tmp_path / "methods.json").write_text(json.dumps(record))
     assert M.check_design(tmp_path, design, names, "base") == 8
+    from nondet_jax.report.methods import _md_sequential  # the report of a study interrupted after this look
+
+    said = "\n".join(_md_sequential(record["until"], []))  # said "Stopped at 4 ...: not yet"
+    assert "Not stopped yet: the last look taken was at 4 of at most 12 replicas per method (rerun the same " \
+        "command to go on)." in said and "Stopped at" not in said
     with pytest.raises(UsageError, match="whose looks compared every method with the baseline base; rerun it with "
                                          "--baseline base"):
         M.check_design(tmp_path, design, names, "lr2")

@@ -149,9 +149,10 @@ def write_methods_report(root: str | Path, command: str | None = None, log=print
     metric = summary["metric"]
     md += [f"## Each method against `{baseline}`, paired by seed ({metric})", ""]
     if summary["until"] and comparisons:
-        md += ["This study stopped sequentially: its answers, in words below, are the looks' intervals' (section "
-               "*Sequential design*). The 95% CI and paired t p in the table read the replicas as if their number "
-               "had been fixed in advance.", ""]
+        md += [("This study stopped sequentially: its answers" if summary["until"]["looks"][-1]["stop"] else
+                "This sequential study has not stopped yet (rerun its command to go on): its answers so far")
+               + ", in words below, are the looks' intervals' (section *Sequential design*). The 95% CI and paired t p "
+               "in the table read the replicas as if their number had been fixed in advance.", ""]
     if comparisons:
         decisions = {key(c): c for c in summary["until"]["looks"][-1]["comparisons"]} if summary["until"] else None
         md += [*_md_comparisons(comparisons, decisions), "",
@@ -223,8 +224,9 @@ def _md_sequential(state: dict, comparisons: list[dict]) -> list[str]:
             lo, hi = c["interval"]
             md.append(f"| {look['replicas']} | {c['method_b']} | {c['method_a']} | {c['arm']} | {c['difference']:+.4g} | "
                       f"[{lo:+.4g}, {hi:+.4g}] | {c['decision']} |")
-    md += ["", f"Stopped at {last['replicas']} of at most {design.max_replicas} replicas per method: "
-           f"{last['why'] or 'not yet (rerun the same command to go on)'}."]
+    md += ["", f"Stopped at {last['replicas']} of at most {design.max_replicas} replicas per method: {last['why']}."
+           if last["stop"] else f"Not stopped yet: the last look taken was at {last['replicas']} of at most "
+           f"{design.max_replicas} replicas per method (rerun the same command to go on)."]
     if last["stop"]:
         for row in saving(design, last, comparisons, boundary=boundary):
             if row.get("fixed_same_power"):
