@@ -509,3 +509,20 @@ def test_a_rerun_under_other_settings_is_refused_before_methods_json_says_them(t
     with pytest.raises(UsageError, match=r"methods/base was started"):  # methods of earlier runs are kept: checked too
         M.write_methods(tmp_path, cfg.from_flat({"train.epochs": 2}, base), *only_new)
     assert (tmp_path / "methods.json").read_bytes() == before
+
+
+def test_compare_of_a_sequential_studys_method_folders_says_whose_answers_they_are(tmp_path):
+    """compare A B on two methods' run folders of a sequential study printed a fixed-sample p on replicas the looks
+    chose, with no word of the study: it says so once, naming the command that prints the study's answers."""
+    from nondet_jax.cli.compare import _sequential_notes
+    from nondet_jax.study import methods as M
+
+    base = cfg.from_flat({**MLP, "study.replicas": 4})
+    planned, baseline = M.plan(base, {"base": {}, "lr2": {"optim.lr": 0.2}}, "base", api=True)
+    M.write_methods(tmp_path / "seq", base, planned, baseline, Until("decided", None, 4, 12))
+    M.write_methods(tmp_path / "fixed", base, planned, baseline)
+    (note,) = _sequential_notes([tmp_path / "seq" / "methods" / "base", tmp_path / "seq" / "methods" / "lr2"])
+    assert note.startswith(f"note: base and lr2 are methods of the sequential study {tmp_path / 'seq'} (--until "
+                           "decided)") and note.endswith(f"python -m nondet_jax compare {tmp_path / 'seq'}")
+    assert _sequential_notes([tmp_path / "fixed" / "methods" / "base", tmp_path / "seq" / "methods" / "other",
+                              tmp_path / "seq"]) == []

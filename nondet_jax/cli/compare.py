@@ -70,6 +70,37 @@ def _sequential(args, state: dict) -> int:
     return 0
 
 
+def _sequential_root(folder) -> tuple[Path, str] | None:
+    """The sequential study (its folder and ``--until`` spec) whose method run folder ``folder`` is
+    (``ROOT/methods/NAME`` beside a ``methods.json`` with ``until``), else None."""
+    from nondet_jax.analysis.methods import read_record
+
+    folder = Path(folder)
+    root = folder.parent.parent
+    if folder.parent.name != "methods" or not RunPaths(root).methods_json.is_file():
+        return None
+    try:
+        record = read_record(root)
+    except UsageError:  # a damaged record: compare ROOT names it
+        return None
+    state = record.get("until")
+    return (root, state["design"]["spec"]) if state is not None and folder.name in record["methods"] else None
+
+
+def _sequential_notes(folders) -> list[str]:
+    """A note per sequential study whose methods' run folders were compared: its looks decided how many replicas
+    they trained, which a fixed-sample test reads as if fixed in advance; its answers are its looks'."""
+    found: dict = {}
+    for f in folders:
+        hit = _sequential_root(f)
+        if hit is not None:
+            found.setdefault(hit, []).append(Path(f).name)
+    return [f"note: {' and '.join(names)} {'are methods' if len(names) > 1 else 'is a method'} of the sequential study "
+            f"{root} (--until {spec}), whose looks decided how many replicas they trained; this test reads them as if "
+            f"their number had been fixed in advance. The study's answers: python -m nondet_jax compare {root}"
+            for (root, spec), names in found.items()]
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
     prog = prog or prog_name("nondet_jax compare", "nondet-jax-compare")
@@ -157,6 +188,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         print(json.dumps(strict_json(out), indent=2, allow_nan=False))
     else:
         print(format_many(results))
+    for note in [] if methods else _sequential_notes(f for f in (args.a, args.b) if Path(f).is_dir()):
+        # beside the result, never inside --json's
+        print(note, file=sys.stderr if args.json else sys.stdout)
     return 0
 
 
