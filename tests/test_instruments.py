@@ -170,6 +170,26 @@ def test_hess_max_ev_matches_exact_eigenvalues(x64):
     np.testing.assert_allclose(v["HessMaxEV"], exact[-1], rtol=1e-8)
 
 
+@pytest.mark.parametrize("iters", [30, 73])
+def test_hess_max_ev_when_the_hessian_has_lower_rank_than_its_lanczos_steps(x64, iters):
+    """A ReLU network on 3 examples: its Hessian (the GGN) has rank <= 3 x 2 < hess_iters, so the Krylov space
+    runs out after a few steps. What the reorthogonalisation then left of H v was rounding noise, normalised
+    into vectors repeating earlier ones: HessMaxEV came out far above the largest eigenvalue (3.4 for 2.0 on a
+    network like this). It must stop at the breakdown and give the largest eigenvalue, with or without hess_tol."""
+    out, oloss = _outputs_of(jax.nn.relu)
+    eloss = lambda p, ex, ctx: oloss(out(p, ex, ctx), ex)  # noqa: E731
+    params = init_params(jax.random.key(8), jnp.float64)
+    batch = batch_of(jax.random.key(9), 3, jnp.float64)
+    flat0, unravel = jax.flatten_util.ravel_pytree(params)
+    loss = lambda f: jnp.mean(jax.vmap(eloss, (None, 0, None))(unravel(f), batch, None))  # noqa: E731
+    exact = np.linalg.eigvalsh(np.asarray(jax.hessian(loss)(flat0)))[-1]
+    for tol in (None, 1e-12):
+        inst = instruments.make("HessMaxEV", eloss, hess_iters=iters, hess_tol=tol)
+        _, v = jax.jit(lambda s, p, i=inst: i.update(s, p, batch, step=0))(inst.init(params), params)
+        np.testing.assert_allclose(v["HessMaxEV"], exact, rtol=1e-9)
+        assert float(v["HessMaxEVResidual"]) < 1e-9
+
+
 def test_lanczos_finds_largest_algebraic_eigenvalue_not_largest_magnitude(x64):
     q, _ = np.linalg.qr(np.random.default_rng(0).normal(size=(30, 30)))
     eigs = np.linspace(-10.0, 3.0, 30)

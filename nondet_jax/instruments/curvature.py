@@ -81,6 +81,11 @@ def lanczos_top(hvp: Callable, params, key, iters: int, start=None, tol: float |
         v0 = jnp.where(ok, start / jnp.where(ok, jnp.linalg.norm(start), 1) + 1e-3 / jnp.sqrt(n) * v0, v0)
     v0 = v0 / jnp.linalg.norm(v0)
     tiny = jnp.finfo(dtype).tiny ** 0.5
+    # Once the Krylov space is exhausted (a Hessian of rank below ``iters``: a small model or batch), what the
+    # reorthogonalisation leaves of H v is rounding noise; normalised, it gave vectors that repeat earlier ones
+    # and Ritz values far above the largest eigenvalue. Below this fraction of the largest product seen the
+    # process stops there: its Ritz values are then those of an invariant subspace (up to the residual reported).
+    breakdown = jnp.finfo(dtype).eps ** 0.5
 
     def matvec(v):
         return ravel_pytree(hvp(unravel(v)))[0]
@@ -103,11 +108,13 @@ def lanczos_top(hvp: Callable, params, key, iters: int, start=None, tol: float |
         v = basis[j]
         w = matvec(v)
         a = jnp.vdot(w, v)
+        scale = jnp.maximum(jnp.linalg.norm(w), jnp.maximum(jnp.max(jnp.abs(alpha)), jnp.max(beta)))
         # Full reorthogonalisation, twice (rows not yet filled are zero and drop out).
         w = w - basis.T @ (basis @ w)
         w = w - basis.T @ (basis @ w)
         b = jnp.linalg.norm(w)
-        nxt = jnp.where(b > tiny, w / jnp.where(b > tiny, b, 1), 0)
+        ok = (b > tiny) & (b > breakdown * scale)
+        nxt = jnp.where(ok, w / jnp.where(ok, b, 1), 0)  # zero after a breakdown: the later steps add nothing
         basis = basis.at[j + 1].set(nxt, mode="drop")  # the last step's vector is not needed
         return basis, alpha.at[j].set(a), beta.at[j].set(b)
 
@@ -123,8 +130,9 @@ def lanczos_top(hvp: Callable, params, key, iters: int, start=None, tol: float |
         min_steps = jnp.where(cold, min(MIN_STEPS, k), 1)
 
         def cond(c):
-            j, (_, alpha, beta), res = c
-            return (j < k) & ((res > tol) | (j < min_steps))
+            j, (basis, alpha, beta), res = c
+            live = jnp.any(basis[jnp.minimum(j, k - 1)] != 0)  # no breakdown before step j
+            return (j < k) & live & ((res > tol) | (j < min_steps))
 
         def step(c):
             j, carry, _ = c
@@ -134,7 +142,9 @@ def lanczos_top(hvp: Callable, params, key, iters: int, start=None, tol: float |
         j, (basis, alpha, beta), _ = jax.lax.while_loop(cond, step, (jnp.asarray(0), init,
                                                                       vary_like(jnp.asarray(jnp.inf, dtype), params)))
         last = j - 1
-    # The basis rows past ``last`` are zero and drop out of the Ritz vector.
+    # The steps after a breakdown (zero basis rows) are left out of T; the basis rows past ``last`` are zero
+    # and drop out of the Ritz vector.
+    last = jnp.minimum(last, jnp.sum(jnp.any(basis != 0, axis=1)) - 1)
     value, s, res = top(alpha, beta, last)
     scale = jnp.maximum(jnp.abs(value), tiny)
     error = ERROR_FACTOR * res * scale + 4 * jnp.sqrt(n) * jnp.finfo(dtype).eps * scale
