@@ -684,6 +684,11 @@ def _validate_instruments(config: Config) -> None:
     if not names and ic.config != "none":  # the trainers read exactly "none" as off
         raise UsageError(f"--instruments / instruments.config {ic.config!r} names no quantity; use none to track "
                          "nothing, or a configuration (economy, business, full) or quantity names")
+    one = configurations.over_examples(names) if config.train.batch_size < 2 else []
+    if one:
+        raise UsageError(f"{', '.join(one)} need a batch of at least 2 examples (variances over its examples), got "
+                         f"--batch-size {config.train.batch_size}; use --batch-size 2 or more, or drop them from "
+                         "instruments.config")
     if ic.schedule not in ("linear", "log"):
         raise UsageError(f"unknown instruments.schedule '{ic.schedule}'; choose linear (every k steps) or log")
     if ic.curvature not in configurations.CURVATURES:

@@ -400,6 +400,14 @@ def test_bad_inputs_raise_clear_errors():
         inst.update(inst.init(params), params, batch, step=0)
     with pytest.raises(ValueError, match="leading batch axis"):
         inst.update(inst.init(params), params, (batch[0], batch[1][:3]), step=0, updates=params)
+    one = (batch[0][:1], batch[1][:1])  # Alpha's variances over one example were a silent NaN
+    alpha = instruments.make("Alpha,Loss", example_loss)
+    with pytest.raises(ValueError, match="Alpha need a batch of at least 2 examples"):
+        alpha.update(alpha.init(params), params, one, step=0, updates=params)
+    assert alpha.update(alpha.init(params), params, batch, step=0, updates=params)[1]["Loss"] > 0
+    with pytest.raises(UsageError, match="NormTest, Alpha need a batch of at least 2 examples.*--batch-size 2"):
+        from_flat({"instruments.config": "Loss,NormTest,Alpha", "train.batch_size": 1})
+    assert from_flat({"instruments.config": "Loss,GradNorm,HessMaxEV", "train.batch_size": 1}).train.batch_size == 1
     cabs = instruments.make("CABS", example_loss)
     with pytest.raises(ValueError, match="pass lr="):
         cabs.update(cabs.init(params), params, batch, step=0)

@@ -22,6 +22,12 @@ CURVATURES = ("ggn", "hutchinson")  # where HessTrace, TICDiag and TICTrace come
 PLAIN_SGD_ONLY = ("EarlyStopping", "CABS")  # Cockpit refuses them unless SGD has default arguments
 
 
+def over_examples(names) -> list[str]:
+    """The quantities of ``names`` that are sample statistics over a batch's examples (variances with ``B - 1``:
+    the gradient tests, histograms, TIC, GSNR, EarlyStopping, CABS, Alpha): a batch of one example gives them none."""
+    return [q for q in names if QUANTITIES[q].needs & {"norms", "elements", "grad_sq", "alpha"}]
+
+
 MAX_HESS_ITERS = 200  # Lanczos keeps every vector: memory grows as hess_iters x parameters, and CPU unrolls it
 
 

@@ -338,8 +338,9 @@ def _update(s: _Setup, state: InstrumentState, params, batch, *, step, context=N
     if not leaves or any(a.ndim < 1 or a.shape[0] != leaves[0].shape[0] for a in leaves):
         raise ValueError("batch must be a pytree of arrays sharing a leading batch axis")
     b = leaves[0].shape[0]
-    if b < 2 and s.has("norms"):
-        raise ValueError(f"gradient-noise quantities need a batch of at least 2 examples, got {b}")
+    if b < 2 and configurations.over_examples(s.names):
+        raise ValueError(f"{', '.join(configurations.over_examples(s.names))} need a batch of at least 2 examples "
+                         f"(variances over its examples), got {b}")
     if tape is not None and (grads is None or tape.losses is None):
         raise ValueError("a tape needs its per-example losses (tape.losses) and its pass's gradient (grads=)")
     a = _Step(params, batch, jnp.asarray(step), context, updates, lr, grads, loss, tape, b)
