@@ -642,9 +642,7 @@ def validate(config: Config) -> None:
     if len(set(mc.tta)) != len(mc.tta):  # as duplicate arms are refused: the report would list it twice
         twice = next(v for v in mc.tta if mc.tta.count(v) > 1)
         raise UsageError(f"metrics.tta lists '{twice}' twice in {','.join(mc.tta)}; list each view set once")
-    if mc.pairwise and s.replicas < 2:
-        raise UsageError(f"pairwise metrics need at least 2 replicas, got {s.replicas}; use --replicas 2 or more "
-                         "or --set metrics.pairwise=false")
+    _validate_pairs(config)
     if mc.lmc_pairs < 0 or mc.lmc_points < 2 or mc.bn_examples < 1:
         raise UsageError("metrics.lmc_pairs must be >= 0, metrics.lmc_points >= 2 and metrics.bn_examples >= 1")
     if not s.arms:
@@ -656,6 +654,17 @@ def validate(config: Config) -> None:
         if parsed.cycles:
             arm_config(config, parsed)  # the variant's schedule must fit, e.g. epochs divisible by K
     _validate_instruments(config)
+
+
+def _validate_pairs(config: Config) -> None:
+    """What compares replicas two at a time needs two of them."""
+    s = config.study
+    if config.metrics.pairwise and s.replicas < 2:
+        raise UsageError(f"pairwise metrics need at least 2 replicas, got {s.replicas}; use --replicas 2 or more "
+                         "or --set metrics.pairwise=false")
+    if s.dynamics_every and s.replicas < 2:  # it watches replicas 0 and 1: with one, nothing was traced, silently
+        raise UsageError(f"study.dynamics_every watches replicas 0 and 1 of each arm, which needs at least 2 replicas, "
+                         f"got {s.replicas}; use --replicas 2 or more or --set study.dynamics_every=0")
 
 
 def _validate_numbers(config: Config) -> None:

@@ -255,6 +255,7 @@ CASES: list[tuple[str, str]] = [
     # refused before the first look trained every method (compare_methods then found no arm to compare)
     ("CLI", "--method base: --method lr2:optim.lr=0.2 --replicas 4 --until decided --arms control"),
     ("CLI", "--batch-size 1 --instruments economy"),  # their variances divide by B - 1: a traceback once
+    ("CLI", "--replicas 1 --set metrics.pairwise=false study.dynamics_every=1"),  # traced nothing, silently
 ]
 
 class Linear:  # a user's model without dropout (built lazily: flax is imported by the cases that use it)
