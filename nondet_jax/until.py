@@ -61,13 +61,13 @@ def parse(spec: str, max_replicas: int | None, replicas: int, where: str = "--un
         raise UsageError(f"{where} {spec!r}: write decided (stop once each method differs from the baseline), "
                          "decided=D (or once any difference is within ±D) or width=X (once each interval is at most "
                          "X wide), in the score's units, e.g. width=0.01")
-    number = None
+    amount = None
     if eq:
         try:
-            number = float(value)
+            amount = float(value)
         except ValueError:
-            number = float("nan")
-        if not (math.isfinite(number) and number > 0):
+            amount = float("nan")
+        if not (math.isfinite(amount) and amount > 0):
             raise UsageError(f"{where} {spec!r}: {value!r} is not a positive number; write e.g. {rule}=0.01 (a "
                              "difference in the score's units: 0.01 is one point of accuracy)")
     if replicas < 3:
@@ -84,7 +84,7 @@ def parse(spec: str, max_replicas: int | None, replicas: int, where: str = "--un
     if max_replicas > MAX_REPLICAS:
         raise UsageError(f"{option} {max_replicas} is more than the {MAX_REPLICAS} replicas per method a sequential "
                          f"study plans for; use {give('max_replicas', MAX_REPLICAS)} or fewer")
-    return Until(rule, number, replicas, max_replicas)
+    return Until(rule, amount, replicas, max_replicas)
 
 
 def check_arms(arms) -> None:
