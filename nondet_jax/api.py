@@ -544,9 +544,10 @@ def decompose(run: "str | Path | StudyResult") -> dict:
     """The variance decomposition of a study's finished arms (a run folder or a :class:`StudyResult`):
     per score, each one-source arm's share of the ``all`` arm's variance with its 95% interval, the sum
     of the shares and the non-additivity 1 − sum with theirs (:mod:`nondet_jax.analysis.decomposition`).
-    Empty without an ``all`` arm or a one-source arm."""
+    UsageError naming what is missing without a finished ``all`` arm or one-source arm."""
     from nondet_jax.analysis.decomposition import decompose as from_records
-    from nondet_jax.report.summary import load_records
+    from nondet_jax.arms import decomposition_gap
+    from nondet_jax.report.summary import load_records, unused_sources
 
     if not isinstance(run, (str, Path, StudyResult)):
         raise UsageError(f"decompose takes a run folder or a StudyResult, got a {type(run).__name__}; for replicate's "
@@ -555,7 +556,13 @@ def decompose(run: "str | Path | StudyResult") -> dict:
     if not RunPaths(folder).config.is_file():
         raise UsageError(f"{folder} is not a nondet_jax run folder (no config.json); pass a study's out= folder")
     with api_words():
-        return from_records(load_records(folder)[1])
+        config, records = load_records(folder)
+    gap = decomposition_gap(list(records))
+    if gap:  # an empty result ended a user's nj.decompose(folder)["accuracy"] in a KeyError
+        raise UsageError(f"{folder} lacks {gap} among its finished arms ({', '.join(records)}), so there is nothing to "
+                         "decompose; train a study with e.g. arms='init,data_order,all', or finish its arms (run the "
+                         "same study again: finished arms are kept)")
+    return from_records(records, inactive=unused_sources(folder, config))
 
 
 def _check_callables(init, step, collect, score) -> None:

@@ -112,6 +112,27 @@ def split_variant(arm: str) -> tuple[str, int]:
     return a.base, a.cycles
 
 
+def one_source_arms(arms, reference: str = "all", own: tuple[str, ...] = ()) -> list[str]:
+    """The arms that vary exactly one source (snapshot variants and the reference left out): the terms of the
+    variance decomposition (:mod:`nondet_jax.analysis.decomposition`)."""
+    out = []
+    for a in arms:
+        if a == reference:
+            continue
+        parsed = parse_arm(a, own)
+        if len(parsed.varied) == 1 and not parsed.cycles:
+            out.append(a)
+    return out
+
+
+def decomposition_gap(arms, reference: str = "all", own: tuple[str, ...] = ()) -> str | None:
+    """What the variance decomposition over ``arms`` lacks (the reference arm, a one-source arm), in words; None
+    when it has both."""
+    lacks = ([] if reference in arms else [f"the {reference} arm"]) + \
+        ([] if one_source_arms(arms, reference, own) else ["an arm that varies one source (init, data_order, ...)"])
+    return " and ".join(lacks) or None
+
+
 def arm_sources(arm: str) -> frozenset[str]:
     """The sources an arm varies (see :func:`parse_arm`)."""
     return parse_arm(arm).varied

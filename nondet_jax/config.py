@@ -653,6 +653,10 @@ def validate(config: Config) -> None:
         parsed = arms.parse_arm(arm)  # raises UsageError for unknown names
         if parsed.cycles:
             arm_config(config, parsed)  # the variant's schedule must fit, e.g. epochs divisible by K
+    gap = mc.decomposition and arms.decomposition_gap(s.arms)  # else the report left the decomposition out, silently
+    if gap:
+        raise UsageError(f"metrics.decomposition needs {gap} in study.arms, got {','.join(s.arms)}; use e.g. --arms "
+                         "init,data_order,all, or leave metrics.decomposition off")
     _validate_instruments(config)
 
 

@@ -36,6 +36,43 @@ def test_shares_are_variance_ratios_with_the_std_ratio_interval_squared():
     assert decompose({"init": records["init"]}) == {}  # no all arm: nothing to decompose
 
 
+def test_sources_all_varies_without_an_arm_are_named_and_a_lone_replica_prints_na():
+    """`all` varies every seeded source; with arms init,data_order,all the spread of bitflip and batch_order is in
+    Var(all) and in no share, so it counted as 'non-additivity' and the report read a positive one as sources
+    acting together. They are named (less the sources the folder says the study does not use), and a share of
+    one healthy replica prints n/a, not nan."""
+    from nondet_jax.report.markdown import _decomposition_md
+
+    rng = np.random.default_rng(1)
+    records = {a: record(rng.normal(0, 1, 6)) for a in ("init", "data_order", "all")}
+    assert decompose(records)["accuracy"]["unmeasured"] == ["augmentation", "batch_order", "bitflip", "dropout"]
+    d = decompose(records, inactive={"dropout", "augmentation"})
+    assert d["accuracy"]["unmeasured"] == ["batch_order", "bitflip"]
+    for row in records["init"]["rows"][1:]:
+        row["diverged_at_step"] = 3  # one replica left: no variance
+    md = "\n".join(_decomposition_md({"task": "classification", "decomposition": decompose(records, inactive={
+        "dropout", "augmentation"})}))
+    assert "`all` also varies batch_order, bitflip, which no one-source arm here measures" in md
+    assert "| init | 1 | n/a | n/a | n/a |" in md and "nan" not in md
+    full = {**records, **{a: record(rng.normal(0, 1, 6)) for a in ("augmentation", "dropout", "bitflip", "batch_order")}}
+    assert decompose(full)["accuracy"]["unmeasured"] == []
+    assert "also varies" not in "\n".join(_decomposition_md({"task": "classification", "decomposition": decompose(full)}))
+
+
+def test_a_decomposition_without_its_arms_is_refused(finished_run):
+    """--set metrics.decomposition=true without an all arm (or a one-source arm) trained the study and left the
+    decomposition out of the report without a word; nj.decompose on such a folder returned {} and
+    nj.decompose(folder)["accuracy"] ended in a KeyError."""
+    from nondet_jax.config import from_flat, validate
+
+    for arms, missing in ((["init", "data_order"], "the all arm"), (["control", "all"], "an arm that varies one")):
+        with pytest.raises(nj.UsageError, match=f"metrics.decomposition needs {missing}.*--arms init,data_order,all"):
+            validate(from_flat({"metrics.decomposition": True, "study.arms": arms}))
+    validate(from_flat({"metrics.decomposition": True, "study.arms": ["init", "all"]}))
+    with pytest.raises(nj.UsageError, match=r"lacks the all arm among its finished arms \(control, init\)"):
+        nj.decompose(finished_run)
+
+
 @pytest.mark.slow
 def test_decomposition_in_the_report(tmp_path):
     r = nj.run_study(model="mlp", data="digits", epochs=1, batch_size=128, arms="init,data_order,all", replicas=5,

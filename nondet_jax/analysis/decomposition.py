@@ -11,7 +11,8 @@ If the sources' effects added up independently (Y = μ + Σ_s g_s(u_s) + noise, 
 with independent effects), Var(all) = Σ_s σ²_s: the shares sum to 1 and the non-additivity is 0. It is
 negative when each source alone already produces much of the total spread (their effects overlap, as
 when any perturbation is amplified by training into the same chaotic divergence: Summers & Dinneen's
-finding) and positive when sources only produce spread together (an interaction). What this design
+finding) and positive when sources only produce spread together (an interaction), or when ``all`` varies a
+source no one-source arm measures (``unmeasured``: its spread is in Var(all) and in no share). What this design
 cannot tell apart: which pairs of sources interact (a factorial design over them can), and how σ²_s
 depends on the draw at which the other sources are held (it is measured at one draw of each).
 
@@ -28,19 +29,7 @@ import numpy as np
 
 from nondet_jax.analysis import stats as S
 from nondet_jax.analysis.task import QUANTITIES, task_of
-from nondet_jax.sources import parse_arm
-
-
-def one_source_arms(arms, reference: str = "all", own: tuple[str, ...] = ()) -> list[str]:
-    """The arms that vary exactly one source (snapshot variants and the reference left out)."""
-    out = []
-    for a in arms:
-        if a == reference:
-            continue
-        parsed = parse_arm(a, own)
-        if len(parsed.varied) == 1 and not parsed.cycles:
-            out.append(a)
-    return out
+from nondet_jax.arms import one_source_arms, parse_arm  # noqa: F401 (one_source_arms: part of this module)
 
 
 def _scores(record: dict, row: str) -> np.ndarray:
@@ -51,13 +40,18 @@ def _by_replica(record: dict, row: str) -> dict:
     return {r["replica"]: r[row] for r in record["rows"] if r.get("diverged_at_step", -1) < 0 and "replica" in r}
 
 
-def decompose(records: dict[str, dict], reference: str = "all", quantities=None, own: tuple[str, ...] = ()) -> dict:
+def decompose(records: dict[str, dict], reference: str = "all", quantities=None, own: tuple[str, ...] = (),
+              inactive=()) -> dict:
     """Per score of the task (or of ``quantities``), each one-source arm's variance share of the
-    ``reference`` arm's with its interval, their sum and the non-additivity 1 − sum with theirs. Empty
-    without the reference arm or a one-source arm. ``own``: sources of the user's own (``replicate``)."""
+    ``reference`` arm's with its interval, their sum and the non-additivity 1 − sum with theirs, and
+    ``unmeasured``: the sources the reference varies that no one-source arm measures (less ``inactive``, those
+    the study does not use), whose spread lands in the non-additivity. Empty without the reference arm or a
+    one-source arm. ``own``: sources of the user's own (``replicate``)."""
     singles = one_source_arms(records, reference, own)
     if reference not in records or not singles:
         return {}
+    measured = set().union(*(parse_arm(a, own).varied for a in singles))
+    unmeasured = sorted(parse_arm(reference, own).varied - measured - set(inactive))
     out = {}
     for q in quantities or QUANTITIES[task_of(records[reference])]:
         ref = _scores(records[reference], q.row)
@@ -79,5 +73,5 @@ def decompose(records: dict[str, dict], reference: str = "all", quantities=None,
         total = sum(s["share"] for s in shares.values())
         out[q.name] = {"shares": shares, "sum": total, "sum_ci": [float(lo), float(hi)],
                        "non_additivity": 1 - total, "non_additivity_ci": [1 - float(hi), 1 - float(lo)],
-                       "reference_replicas": len(ref)}
+                       "reference_replicas": len(ref), "unmeasured": unmeasured}
     return out

@@ -213,14 +213,19 @@ def _decomposition_md(summary: dict) -> list[str]:
            "when sources produce spread only together. The design (one source per arm, the others at one shared "
            "draw, plus `all`) cannot say which sources interact. Method: " + METHODS["decomposition"] + ".", ""]
     for name, d in dec.items():
-        arms = list(d["shares"])
+        shares, n = d["shares"], lambda x: "n/a" if x is None or not np.isfinite(x) else f"{x:.3f}"  # 1 replica: NaN
         out += [f"**{labels.get(name, name)}** (`all`: R={d['reference_replicas']})", "",
-                f"| source arm | share of Var(all) | 95% CI | CI paired by seed ({_paired_level()}) |", "|---|---|---|---|"]
-        out += [f"| {a} | {d['shares'][a]['share']:.3f} | {format_ci(d['shares'][a]['ci'], 3).strip()} | "
-                f"{format_ci(d['shares'][a].get('paired_ci'), 3).strip()} |" for a in arms]
-        out += [f"| sum of shares | {d['sum']:.3f} | {format_ci(d['sum_ci'], 3).strip()} | — |",
-                f"| non-additivity 1 − sum | {d['non_additivity']:.3f} | {format_ci(d['non_additivity_ci'], 3).strip()} | — |",
-                ""]
+                f"| source arm | R | share of Var(all) | 95% CI | CI paired by seed ({_paired_level()}) |",
+                "|---|---|---|---|---|"]
+        out += [f"| {a} | {s['replicas']} | {n(s['share'])} | {format_ci(s['ci'], 3).strip()} | "
+                f"{format_ci(s.get('paired_ci'), 3).strip()} |" for a, s in shares.items()]
+        out += [f"| sum of shares | | {n(d['sum'])} | {format_ci(d['sum_ci'], 3).strip()} | — |",
+                f"| non-additivity 1 − sum | | {n(d['non_additivity'])} | "
+                f"{format_ci(d['non_additivity_ci'], 3).strip()} | — |", ""]
+        if d.get("unmeasured"):
+            out += [f"`all` also varies {', '.join(d['unmeasured'])}, which no one-source arm here measures: the spread "
+                    "they add is in Var(all) and in no share, so it counts in the non-additivity (a positive value may "
+                    "be theirs, not sources acting together); add an arm per source to measure it.", ""]
     return out
 
 

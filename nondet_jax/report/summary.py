@@ -118,10 +118,26 @@ def build_summary(run: Path) -> tuple[dict, dict[str, dict]]:
         "arms": {a: {k: v for k, v in rec.items() if k != "rows"} for a, rec in records.items()},
         "vs_all": compare_arms(records, ratios=tuple(config.get("metrics", {}).get("power_ratios", POWER_RATIOS))),
         "mitigations": mitigation_results(run, records),
-        "decomposition": decompose(records) if config.get("metrics", {}).get("decomposition") else {},
+        "decomposition": decompose(records, inactive=unused_sources(run, config))
+        if config.get("metrics", {}).get("decomposition") else {},
         # the arms config.json asks for without a finished record (an interrupted sweep): named by the table
         "unfinished": [a for a in config["study"]["arms"] if a not in records],
     }, records
+
+
+def unused_sources(run: Path, config: dict) -> set[str]:
+    """The seeded sources this study does not use, as its ``model.json`` records them (the facts
+    ``study.prepare.check_arms_active`` refuses a one-source arm on): dropout in a model without it, augmentation
+    switched off, and ``batch_order`` at batch size 1. ``all`` varies them and they add nothing."""
+    path, model = RunPaths(run).model, {}
+    try:
+        model = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        pass
+    model = model if isinstance(model, dict) else {}
+    unused = {"dropout": model.get("dropout") is False, "augmentation": model.get("augment") == "none",
+              "batch_order": config.get("train", {}).get("batch_size") == 1}
+    return {k for k, v in unused.items() if v}
 
 
 def unfinished_line(summary: dict) -> str | None:
