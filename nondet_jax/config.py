@@ -653,10 +653,7 @@ def validate(config: Config) -> None:
         parsed = arms.parse_arm(arm)  # raises UsageError for unknown names
         if parsed.cycles:
             arm_config(config, parsed)  # the variant's schedule must fit, e.g. epochs divisible by K
-    gap = mc.decomposition and arms.decomposition_gap(s.arms)  # else the report left the decomposition out, silently
-    if gap:
-        raise UsageError(f"metrics.decomposition needs {gap} in study.arms, got {','.join(s.arms)}; use e.g. --arms "
-                         "init,data_order,all, or leave metrics.decomposition off")
+    _validate_decomposition(config)
     _validate_instruments(config)
 
 
@@ -669,6 +666,14 @@ def _validate_pairs(config: Config) -> None:
     if s.dynamics_every and s.replicas < 2:  # it watches replicas 0 and 1: with one, nothing was traced, silently
         raise UsageError(f"study.dynamics_every watches replicas 0 and 1 of each arm, which needs at least 2 replicas, "
                          f"got {s.replicas}; use --replicas 2 or more or --set study.dynamics_every=0")
+
+
+def _validate_decomposition(config: Config) -> None:
+    """metrics.decomposition needs the all arm and a one-source arm: without them the report left it out, silently."""
+    gap = config.metrics.decomposition and arms.decomposition_gap(config.study.arms)
+    if gap:
+        raise UsageError(f"metrics.decomposition needs {gap} in study.arms, got {','.join(config.study.arms)}; use e.g. "
+                         "--arms init,data_order,all, or leave metrics.decomposition off")
 
 
 def _validate_numbers(config: Config) -> None:
