@@ -7,7 +7,8 @@ import pytest
 
 import nondet_jax as nj
 from nondet_jax.analysis import stats
-from nondet_jax.analysis.decomposition import decompose, one_source_arms
+from nondet_jax.analysis.decomposition import decompose
+from nondet_jax.arms import one_source_arms
 
 
 def record(values, task_row="test_accuracy"):

@@ -29,7 +29,7 @@ import numpy as np
 
 from nondet_jax.analysis import stats as S
 from nondet_jax.analysis.task import QUANTITIES, task_of
-from nondet_jax.arms import one_source_arms, parse_arm  # noqa: F401 (one_source_arms: part of this module)
+from nondet_jax.arms import one_source_arms, parse_arm
 
 
 def _scores(record: dict, row: str) -> np.ndarray:
