@@ -256,6 +256,7 @@ CASES: list[tuple[str, str]] = [
     ("CLI", "--method base: --method lr2:optim.lr=0.2 --replicas 4 --until decided --arms control"),
     ("CLI", "--batch-size 1 --instruments economy"),  # their variances divide by B - 1: a traceback once
     ("CLI", "--replicas 1 --set metrics.pairwise=false study.dynamics_every=1"),  # traced nothing, silently
+    ("CLI", "--arms init,data_order --set metrics.decomposition=true"),  # trained, then left the decomposition out
 ]
 
 class Linear:  # a user's model without dropout (built lazily: flax is imported by the cases that use it)
