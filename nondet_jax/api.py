@@ -391,6 +391,8 @@ def api_words():
     except UsageError as e:
         text = re.sub(r"--set ([\w.]+)=([^\s;,)]+)", lambda m: f"settings={{'{m.group(1)}': {_py(m.group(2))}}}", str(e))
         text = re.sub(r"--(until|baseline) ([\w.=+-]+)", r"\1='\2'", text).replace("--batch-methods", "batch_methods=True")
+        # words, not numbers or paths: quoted (it read "arms= control,init,all")
+        text = re.sub(r"--(arms|strategy) ([a-z][\w.+@-]*(?:,[\w.+@-]+)*)", r"\1='\2'", text)
         text = re.sub(r"--(out|arms|replicas|epochs|seed|strategy|batch-size|max-replicas|until)( (?=[\d/.~]))?",
                       lambda m: m.group(1).replace("-", "_") + "=", text)
         text = re.sub(r"--([a-z][\w-]*) ([^\s;,)]+)", lambda m: _flag_words(m.group(0), m.group(1), m.group(2)), text)

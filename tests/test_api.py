@@ -1108,3 +1108,15 @@ def test_the_spread_figure_does_not_promise_intervals_it_cannot_draw(tmp_path):
                      out=tmp_path / "run", **QUIET)
     figs = dict(draw_figures(r.out, r.summary, load_records(r.out)[1]))
     assert figs["spread"]._suptitle.get_text() == "Spread across replicas (std, ddof=1); no 95% CI below 3 replicas per arm"
+
+
+def test_refusals_name_arms_as_a_run_study_caller_writes_them(tmp_path):
+    """A refusal's --arms VALUE reads arms='VALUE' (it read "arms= control,init,all")."""
+    r = np.random.default_rng(0)
+    data = dict(x_train=r.random((32, 4), dtype=np.float32), y_train=r.integers(0, 2, 32),
+                x_test=r.random((16, 4), dtype=np.float32), y_test=r.integers(0, 2, 16))
+    with pytest.raises(UsageError, match=re.escape("use e.g. arms='control,init,all'")):
+        nj.run_study("mlp", data, replicas=2, epochs=1, batch_size=8, arms="", out=tmp_path / "a")
+    with pytest.raises(UsageError, match=re.escape("use e.g. arms='init,data_order,all', or leave")):
+        nj.run_study("mlp", data, replicas=2, epochs=1, batch_size=8, arms="init,data_order", out=tmp_path / "b",
+                     settings={"metrics.decomposition": True})
