@@ -94,8 +94,8 @@ def mitigation_metrics(variants: dict, labels, reference: str = "single") -> dic
       reference: the variant the others' accuracy and cross-entropy std are divided by.
     Returns:
       name -> metrics; variants other than the reference also get ``accuracy_vs_reference`` and
-      ``cross_entropy_vs_reference`` (:func:`nondet_jax.analysis.stats.compare_spread`: ratio, CI, F-test
-      and Brown-Forsythe p) and ``accuracy_gain`` (mean accuracy minus the reference's).
+      ``cross_entropy_vs_reference`` (:func:`nondet_jax.analysis.stats.compare_spread`: ratio, CI, the
+      permutation spread test's p that the table prints, F-test and Brown-Forsythe p) and ``accuracy_gain`` (mean accuracy minus the reference's).
     """
     _check(variants, labels)
     labels = np.asarray(labels)
