@@ -90,6 +90,7 @@ FLAG_SETS = {
     "no_ynn_conv_vec512": "--xla_cpu_experimental_ynn_fusion_type=-individual_convolution --xla_cpu_prefer_vector_width=512",
     # XLA:CPU's older loop emitters instead of its fusion emitters: faster to compile, as fast to run
     "no_ynn_conv_legacy": "--xla_cpu_experimental_ynn_fusion_type=-individual_convolution --xla_cpu_use_fusion_emitters=false",
+    "no_ynn_conv_eigen1": "--xla_cpu_experimental_ynn_fusion_type=-individual_convolution --xla_cpu_multi_thread_eigen=false",
 }
 TWO_DEVICES = "--xla_force_host_platform_device_count=2"
 
@@ -112,6 +113,8 @@ ROWS = {
     "nchw": ("jax", {"strategy": "sequential", "replicas": 1, "conv": "nchw"}),
     "matmul": ("jax", {"strategy": "sequential", "replicas": 1, "conv": "matmul"}),
     **{f"seq1_{k}": ("jax", {"strategy": "sequential", "replicas": 1, "flags": v}) for k, v in FLAG_SETS.items()},
+    "seq4_no_ynn_conv_eigen1": ("jax", {"strategy": "sequential", "replicas": 4,
+                                        "flags": FLAG_SETS["no_ynn_conv_eigen1"]}),
     "vmap4_ynn_conv": ("jax", {"strategy": "vmap", "replicas": 4, "flags": FLAG_SETS["ynn_conv"], "steps": 2}),
 }
 QUICK_ROWS = ("torch", "torch_1t", "seq1", "shard2_seq", "matmul", "seq1_ynn_conv")
