@@ -25,6 +25,7 @@ from nondet_jax.report.summary import (
     build_summary,
     fmt_p,
     format_table,
+    model_record,
     unfinished_line,
 )
 from nondet_jax.store.io import atomic_write_bytes, atomic_write_json, guarded, read_arrays, strict_json
@@ -252,14 +253,6 @@ def _over_training_md(records: dict[str, dict]) -> list[str]:
     return out + [""]
 
 
-def _model_json(paths) -> dict:
-    try:
-        model = json.loads(paths.model.read_text()) if paths.model.is_file() else {}  # a FIFO never opened
-        return model if isinstance(model, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
 def _trained_md(model: dict) -> list[str]:
     """What was trained, from ``model.json``: each part by name, what it computes and its fingerprint."""
     ident = model.get("identity")
@@ -317,7 +310,7 @@ def write_report(run: str | Path, command: str | None = None) -> dict:
         atomic_write_bytes(paths.table(kind), csv_bytes(strict_json(FRAMES[kind](run, summary, records)),
                                                         COLUMNS[kind]), root=paths.root)
     figures = make_figures(run, summary, records)
-    model = _model_json(paths)
+    model = model_record(paths)
     if command is None and paths.command.is_file():
         command = paths.command.read_text(errors="replace").strip()  # the bytes a shell or editor left: shown
     md = [f"# Variability study: {summary['model']} on {summary['dataset']}", ""]

@@ -125,16 +125,21 @@ def build_summary(run: Path) -> tuple[dict, dict[str, dict]]:
     }, records
 
 
+def model_record(paths: RunPaths) -> dict:
+    """``model.json``'s record, ``{}`` where it is missing, unreadable or not a record (what it says is then
+    unknown; the checks that need it refuse such a folder themselves)."""
+    try:
+        model = json.loads(paths.model.read_text()) if paths.model.is_file() else {}  # a FIFO never opened
+        return model if isinstance(model, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
 def unused_sources(run: Path, config: dict) -> set[str]:
     """The seeded sources this study does not use, as its ``model.json`` records them (the facts
     ``study.prepare.check_arms_active`` refuses a one-source arm on): dropout in a model without it, augmentation
     switched off, and ``batch_order`` at batch size 1. ``all`` varies them and they add nothing."""
-    path, model = RunPaths(run).model, {}
-    try:
-        model = json.loads(path.read_text()) if path.is_file() else {}
-    except (OSError, ValueError):
-        pass
-    model = model if isinstance(model, dict) else {}
+    model = model_record(RunPaths(run))
     unused = {"dropout": model.get("dropout") is False, "augmentation": model.get("augment") == "none",
               "batch_order": config.get("train", {}).get("batch_size") == 1}
     return {k for k, v in unused.items() if v}
